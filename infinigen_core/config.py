@@ -1,0 +1,149 @@
+"""Engine and sampling settings: frozen dataclasses, validated in one place.
+
+>>> EngineConfig(policy="infinigen", alpha=4.0, budget=0.2).budget_tokens_for(1000)
+200
+>>> parse_pool_limit("512MiB")
+('bytes', 536870912)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+POLICY_NAMES = ("full", "offload", "infinigen", "h2o", "streaming")
+
+
+class ConfigError(ValueError):
+    """A setting is out of range; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the KV cache is kept and which past tokens each layer attends to.
+
+    budget: the most past tokens a sparse layer may fetch per step, as a fraction of the context
+        (0 < budget <= 1) or, with budget_is_tokens, as a token count.
+    alpha: InfiniGen keeps tokens whose rehearsed attention logit is within alpha of the maximum.
+    partial_ratio: fraction of each head's channels kept in the partial query/key for speculation.
+    dense_layers: the first layers attend densely (their inputs differ too much to speculate from).
+    pool_limit_tokens: optional cap on the host KV pool; beyond it entries are evicted by fetch rate,
+        sparing `sink_tokens` attention sinks and the `recent_window` newest tokens.
+    """
+
+    policy: str = "infinigen"
+    alpha: float = 5.0
+    budget: float = 0.2
+    budget_is_tokens: bool = False
+    partial_ratio: float = 0.25
+    dense_layers: int = 2
+    pool_limit_tokens: int | None = None
+    sink_tokens: int = 4
+    recent_window: int = 64
+    prefill_chunk: int = 512
+    record_recall: bool = False
+    history_steps: int = 64
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ConfigError(f"unknown policy {self.policy!r}: choose one of {', '.join(POLICY_NAMES)}")
+        if not (self.alpha > 0) or math.isnan(self.alpha):
+            raise ConfigError(f"alpha must be a positive number (the paper uses 4-5), got {self.alpha}")
+        if self.budget_is_tokens:
+            if self.budget < 1 or self.budget != int(self.budget):
+                raise ConfigError(f"a token budget must be a whole number >= 1, got {self.budget}")
+        elif not (0 < self.budget <= 1):
+            raise ConfigError(
+                f"budget must be a fraction of the context in (0, 1] or a token count >= 2, got {self.budget}"
+            )
+        if not (0 < self.partial_ratio <= 1):
+            raise ConfigError(f"partial ratio must be in (0, 1] (the paper uses 0.2-0.3), got {self.partial_ratio}")
+        if self.dense_layers < 1:
+            raise ConfigError("dense_layers must be at least 1: speculation for layer i needs layer i-1's input")
+        if self.sink_tokens < 0 or self.recent_window < 1:
+            raise ConfigError("sink_tokens must be >= 0 and recent_window >= 1")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.pool_limit_tokens is not None:
+            protected = self.sink_tokens + self.recent_window
+            if self.pool_limit_tokens <= protected:
+                raise ConfigError(
+                    f"pool limit of {self.pool_limit_tokens} tokens is not larger than the protected window "
+                    f"({self.sink_tokens} sink + {self.recent_window} recent tokens): raise the limit above "
+                    f"{protected} or shrink the window"
+                )
+        if self.history_steps < 1:
+            raise ConfigError("history_steps must be >= 1")
+
+    def budget_tokens_for(self, context_len: int) -> int:
+        """The fetch cap for a layer whose past holds `context_len` tokens (at least 1)."""
+        if self.budget_is_tokens:
+            cap = int(self.budget)
+        else:
+            cap = int(math.ceil(self.budget * context_len - 1e-9))
+        return max(1, min(cap, context_len))
+
+    def with_changes(self, **changes) -> "EngineConfig":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Decoding settings; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 256
+    stop_strings: tuple[str, ...] = field(default_factory=tuple)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or math.isnan(self.temperature):
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "k": 2**10, "m": 2**20, "g": 2**30,
+}
+
+
+def parse_pool_limit(text: str | int | None) -> tuple[str, int] | None:
+    """'8192' or '8192t' -> ('tokens', 8192); '512MiB', '2GB' -> ('bytes', n); None/'' -> None."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, int):
+        return ("tokens", text)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match:
+        raise ConfigError(f"pool limit {text!r} is not a size: use a token count like 8192 or bytes like 512MiB")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit in ("t", "tok", "tokens"):
+        return ("tokens", int(number))
+    if unit not in _SIZE_UNITS:
+        raise ConfigError(f"unknown size unit {unit!r} in pool limit {text!r}: use tokens, KiB, MiB, GiB, KB, MB or GB")
+    if unit == "":
+        return ("tokens", int(number))
+    return ("bytes", int(number * _SIZE_UNITS[unit]))
+
+
+def parse_budget(text: str | float) -> tuple[float, bool]:
+    """'0.2' -> (0.2, False) a fraction; '256' -> (256.0, True) a token count."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"budget {text!r} is not a number: use a fraction like 0.2 or a token count like 256")
+    if value > 1:
+        return value, True
+    return value, False
