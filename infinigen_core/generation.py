@@ -1,0 +1,122 @@
+"""Turning logits into a streamed reply: sampling, stop conditions, cancellation.
+
+>>> ids = chat_token_ids(engine.tokenizer, [{"role": "user", "content": "Hi"}])   # doctest: +SKIP
+>>> for event in generate(engine, ids, SamplingConfig(max_new_tokens=20)):        # doctest: +SKIP
+...     print(event.text, end="")
+
+`generate` first makes the cache hold exactly `prompt_ids` (reusing the longest cached prefix, so a chat
+turn only prefills its new tokens), then decodes. When it returns, every generated token, the last one
+included, is in the cache, so the next turn continues from it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingConfig
+from .engine import InfiniGenEngine
+from .stats import StepStats
+
+
+@dataclass
+class GenerationEvent:
+    token_id: int | None
+    text: str  # new text since the previous event
+    full_text: str
+    stats: StepStats | None
+    finish_reason: str | None = None  # "eos", "stop", "length" or "cancelled" on the last event
+
+
+def chat_token_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a whole conversation in the model's chat format."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if hasattr(encoded, "keys"):
+        encoded = encoded["input_ids"]
+    return list(encoded)
+
+
+def sample_next(logits: torch.Tensor, sampling: SamplingConfig, previous: list[int], generator: torch.Generator | None) -> int:
+    logits = logits.float().clone()
+    if sampling.repetition_penalty != 1.0 and previous:
+        seen = torch.tensor(sorted(set(previous)), dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / sampling.repetition_penalty, values * sampling.repetition_penalty)
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth = logits.topk(min(sampling.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= sampling.top_p
+        logits[order[drop]] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _end_token_ids(tokenizer) -> set[int]:
+    ids = set()
+    if tokenizer is None:
+        return ids
+    for token in (tokenizer.eos_token, "<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        if token is None:
+            continue
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return ids
+
+
+def generate(
+    engine: InfiniGenEngine,
+    prompt_ids: list[int],
+    sampling: SamplingConfig = SamplingConfig(),
+    cancel: threading.Event | None = None,
+    on_prefill_progress: Callable[[int, int], None] | None = None,
+) -> Iterator[GenerationEvent]:
+    tokenizer = engine.tokenizer
+    end_ids = _end_token_ids(tokenizer)
+    generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+    if prompt_ids[-1:] and engine.token_ids == list(prompt_ids):
+        # everything is cached, but the logits after the last token are needed: run it again
+        engine.truncate(len(prompt_ids) - 1)
+    logits = engine.sync_to(list(prompt_ids), on_prefill_progress)
+    generated: list[int] = []
+    text = ""
+    finish = "length"
+    for _ in range(sampling.max_new_tokens):
+        if cancel is not None and cancel.is_set():
+            finish = "cancelled"
+            break
+        token = sample_next(logits, sampling, list(prompt_ids[-256:]) + generated, generator)
+        generated.append(token)
+        if token in end_ids:
+            finish = "eos"
+            break
+        new_text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
+        if new_text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
+            new_text = text
+        stop_at = _first_stop(new_text, sampling.stop_strings)
+        if stop_at is not None:
+            new_text, finish = new_text[:stop_at], "stop"
+        delta, text = new_text[len(text):], new_text
+        stats = engine.history[-1] if engine.history else None
+        yield GenerationEvent(token, delta, text, stats)
+        if finish == "stop" or len(generated) == sampling.max_new_tokens:
+            break
+        logits = engine.decode(token)
+    if generated and len(engine.token_ids) < len(prompt_ids) + len(generated):
+        engine.decode(generated[-1])  # keep the cache complete for the next turn
+    stats = engine.history[-1] if engine.history else None
+    yield GenerationEvent(None, "", text, stats, finish_reason=finish)
+
+
+def _first_stop(text: str, stop_strings: tuple[str, ...]) -> int | None:
+    hits = [text.find(stop) for stop in stop_strings if stop and stop in text]
+    return min(hits) if hits else None

