@@ -172,9 +172,12 @@ class KVPool:
         """Copy the rows `slot_index` [kv_heads, k] out of the pool and count the fetch."""
         store = self._layers[layer]
         index = slot_index.to(self.device)
-        heads = torch.arange(self.num_kv_heads, device=self.device).unsqueeze(1)
-        keys = store.keys[heads, index]
-        values = store.values[heads, index]
+        capacity = store.keys.shape[1]
+        # one flat index_select per tensor is much cheaper than 2-D advanced indexing
+        flat = (index + torch.arange(self.num_kv_heads, device=self.device).unsqueeze(1) * capacity).reshape(-1)
+        shape = (*index.shape, self.head_dim)
+        keys = store.keys.view(-1, self.head_dim).index_select(0, flat).view(shape)
+        values = store.values.view(-1, self.head_dim).index_select(0, flat).view(shape)
         store.fetch_counts.index_add_(0, index.reshape(-1), torch.ones(index.numel(), dtype=torch.int64, device=self.device))
         return keys, values
 
