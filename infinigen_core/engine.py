@@ -135,6 +135,13 @@ class InfiniGenEngine:
             self.fetcher.close()
         self.fetcher = Fetcher(self.pool, self.device)
 
+    def close(self) -> None:
+        """Detach from the model (its hooks) and stop the fetch worker; the engine is unusable after."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.fetcher.close()
+
     # ------------------------------------------------------------------ conversation
     @property
     def num_tokens(self) -> int:
@@ -284,7 +291,8 @@ class InfiniGenEngine:
 
     def _before_attention(self, module, args, kwargs):
         step = kwargs.get("infinigen_step")
-        if step is None or step.new_tokens != 1:
+        # Several engines may wrap one model (tests, the eval tools); each handles only its own steps.
+        if step is None or step.engine is not self or step.new_tokens != 1:
             return None
         speculated = self.policy.speculate(
             module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"), step.first_position

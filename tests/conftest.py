@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random-weight models for exact unit tests, one real engine for integration tests.
+
+Unit tests build models from a config (seconds, exact). Integration tests share a single real
+SmolLM2 engine per test session because loading and calibrating it costs seconds each time;
+the `engine` fixture hands it out reset to an empty conversation with default settings.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+from infinigen_core.calibration import calibrate
+from infinigen_core.config import EngineConfig
+from infinigen_core.engine import InfiniGenEngine
+
+TINY_VOCAB = 128
+
+
+def random_tokens(n: int, seed: int = 0, vocab: int = TINY_VOCAB) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=generator).tolist()
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    return LlamaForCausalLM(config).eval()
+
+
+def _tiny_opt():
+    torch.manual_seed(0)
+    config = OPTConfig(vocab_size=TINY_VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=4,
+                       num_attention_heads=4, max_position_embeddings=1024, word_embed_proj_dim=64)
+    return OPTForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """(model, skew_set) for a 4-layer Llama with grouped-query attention (4 query heads, 2 KV heads)."""
+    model = _tiny_llama()
+    return model, calibrate(model, random_tokens(256, seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_opt():
+    """(model, skew_set) for a 4-layer OPT (multi-head attention with q/k biases)."""
+    model = _tiny_opt()
+    return model, calibrate(model, random_tokens(256, seed=1))
+
+
+def make_tiny_engine(model_and_skew, **settings) -> InfiniGenEngine:
+    model, skew = model_and_skew
+    return InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny")
+
+
+@pytest.fixture(scope="session")
+def real_engine_shared():
+    from infinigen_core.loading import load_engine
+
+    return load_engine(device="cpu", config=EngineConfig(), progress=lambda message: None)
+
+
+@pytest.fixture
+def real_engine(real_engine_shared):
+    """The real default engine (SmolLM2-135M-Instruct on the CPU), empty and with default settings."""
+    real_engine_shared.reset()
+    real_engine_shared.configure(EngineConfig())
+    yield real_engine_shared
+    real_engine_shared.reset()
