@@ -374,6 +374,9 @@ class InfiniGenEngine:
         sorted_probs = probs.sort(dim=-1, descending=True).values.cumsum(-1)
         needed = (sorted_probs < 0.9).sum(-1).float() + 1
         stats.tokens_for_90 = int(needed.mean().round())
+        # Kept for the prefetch inspector: the dense attention of this step, averaged over heads.
+        stats.true_attention = probs[:, :, :-1].mean(dim=(0, 1)).cpu()
+        stats.true_attention_positions = self.pool.positions(layer)[slot_of_row.to(self.pool.device)].cpu()
 
 
 def stats_position(pool: KVPool, layer: int) -> int:

@@ -24,6 +24,9 @@ class LayerStats:
     tokens_for_90: int | None = None  # tokens the true attention needs for 90% of its mass
     selected_positions: torch.Tensor | None = None  # [kv_heads, k] token positions
     selected_scores: torch.Tensor | None = None  # [kv_heads, k] rehearsed score of each
+    # Only with record_recall: the dense attention over past tokens (mean over heads) and their positions.
+    true_attention: torch.Tensor | None = None  # [past]
+    true_attention_positions: torch.Tensor | None = None  # [past]
 
     @property
     def fetched_ratio(self) -> float:
