@@ -138,6 +138,20 @@ def parse_pool_limit(text: str | int | None) -> tuple[str, int] | None:
     return ("bytes", int(number * _SIZE_UNITS[unit]))
 
 
+def pool_limit_tokens(text: str | int | None, bytes_per_token: int) -> int | None:
+    """A pool limit as a token count: '8192' -> 8192; '64MiB' -> 64 MiB // bytes per token of the model."""
+    parsed = parse_pool_limit(text)
+    if parsed is None:
+        return None
+    kind, amount = parsed
+    if kind == "tokens":
+        return amount
+    tokens = amount // bytes_per_token
+    if tokens < 1:
+        raise ConfigError(f"pool limit {text!r} holds no token at all ({bytes_per_token} bytes each): raise it")
+    return tokens
+
+
 def parse_budget(text: str | float) -> tuple[float, bool]:
     """'0.2' -> (0.2, False) a fraction; '256' -> (256.0, True) a token count."""
     try:

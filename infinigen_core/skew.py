@@ -1,6 +1,7 @@
 """Offline skewing: per layer and KV head an orthogonal matrix that packs query/key energy into few channels.
 
-With Q = U S Vᵀ (SVD of the calibration queries of one KV head's query group), A = V is orthogonal, so
+With Q = U S Vᵀ (SVD of the calibration queries of one KV head's query group; V is taken from the
+eigenvectors of QᵀQ), A = V is orthogonal, so
 (QA)(KA)ᵀ = QKᵀ exactly, while QA = US has its energy in the leading columns. The partial channels of a
 head are the columns with the largest mean |QA| + |KA|; only they enter the speculation.
 
@@ -48,8 +49,10 @@ def skew_from_states(queries: torch.Tensor, keys: torch.Tensor, group_size: int)
     skews, scores = [], []
     for kv in range(kv_heads):
         group_queries = queries[kv * group_size : (kv + 1) * group_size].reshape(-1, dim).double()
-        _, _, vh = torch.linalg.svd(group_queries, full_matrices=True)
-        skew = vh.transpose(0, 1)
+        # The right singular vectors of Q are the eigenvectors of QᵀQ (dim x dim): cheap for any T, and
+        # square (orthogonal) even when the calibration text is shorter than the head dimension.
+        _, eigenvectors = torch.linalg.eigh(group_queries.T @ group_queries)
+        skew = eigenvectors.flip(-1)  # strongest direction first, like the SVD's order
         head_keys = keys[kv].double()
         score = (group_queries @ skew).abs().mean(0) + (head_keys @ skew).abs().mean(0)
         skews.append(skew.float())
