@@ -107,6 +107,7 @@ class InfiniGenEngine:
         self.configure(config)
 
     # ------------------------------------------------------------------ settings
+    @torch.inference_mode()
     def configure(self, config: EngineConfig) -> None:
         """Apply new settings; the conversation's cache is kept (and moved or trimmed if needed)."""
         policy_class = POLICIES[config.policy]
@@ -151,6 +152,7 @@ class InfiniGenEngine:
     def max_context(self) -> int:
         return self.adapter.max_context
 
+    @torch.inference_mode()
     def prefill(self, token_ids: Iterable[int], progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Append tokens in chunks of `prefill_chunk`; returns the logits [vocab] after the last one."""
         token_ids = list(token_ids)
@@ -164,6 +166,7 @@ class InfiniGenEngine:
                 progress(min(start + self.config.prefill_chunk, len(token_ids)), len(token_ids))
         return logits
 
+    @torch.inference_mode()
     def decode(self, token_id: int) -> torch.Tensor:
         """Append one token; returns the logits [vocab] for the next."""
         self._check_fits(1)
@@ -173,16 +176,19 @@ class InfiniGenEngine:
         """Append tokens one decode step at a time; returns logits [n, vocab] (the same path chat uses)."""
         return torch.stack([self.decode(token) for token in token_ids])
 
+    @torch.inference_mode()
     def truncate(self, n_tokens: int) -> None:
         """Keep the first n_tokens of the conversation (edit, regenerate)."""
         self.pool.truncate(n_tokens)
         del self.token_ids[n_tokens:]
         self.policy.rebuild()
 
+    @torch.inference_mode()
     def reset(self) -> None:
         self.truncate(0)
         self.history.clear()
 
+    @torch.inference_mode()
     def sync_to(self, token_ids: list[int], progress: Callable[[int, int], None] | None = None) -> torch.Tensor | None:
         """Make the cache hold exactly `token_ids`, reusing the longest common prefix; logits after the last.
 
@@ -207,6 +213,7 @@ class InfiniGenEngine:
             )
 
     # ------------------------------------------------------------------ restore / export (sessions)
+    @torch.inference_mode()
     def export_rows(self, start: int, end: int) -> dict[str, torch.Tensor]:
         """K/V rows of positions [start, end) per layer, plus their token ids, as CPU tensors."""
         tensors = {"token_ids": torch.tensor(self.token_ids[start:end], dtype=torch.int64)}
@@ -219,6 +226,7 @@ class InfiniGenEngine:
             tensors[f"pos.{layer}"] = positions[rows].cpu().contiguous()
         return tensors
 
+    @torch.inference_mode()
     def import_rows(self, chunks: Iterable[dict[str, torch.Tensor]]) -> int:
         """Restore exported chunks (in order) after the current tokens, rebuilding partial keys; no model run."""
         restored = 0

@@ -34,6 +34,12 @@ class PoolCapacityError(RuntimeError):
 
 
 class KVPool:
+    """Every token's keys and values for all layers (see the module docstring).
+
+    Mutating methods run in inference mode: the pool's tensors are created during forward passes (inference
+    mode), and PyTorch forbids updating such tensors in place from outside it.
+    """
+
     def __init__(
         self,
         num_layers: int,
@@ -88,6 +94,7 @@ class KVPool:
         store.positions, store.fetch_counts = bigger.positions, bigger.fetch_counts
 
     # ------------------------------------------------------------------ writing
+    @torch.inference_mode()
     def reserve(self, n: int) -> list[torch.Tensor]:
         """Hand out positions for `n` new tokens and return, per layer, the slots they will occupy.
 
@@ -142,6 +149,7 @@ class KVPool:
         self.evicted_tokens += count if store is self._layers[0] else 0
         return victims
 
+    @torch.inference_mode()
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store keys/values [kv_heads, n, head_dim] of the reserved slots."""
         store = self._layers[layer]
@@ -168,6 +176,7 @@ class KVPool:
         store = self._layers[layer]
         return store.fetch_counts[: store.size]
 
+    @torch.inference_mode()
     def gather(self, layer: int, slot_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the rows `slot_index` [kv_heads, k] out of the pool and count the fetch."""
         store = self._layers[layer]
@@ -182,6 +191,7 @@ class KVPool:
         return keys, values
 
     # ------------------------------------------------------------------ whole-pool operations
+    @torch.inference_mode()
     def truncate(self, n_tokens: int) -> None:
         """Forget every token at position >= n_tokens (an edited or regenerated turn)."""
         if n_tokens >= self.total_tokens:
@@ -197,10 +207,12 @@ class KVPool:
             store.size = kept
         self.total_tokens = n_tokens
 
+    @torch.inference_mode()
     def clear(self) -> None:
         self.truncate(0)
         self.evicted_tokens = 0
 
+    @torch.inference_mode()
     def append_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Restore rows of one layer (e.g. from a saved session) without running the model.
 
@@ -232,6 +244,7 @@ class KVPool:
     def set_total_tokens(self, total: int) -> None:
         self.total_tokens = total
 
+    @torch.inference_mode()
     def copy_from(self, other: "KVPool") -> None:
         """Take over another pool's rows (a settings change that moves the pool or changes its limit)."""
         for layer in range(self.num_layers):

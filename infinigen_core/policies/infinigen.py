@@ -48,15 +48,19 @@ class InfiniGenPolicy(KVPolicy):
             return
         device = self.ctx.compute_device
         partial = keys.to(device=device, dtype=torch.float32) @ self.projections[layer]  # [kv_heads, n, r]
+        self._partial_cache(layer, int(slots.max()) + 1)[:, slots.to(device)] = partial
+
+    def _partial_cache(self, layer: int, needed: int) -> torch.Tensor:
+        """The layer's partial key cache, grown (by doubling) to hold at least `needed` slots."""
         cache = self.partial_keys[layer]
-        needed = int(slots.max()) + 1
         if cache is None or cache.shape[1] < needed:
             capacity = max(needed, 2 * (cache.shape[1] if cache is not None else 128))
-            bigger = torch.zeros(partial.shape[0], capacity, partial.shape[2], device=device)
+            projection = self.projections[layer]
+            bigger = torch.zeros(projection.shape[0], capacity, projection.shape[2], device=projection.device)
             if cache is not None:
                 bigger[:, : cache.shape[1]] = cache
             self.partial_keys[layer] = cache = bigger
-        cache[:, slots.to(device)] = partial
+        return cache
 
     def device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.partial_keys if t is not None)
@@ -72,7 +76,8 @@ class InfiniGenPolicy(KVPolicy):
         query = query.float().view(adapter.num_kv_heads, adapter.group_size, adapter.head_dim)
         partial_query = query @ self.projections[target]  # [kv_heads, group, r]
         size = pool.size(target)
-        partial_keys = self.partial_keys[target][:, :size]
+        # the slot of the token being decoded is reserved but not written yet (it is masked as future below)
+        partial_keys = self._partial_cache(target, size)[:, :size]
         logits = (partial_query @ partial_keys.transpose(1, 2)) * adapter.logit_scale  # [kv_heads, group, size]
         is_future = pool.positions(target).to(logits.device) >= first_position
         logits = logits.masked_fill(is_future, float("-inf"))
