@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 SKEW_FORMAT_VERSION = "1"
@@ -77,7 +78,7 @@ def load_skew(path: Path, num_layers: int) -> SkewSet | None:
         tensors = load_file(str(path))
         skews = tuple(tensors[f"skew.{layer}"] for layer in range(num_layers))
         scores = tuple(tensors[f"scores.{layer}"] for layer in range(num_layers))
-    except (OSError, KeyError, ValueError, RuntimeError):
+    except (OSError, KeyError, ValueError, RuntimeError, SafetensorError):
         return None
     if any(not torch.isfinite(s).all() for s in skews):
         return None

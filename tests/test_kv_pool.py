@@ -1,0 +1,117 @@
+"""The host KV pool: growth, exact byte accounting, truncation, and eviction by fetch rate."""
+
+import pytest
+import torch
+
+from conftest import make_tiny_engine, random_tokens
+from infinigen_core.config import ConfigError, EngineConfig
+from infinigen_core.kv_pool import KVPool, PoolCapacityError
+
+
+def filled_pool(n, limit=None, sink=2, recent=4):
+    pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, limit_tokens=limit,
+                  sink_tokens=sink, recent_window=recent, initial_capacity=4)
+    for _ in range(n):
+        append_token(pool)
+    return pool
+
+
+def append_token(pool):
+    position = pool.total_tokens
+    for layer, slots in enumerate(pool.reserve(1)):
+        rows = torch.full((2, 1, 4), float(position))
+        pool.write(layer, slots, rows, -rows)
+    return position
+
+
+def test_growth_keeps_rows_and_bytes_are_exact():
+    pool = filled_pool(37)
+    assert pool.size(0) == 37 and pool.total_tokens == 37
+    assert pool.keys(1)[0, :, 0].tolist() == [float(p) for p in range(37)]
+    capacity = pool._layers[0].keys.shape[1]
+    per_layer = 2 * (2 * capacity * 4 * 4) + 2 * capacity * 8  # K and V float32, positions and counts int64
+    assert pool.bytes_allocated() == 2 * per_layer
+    assert pool.bytes_used() == 37 * 2 * (2 * 2 * 4 * 4)
+    assert pool.bytes_per_token() == 2 * 2 * 2 * 4 * 4
+
+
+def test_gather_returns_rows_and_counts_fetches():
+    pool = filled_pool(10)
+    keys, values = pool.gather(0, torch.tensor([[1, 5], [5, 9]]))
+    assert keys[0, :, 0].tolist() == [1.0, 5.0] and keys[1, :, 0].tolist() == [5.0, 9.0]
+    torch.testing.assert_close(values, -keys)
+    assert pool.fetch_counts(0)[[1, 5, 9, 0]].tolist() == [1, 2, 1, 0]
+
+
+def test_truncate_forgets_later_tokens():
+    pool = filled_pool(12)
+    pool.truncate(5)
+    assert pool.total_tokens == 5 and pool.size(0) == 5
+    assert sorted(pool.positions(1).tolist()) == [0, 1, 2, 3, 4]
+    assert append_token(pool) == 5
+
+
+def test_eviction_honours_the_limit_and_spares_sinks_and_recent():
+    pool = filled_pool(30, limit=12, sink=2, recent=4)
+    for layer in range(2):
+        positions = sorted(pool.positions(layer).tolist())
+        assert len(positions) == 12
+        assert {0, 1} <= set(positions)  # sinks
+        assert set(range(26, 30)) <= set(positions)  # recent window
+    assert pool.evicted_tokens == 18
+
+
+def test_eviction_takes_the_lowest_fetch_rate_then_the_oldest():
+    pool = filled_pool(12, limit=12, sink=2, recent=4)
+    slot_of = {int(p): i for i, p in enumerate(pool.positions(0).tolist())}
+    # positions 2..7 are evictable; fetch 2, 3 and 5 often, 6 once
+    for position, times in ((2, 5), (3, 5), (5, 5), (6, 1)):
+        for _ in range(times):
+            pool.gather(0, torch.tensor([[slot_of[position]], [slot_of[position]]]))
+    evicted = []
+    for _ in range(3):
+        before = set(pool.positions(0).tolist())
+        append_token(pool)
+        evicted.append((before - set(pool.positions(0).tolist())).pop())
+    assert evicted == [4, 7, 8]  # never fetched, oldest first: 4, 7; then 8 left the recent window
+    assert 6 in pool.positions(0).tolist() and 2 in pool.positions(0).tolist()
+
+
+def test_a_new_occupant_does_not_inherit_the_count_and_victims_vary():
+    pool = filled_pool(12, limit=12, sink=2, recent=4)
+    victims_slots = []
+    for _ in range(6):
+        slots = pool.reserve(1)
+        for layer, s in enumerate(slots):
+            pool.write(layer, s, torch.zeros(2, 1, 4), torch.zeros(2, 1, 4))
+        victims_slots.append(int(slots[0]))
+        assert pool.fetch_counts(0)[slots[0]].item() == 0
+    assert len(set(victims_slots)) >= 4  # the freshly written slot is protected, so the victim moves on
+
+
+def test_pool_limit_errors_are_clear():
+    with pytest.raises(ConfigError, match="protected window"):
+        EngineConfig(pool_limit_tokens=50, sink_tokens=4, recent_window=64)
+    pool = filled_pool(12, limit=12, sink=2, recent=4)
+    with pytest.raises(PoolCapacityError):
+        pool.reserve(8)  # more new tokens than evictable slots
+
+
+def test_engine_eviction_removes_rows_from_the_pool_and_the_partial_keys(tiny_llama):
+    engine = make_tiny_engine(tiny_llama, policy="infinigen", budget=0.3, pool_limit_tokens=64, sink_tokens=4,
+                              recent_window=16, prefill_chunk=16)
+    try:
+        engine.prefill(random_tokens(48, seed=2))
+        engine.score(random_tokens(60, seed=3))
+        pool = engine.pool
+        assert pool.total_tokens == 108 and pool.evicted_tokens == 44
+        for layer in range(pool.num_layers):
+            positions = pool.positions(layer)
+            assert pool.size(layer) == 64 and positions.unique().numel() == 64
+            assert set(range(4)) <= set(positions.tolist()) and set(range(92, 108)) <= set(positions.tolist())
+            if engine.policy.is_sparse(layer):
+                expected = pool.keys(layer).float() @ engine.policy.projections[layer]
+                torch.testing.assert_close(engine.policy.partial_keys[layer][:, :64], expected)
+        assert all(layer.fetched <= 64 for step in engine.history for layer in step.layers)
+    finally:
+        engine.close()

@@ -1,0 +1,101 @@
+"""Model loading (local checkpoints, bad paths, foreign architectures) and the command line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from infinigen_core.arch import UnsupportedModelError
+from infinigen_core.config import ConfigError, EngineConfig, pool_limit_tokens
+from infinigen_core.loading import ModelLoadError, load_engine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "infinigen_core", "generate", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"alpha": -1}, "alpha"), ({"budget": 1.5}, "budget"), ({"budget": 0}, "budget"),
+    ({"partial_ratio": 0}, "partial ratio"), ({"policy": "magic"}, "unknown policy"),
+    ({"budget": 2.5, "budget_is_tokens": True}, "whole number"),
+])
+def test_invalid_settings_say_what_to_change(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**settings)
+
+
+def test_pool_limits_in_bytes_and_tokens():
+    assert pool_limit_tokens("8192", 100) == 8192
+    assert pool_limit_tokens("1MiB", 1024) == 1024
+    assert pool_limit_tokens(None, 1024) is None
+    for bad in ("lots", "12 parsecs", "10B"):
+        with pytest.raises(ConfigError):
+            pool_limit_tokens(bad, 1024)
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_engine(str(tmp_path / "nope"), device="cpu", cache_dir=tmp_path, progress=lambda m: None)
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        load_engine(str(tmp_path / "weights.bin"), device="cpu", cache_dir=tmp_path, progress=lambda m: None)
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF-but-not-really")
+    with pytest.raises(ModelLoadError, match="could not read GGUF"):
+        load_engine(str(tmp_path / "broken.gguf"), device="cpu", cache_dir=tmp_path, progress=lambda m: None)
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2, opt"):
+        load_engine(str(tmp_path / "gpt2"), device="cpu", cache_dir=tmp_path, progress=lambda m: None)
+
+
+def test_a_local_llama_checkpoint_loads_calibrates_once_and_generates(tmp_path, real_engine):
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "tiny-llama"
+    config = LlamaConfig(vocab_size=len(real_engine.tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                         max_position_embeddings=4096)
+    LlamaForCausalLM(config).save_pretrained(checkpoint)
+    real_engine.tokenizer.save_pretrained(checkpoint)
+    messages = []
+    engine = load_engine(str(checkpoint), device="cpu", cache_dir=tmp_path / "cache", progress=messages.append)
+    try:
+        assert any("Calibrating" in m for m in messages)
+        assert engine.model_name == "tiny-llama" and engine.adapter.num_kv_heads == 1
+        engine.prefill(engine.tokenizer("hello there")["input_ids"])
+        engine.decode(5)
+    finally:
+        engine.close()
+    messages.clear()
+    load_engine(str(checkpoint), device="cpu", cache_dir=tmp_path / "cache", progress=messages.append).close()
+    assert not any("Calibrating" in m for m in messages)  # the skew cache was reused
+
+
+def test_cli_rejects_bad_input_before_loading_anything():
+    result = run_cli("--prompt", "hi", "--alpha", "-2")
+    assert result.returncode == 2 and "alpha must be a positive number" in result.stderr
+    result = run_cli("--prompt", "hi", "--pool-limit", "huge")
+    assert result.returncode == 2 and "pool limit" in result.stderr
+    result = run_cli("--prompt-file", "/nonexistent/prompt.txt")
+    assert result.returncode == 2 and "cannot read the prompt file" in result.stderr
+    result = run_cli("--prompt", "hi", "--model", "/nonexistent/model")
+    assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_cli_generates_and_reports_json():
+    result = run_cli("--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "12",
+                     "--device", "cpu", "--json", "--pool-limit", "4MiB")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "Paris" in report["text"] and report["text"] in result.stdout  # streamed, then reported
+    assert report["policy"] == "infinigen" and report["new_tokens"] >= 1
+    assert report["prompt_tokens"] > 10 and 0 < report["fetched_ratio"] <= 1 and report["ms_per_token"] > 0
+    assert report["settings"]["pool_limit_tokens"] == 4 * 2**20 // (30 * 2 * 3 * 64 * 4)

@@ -1,0 +1,83 @@
+"""Every policy attends to at most its budget, and to the tokens its rule names."""
+
+import math
+
+import pytest
+
+from conftest import make_tiny_engine, random_tokens
+
+CONTEXT = 200
+
+
+def decode_some(engine, steps=4):
+    engine.prefill(random_tokens(CONTEXT, seed=11))
+    engine.score(random_tokens(steps, seed=12))
+    return [s for s in engine.history if s.is_decode]
+
+
+@pytest.mark.parametrize("policy", ["infinigen", "h2o", "streaming"])
+@pytest.mark.parametrize("budget,is_tokens", [(0.1, False), (16, True)])
+def test_sparse_policies_stay_within_budget(tiny_llama, policy, budget, is_tokens):
+    engine = make_tiny_engine(tiny_llama, policy=policy, budget=budget, budget_is_tokens=is_tokens, alpha=1e9)
+    try:
+        steps = decode_some(engine)
+    finally:
+        engine.close()
+    for step in steps:
+        for layer in step.layers:
+            cap = int(budget) if is_tokens else math.ceil(budget * layer.context_len)
+            if layer.layer < 2:
+                assert not layer.sparse and layer.fetched == layer.context_len
+            else:
+                assert layer.sparse and layer.fetched == cap  # alpha is huge: the budget is what binds
+                assert layer.selected_positions.max() < step.position  # only past tokens
+
+
+def test_infinigen_fetches_fewer_than_the_budget_when_attention_is_peaked(tiny_llama):
+    engine = make_tiny_engine(tiny_llama, policy="infinigen", budget=1.0, alpha=0.002)  # random weights: flat attention
+    try:
+        steps = decode_some(engine)
+    finally:
+        engine.close()
+    layer = steps[-1].layers[-1]
+    assert layer.fetched == max(1, math.ceil(layer.alpha_count)) < layer.context_len
+
+
+def test_streaming_keeps_sinks_and_the_most_recent(tiny_llama):
+    engine = make_tiny_engine(tiny_llama, policy="streaming", budget=20, budget_is_tokens=True, sink_tokens=4)
+    try:
+        step = decode_some(engine, steps=1)[-1]
+    finally:
+        engine.close()
+    expected = set(range(4)) | set(range(step.position - 16, step.position))
+    for layer in step.sparse_layers():
+        for head in layer.selected_positions:
+            assert set(head.tolist()) == expected
+
+
+def test_h2o_keeps_the_recent_half_and_heavy_hitters(tiny_llama):
+    engine = make_tiny_engine(tiny_llama, policy="h2o", budget=20, budget_is_tokens=True)
+    try:
+        step = decode_some(engine, steps=3)[-1]
+        scores = [engine.policy.scores[layer.layer] for layer in step.sparse_layers()]
+    finally:
+        engine.close()
+    for layer, layer_scores in zip(step.sparse_layers(), scores):
+        for head, positions in enumerate(layer.selected_positions.tolist()):
+            recent = set(range(step.position - 10, step.position))
+            assert recent <= set(positions)
+            heavy = [p for p in positions if p not in recent]
+            assert len(heavy) == 10
+            older = layer_scores[head, : step.position - 10]
+            assert min(older[heavy].tolist()) >= older.topk(10).values.min().item() - 1e-6
+
+
+def test_dense_policies_fetch_everything(tiny_llama):
+    for policy in ("full", "offload"):
+        engine = make_tiny_engine(tiny_llama, policy=policy)
+        try:
+            steps = decode_some(engine, steps=2)
+        finally:
+            engine.close()
+        assert all(layer.fetched == layer.context_len for step in steps for layer in step.layers)
+        assert all(step.fetched_ratio() == 1.0 for step in steps)
