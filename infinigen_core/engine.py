@@ -51,13 +51,15 @@ def grouped_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """query [heads, n, dim] over keys/values [kv_heads, S, dim]; returns (out [heads, n, dim], probs [kv, group, n, S])."""
-    kv_heads, n = keys.shape[0], query.shape[1]
-    grouped = query.reshape(kv_heads, -1, n, query.shape[-1])
-    logits = (grouped @ keys.unsqueeze(1).transpose(-1, -2)).float() * scale
+    kv_heads, n, dim = keys.shape[0], query.shape[1], query.shape[-1]
+    # Fold each KV head's query group into rows of one batched product: keys are read in place, never
+    # expanded per query head (a broadcast matmul would materialise a copy of them for every head).
+    grouped = query.reshape(kv_heads, -1, dim)  # [kv, group*n, dim]
+    logits = torch.bmm(grouped, keys.transpose(1, 2)).float().mul_(scale).view(kv_heads, -1, n, keys.shape[1])
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    out = (probs.to(values.dtype) @ values.unsqueeze(1)).reshape(query.shape)
+    out = torch.bmm(probs.to(values.dtype).view(kv_heads, -1, keys.shape[1]), values).reshape(query.shape)
     return out, probs
 
 

@@ -64,6 +64,7 @@ class KVPool:
         self.recent_window = recent_window
         self.total_tokens = 0  # positions handed out so far: the next token gets this position
         self.evicted_tokens = 0
+        self.last_reserved: list[torch.Tensor] = []  # per layer, the slots of the newest reserve() call
         capacity = initial_capacity if limit_tokens is None else min(initial_capacity, limit_tokens)
         self._layers = [self._new_store(capacity) for _ in range(num_layers)]
 
@@ -112,6 +113,7 @@ class KVPool:
             store.fetch_counts[slots] = 0
             slots_per_layer.append(slots)
         self.total_tokens += n
+        self.last_reserved = slots_per_layer
         return slots_per_layer
 
     def _slots_for(self, store: _LayerStore, n: int, total_after: int) -> torch.Tensor:
