@@ -28,7 +28,7 @@ class GenerationEvent:
     text: str  # new text since the previous event
     full_text: str
     stats: StepStats | None
-    finish_reason: str | None = None  # "eos", "stop", "length" or "cancelled" on the last event
+    finish_reason: str | None = None  # "eos", "stop", "length", "cancelled" or "window" on the last event
 
 
 def chat_token_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
@@ -110,8 +110,11 @@ def generate(
         yield GenerationEvent(token, delta, text, stats)
         if finish == "stop" or len(generated) == sampling.max_new_tokens:
             break
+        if engine.num_tokens + 1 >= engine.max_context:
+            finish = "window"  # the model's window is full: stop cleanly rather than fail mid-reply
+            break
         logits = engine.decode(token)
-    if generated and len(engine.token_ids) < len(prompt_ids) + len(generated):
+    if generated and len(engine.token_ids) < len(prompt_ids) + len(generated) and engine.num_tokens < engine.max_context:
         engine.decode(generated[-1])  # keep the cache complete for the next turn
     stats = engine.history[-1] if engine.history else None
     yield GenerationEvent(None, "", text, stats, finish_reason=finish)

@@ -1,0 +1,23 @@
+"""Sessions that survive: conversations in SQLite, their KV pools as safetensors chunks beside it.
+
+    from sessions import SessionStore, ChatSession
+    store = SessionStore()                       # or SessionStore("/path/to/data")
+    chat = ChatSession.open(store, engine, store.create("Notes"))
+"""
+
+from .chat import ChatSession, RestoreReport, WindowCheck
+from .errors import (
+    ContextWindowError,
+    ImportValidationError,
+    SessionError,
+    SessionLockedError,
+    SessionNotFoundError,
+)
+from .paths import default_data_dir
+from .store import Message, SessionStore, SessionSummary
+
+__all__ = [
+    "ChatSession", "ContextWindowError", "ImportValidationError", "Message", "RestoreReport", "SessionError",
+    "SessionLockedError", "SessionNotFoundError", "SessionStore", "SessionSummary", "WindowCheck",
+    "default_data_dir",
+]

@@ -1,0 +1,238 @@
+"""A stored session bound to the engine: restore its KV pool, run turns, persist every turn.
+
+    chat = ChatSession.open(store, engine, session_id, progress=print)
+    print(chat.restore.tokens_restored, "tokens restored in", chat.restore.seconds, "s")
+    for event in chat.send("Summarise our plan.", SamplingConfig(max_new_tokens=200)):
+        print(event.text, end="")
+    chat.close()
+
+Durability: the user's message is committed before generation starts; the reply and the new KV rows are
+committed when it ends, is stopped, or fails. A crash mid-turn therefore loses at most the reply in
+flight. Chunk files are made durable before the database rows that name them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from infinigen_core.config import SamplingConfig
+from infinigen_core.generation import GenerationEvent, chat_token_ids, generate
+
+from .errors import ContextWindowError, SessionError
+from .lock import SessionLock
+from .snapshots import ChunkError, read_chunk, write_chunk
+from .store import Message, SessionStore
+
+Progress = Callable[[int, int], None]
+REPLY_RESERVE_TOKENS = 64  # room the next reply needs at least, counted when checking the window
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    tokens_restored: int  # KV rows read from disk
+    tokens_prefilled: int  # tokens recomputed because chunks were missing or unusable
+    seconds: float
+    rebuilt: bool
+    reason: str  # why the pool was rebuilt ("" when it was not)
+
+
+@dataclass(frozen=True)
+class WindowCheck:
+    fits: bool
+    needed_tokens: int
+    window: int
+    droppable_turns: int
+
+
+class ChatSession:
+    def __init__(self, store: SessionStore, engine, session_id: str, lock: SessionLock) -> None:
+        self.store, self.engine, self.id, self._lock = store, engine, session_id, lock
+        self._saved_ids: list[int] = []  # token ids the chunks on disk hold, in order
+        self.restore = RestoreReport(0, 0, 0.0, False, "")
+
+    # ------------------------------------------------------------------ open / close
+    @classmethod
+    def open(cls, store: SessionStore, engine, session_id: str, progress: Progress | None = None) -> "ChatSession":
+        store.get(session_id)  # a clear error for an unknown id
+        lock = SessionLock(store.data_dir / "locks" / f"{session_id}.lock").acquire()
+        try:
+            session = cls(store, engine, session_id, lock)
+            session.restore = session._restore(progress)
+        except BaseException:
+            lock.release()
+            raise
+        return session
+
+    def close(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> "ChatSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _restore(self, progress: Progress | None) -> RestoreReport:
+        started = time.perf_counter()
+        engine, signature = self.engine, self.engine.kv_signature()
+        engine.reset()
+        records = self.store.chunks(self.id)
+        problem = ""
+        if records and self.store.kv_signature(self.id) != signature:
+            problem = "the saved KV cache was made by another model or model settings"
+            records = []
+        tensors, expected_start = [], 0
+        for record in records:
+            try:
+                if record.start != expected_start:
+                    raise ChunkError(f"chunk {expected_start}-{record.start} is missing")
+                tensors.append(read_chunk(self.store.data_dir, record, signature))
+            except ChunkError as error:
+                problem = str(error)
+                break
+            expected_start = record.end
+            if progress is not None:
+                progress(expected_start, records[-1].end)
+        if problem:
+            self.store.drop_chunks_from(self.id, expected_start if tensors else -1)
+        restored = engine.import_rows(tensors) if tensors else 0
+        self._saved_ids = list(engine.token_ids)
+        prefilled = 0
+        if problem and self.messages:
+            wanted = self._conversation_ids()
+            before = engine.num_tokens
+            engine.sync_to(wanted[: engine.max_context], progress)
+            prefilled = engine.num_tokens - min(before, engine.num_tokens)
+            self._persist_new_rows()
+        return RestoreReport(restored, prefilled, time.perf_counter() - started, bool(problem), problem)
+
+    # ------------------------------------------------------------------ conversation
+    @property
+    def messages(self) -> list[Message]:
+        return self.store.messages(self.id)
+
+    @property
+    def system_prompt(self) -> str:
+        return self.store.get(self.id).system_prompt
+
+    def set_system_prompt(self, text: str) -> None:
+        self.store.update(self.id, system_prompt=text)  # the cache diverges at once; the next turn re-syncs
+
+    def _conversation(self, messages: list[Message] | None = None, extra_user: str | None = None) -> list[dict]:
+        system = self.system_prompt
+        turns = [{"role": "system", "content": system}] if system else []
+        turns += [{"role": m.role, "content": m.content} for m in (self.messages if messages is None else messages)]
+        if extra_user is not None:
+            turns.append({"role": "user", "content": extra_user})
+        return turns
+
+    def _conversation_ids(self, messages: list[Message] | None = None, extra_user: str | None = None,
+                          generation_prompt: bool = False) -> list[int]:
+        turns = self._conversation(messages, extra_user)
+        if not turns:
+            return []
+        return chat_token_ids(self.engine.tokenizer, turns, add_generation_prompt=generation_prompt)
+
+    def check_window(self, text: str = "", messages: list[Message] | None = None) -> WindowCheck:
+        """Whether a user message `text` and a short reply fit the model's window."""
+        needed = len(self._conversation_ids(messages, text, generation_prompt=True)) + REPLY_RESERVE_TOKENS
+        history = self.messages if messages is None else messages
+        turns = sum(1 for m in history if m.role == "user")
+        return WindowCheck(needed <= self.engine.max_context, needed, self.engine.max_context, max(turns - 1, 0))
+
+    def drop_oldest_turns(self, text: str = "") -> int:
+        """Forget the oldest turns (never the system prompt) until `text` fits; returns how many went."""
+        kept, dropped = self.messages, 0
+        while not self.check_window(text, kept).fits:
+            users = [i for i, m in enumerate(kept) if m.role == "user"]
+            if len(users) < 2:
+                raise ContextWindowError(self.check_window(text, kept))
+            kept, dropped = kept[users[1]:], dropped + 1
+        if dropped:
+            self.store.delete_messages_from(self.id, 0)
+            for message in kept:  # spans are unknown until the next turn re-syncs the cache
+                self.store.add_message(self.id, message.role, message.content, -1, -1)
+        return dropped
+
+    def send(self, text: str, sampling: SamplingConfig = SamplingConfig(), cancel=None,
+             on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
+        """Store the user's message, stream the reply, store it and its KV rows (also when stopped)."""
+        text = text.strip()
+        if not text:
+            raise SessionError("the message is empty: type something first")
+        check = self.check_window(text)
+        if not check.fits:
+            raise ContextWindowError(check)
+        prompt_ids = self._conversation_ids(extra_user=text, generation_prompt=True)
+        start = len(self._conversation_ids()) if self.messages or self.system_prompt else 0
+        self.store.add_message(self.id, "user", text, start, len(prompt_ids))
+        yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress)
+
+    def regenerate(self, sampling: SamplingConfig = SamplingConfig(), cancel=None,
+                   on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
+        """Replace the reply to the last user message (or answer a message left without one)."""
+        messages = self.messages
+        users = [m for m in messages if m.role == "user"]
+        if not users:
+            raise SessionError("there is no message to answer yet")
+        last_user = users[-1]
+        self.store.delete_messages_from(self.id, last_user.position + 1)
+        if 0 < last_user.token_end <= self.engine.num_tokens:
+            self.engine.truncate(last_user.token_end)  # keep the prompt, drop the old reply
+        prompt_ids = self._conversation_ids(generation_prompt=True)
+        yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress)
+
+    def edit_last_user(self, text: str, sampling: SamplingConfig = SamplingConfig(), cancel=None,
+                       on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
+        """Replace the last user message (and its reply) with `text` and answer it."""
+        if not text.strip():
+            raise SessionError("the edited message is empty: type something first")
+        users = [m for m in self.messages if m.role == "user"]
+        if not users:
+            raise SessionError("there is no message to edit yet")
+        last_user = users[-1]
+        check = self.check_window(text, [m for m in self.messages if m.position < last_user.position])
+        if not check.fits:
+            raise ContextWindowError(check)
+        self.store.delete_messages_from(self.id, last_user.position)
+        if 0 < last_user.token_start <= self.engine.num_tokens:
+            self.engine.truncate(last_user.token_start)
+        yield from self.send(text, sampling, cancel, on_prefill_progress)
+
+    def _reply(self, prompt_ids: list[int], sampling: SamplingConfig, cancel,
+               on_prefill_progress: Progress | None) -> Iterator[GenerationEvent]:
+        text, finished = "", False
+        try:
+            for event in generate(self.engine, prompt_ids, sampling, cancel, on_prefill_progress):
+                text = event.full_text
+                finished = event.finish_reason is not None
+                yield event
+        finally:  # also when the consumer stops early or generation fails: keep what was generated
+            if text or finished:
+                self.store.add_message(self.id, "assistant", text, len(prompt_ids), self.engine.num_tokens)
+            self._persist_new_rows()
+
+    # ------------------------------------------------------------------ snapshots
+    def _persist_new_rows(self) -> None:
+        """Append one chunk with the tokens the disk does not hold yet; drop chunks the cache no longer has."""
+        engine = self.engine
+        ids = engine.token_ids
+        common = 0
+        for saved, current in zip(self._saved_ids, ids):
+            if saved != current:
+                break
+            common += 1
+        if common < len(self._saved_ids):
+            self.store.drop_chunks_from(self.id, common)
+            chunks = self.store.chunks(self.id)
+            self._saved_ids = self._saved_ids[: chunks[-1].end if chunks else 0]
+        start = len(self._saved_ids)
+        if start < len(ids):
+            signature = engine.kv_signature()
+            record = write_chunk(self.store.data_dir, self.id, engine.export_rows(start, len(ids)), signature, start)
+            self.store.add_chunk(self.id, record, signature, len(ids))
+            self._saved_ids = list(ids)
+        else:
+            self.store.update(self.id, token_count=len(ids))

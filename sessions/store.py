@@ -1,0 +1,237 @@
+"""The session database: sessions, their messages and their KV chunks, in one SQLite file.
+
+    store = SessionStore()                      # ~/.local/share/infinigen-chat/sessions.db
+    session_id = store.create("Trip planning", system_prompt="You are concise.")
+    for summary in store.list(): print(summary.title, summary.token_count)
+
+Chunk files live beside the database (kv/<session>/...). A branch shares its parent's chunk files; a
+file is removed only when no session refers to it any more.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlite_utils
+
+from .errors import SessionNotFoundError
+from .paths import default_data_dir
+from .snapshots import ChunkRecord
+
+DB_NAME = "sessions.db"
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    id: str
+    title: str
+    system_prompt: str
+    created: float
+    updated: float
+    model_fingerprint: str
+    settings: dict
+    token_count: int
+    message_count: int
+    bytes_on_disk: int
+
+
+@dataclass(frozen=True)
+class Message:
+    id: int
+    role: str  # "user" | "assistant"
+    content: str
+    position: int  # order within the session
+    token_start: int  # span of the message in the session's token sequence
+    token_end: int
+    created: float
+    parent_id: int | None  # the message this one answers or follows
+
+
+class SessionStore:
+    def __init__(self, data_dir: Path | str | None = None) -> None:
+        self.data_dir = Path(data_dir).expanduser() if data_dir else default_data_dir()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite_utils.Database(self.data_dir / DB_NAME)
+        self.db.execute("PRAGMA journal_mode=WAL")  # readers never block the writer; crash-safe commits
+        self.db.execute("PRAGMA synchronous=FULL")
+        self._create_tables()
+
+    def _create_tables(self) -> None:
+        if "sessions" not in self.db.table_names():
+            self.db["sessions"].create({
+                "id": str, "title": str, "system_prompt": str, "created": float, "updated": float,
+                "model_fingerprint": str, "settings": str, "token_count": int,
+            }, pk="id")
+        if "messages" not in self.db.table_names():
+            self.db["messages"].create({
+                "id": int, "session_id": str, "role": str, "content": str, "position": int,
+                "token_start": int, "token_end": int, "created": float, "parent_id": int,
+            }, pk="id", foreign_keys=[("session_id", "sessions", "id")])
+            self.db["messages"].create_index(["session_id", "position"])
+        if "chunks" not in self.db.table_names():
+            self.db["chunks"].create({
+                "session_id": str, "start": int, "end": int, "file": str, "sha256": str, "size": int,
+            }, pk=("session_id", "start"), foreign_keys=[("session_id", "sessions", "id")])
+        if "kv_signatures" not in self.db.table_names():
+            self.db["kv_signatures"].create({"session_id": str, "signature": str}, pk="session_id")
+
+    # ------------------------------------------------------------------ sessions
+    def create(self, title: str = "New chat", system_prompt: str = "", settings: dict | None = None,
+               fingerprint: str = "") -> str:
+        session_id = uuid.uuid4().hex[:16]
+        now = time.time()
+        self.db["sessions"].insert({
+            "id": session_id, "title": title.strip() or "New chat", "system_prompt": system_prompt,
+            "created": now, "updated": now, "model_fingerprint": fingerprint,
+            "settings": json.dumps(settings or {}), "token_count": 0,
+        })
+        return session_id
+
+    def get(self, session_id: str) -> SessionSummary:
+        rows = list(self.db.query(_SUMMARY_SQL + " WHERE s.id = ? GROUP BY s.id", [session_id]))
+        if not rows:
+            raise SessionNotFoundError(f"no session with id {session_id!r} (it may have been deleted)")
+        return self._summary(rows[0])
+
+    def list(self) -> list[SessionSummary]:
+        """Every session, most recently used first."""
+        rows = self.db.query(_SUMMARY_SQL + " GROUP BY s.id ORDER BY s.updated DESC")
+        return [self._summary(row) for row in rows]
+
+    def _summary(self, row: dict) -> SessionSummary:
+        files = [r["file"] for r in self.db.query("SELECT file FROM chunks WHERE session_id = ?", [row["id"]])]
+        size = sum((self.data_dir / f).stat().st_size for f in files if (self.data_dir / f).exists())
+        return SessionSummary(
+            id=row["id"], title=row["title"], system_prompt=row["system_prompt"] or "", created=row["created"],
+            updated=row["updated"], model_fingerprint=row["model_fingerprint"] or "",
+            settings=json.loads(row["settings"] or "{}"), token_count=row["token_count"] or 0,
+            message_count=row["message_count"], bytes_on_disk=size,
+        )
+
+    def update(self, session_id: str, **fields) -> None:
+        self.get(session_id)
+        if "settings" in fields:
+            fields["settings"] = json.dumps(fields["settings"])
+        self.db["sessions"].update(session_id, {**fields, "updated": time.time()})
+
+    def rename(self, session_id: str, title: str) -> None:
+        title = title.strip()
+        if not title:
+            raise ValueError("a session title cannot be empty")
+        self.update(session_id, title=title[:200])
+
+    def delete(self, session_id: str) -> None:
+        """Remove the session, its messages and every chunk file no other session shares."""
+        self.get(session_id)
+        files = [r["file"] for r in self.db.query("SELECT file FROM chunks WHERE session_id = ?", [session_id])]
+        with self.db.conn:
+            self.db.execute("DELETE FROM chunks WHERE session_id = ?", [session_id])
+            self.db.execute("DELETE FROM kv_signatures WHERE session_id = ?", [session_id])
+            self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
+            self.db.execute("DELETE FROM sessions WHERE id = ?", [session_id])
+        self.remove_unreferenced(files)
+        folder = self.data_dir / "kv" / session_id
+        if folder.exists() and not any(folder.iterdir()):
+            folder.rmdir()
+
+    def remove_unreferenced(self, files: list[str]) -> None:
+        for name in files:
+            still_used = self.db.execute("SELECT 1 FROM chunks WHERE file = ? LIMIT 1", [name]).fetchone()
+            if not still_used:
+                (self.data_dir / name).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ messages
+    def messages(self, session_id: str) -> list[Message]:
+        rows = self.db.query("SELECT * FROM messages WHERE session_id = ? ORDER BY position", [session_id])
+        return [Message(r["id"], r["role"], r["content"], r["position"], r["token_start"], r["token_end"],
+                        r["created"], r["parent_id"]) for r in rows]
+
+    def add_message(self, session_id: str, role: str, content: str, token_start: int, token_end: int) -> Message:
+        previous = self.messages(session_id)
+        row = {
+            "session_id": session_id, "role": role, "content": content, "position": len(previous),
+            "token_start": token_start, "token_end": token_end, "created": time.time(),
+            "parent_id": previous[-1].id if previous else None,
+        }
+        with self.db.conn:
+            message_id = self.db["messages"].insert(row).last_pk
+            self.db["sessions"].update(session_id, {"updated": time.time()})
+        return self.messages(session_id)[-1] if message_id else None
+
+    def delete_messages_from(self, session_id: str, position: int) -> None:
+        with self.db.conn:
+            self.db.execute("DELETE FROM messages WHERE session_id = ? AND position >= ?", [session_id, position])
+
+    # ------------------------------------------------------------------ KV chunks
+    def chunks(self, session_id: str) -> list[ChunkRecord]:
+        rows = self.db.query("SELECT * FROM chunks WHERE session_id = ? ORDER BY start", [session_id])
+        return [ChunkRecord(r["file"], r["start"], r["end"], r["sha256"], r["size"]) for r in rows]
+
+    def kv_signature(self, session_id: str) -> dict[str, str] | None:
+        row = self.db.execute("SELECT signature FROM kv_signatures WHERE session_id = ?", [session_id]).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def add_chunk(self, session_id: str, record: ChunkRecord, signature: dict[str, str], token_count: int) -> None:
+        """Register a chunk whose file is already durable (the database commit comes last)."""
+        with self.db.conn:
+            self.db["kv_signatures"].upsert({"session_id": session_id, "signature": json.dumps(signature)},
+                                            pk="session_id")
+            self.db["chunks"].insert({"session_id": session_id, **record.__dict__}, replace=True)
+            self.db["sessions"].update(session_id, {"token_count": token_count, "updated": time.time()})
+
+    def drop_chunks_from(self, session_id: str, position: int) -> None:
+        """Forget chunks that end after `position` (the conversation diverged there)."""
+        doomed = [c.file for c in self.chunks(session_id) if c.end > position]
+        with self.db.conn:
+            self.db.execute("DELETE FROM chunks WHERE session_id = ? AND end > ?", [session_id, position])
+        self.remove_unreferenced(doomed)
+
+    def drop_all_chunks(self, session_id: str) -> None:
+        self.drop_chunks_from(session_id, -1)
+
+    # ------------------------------------------------------------------ branch, export, import
+    def branch(self, session_id: str, message_id: int) -> str:
+        """A new session with the messages up to and including `message_id`, sharing the prefix chunks."""
+        source = self.get(session_id)
+        messages = self.messages(session_id)
+        keep = [m for m in messages if m.position <= next((x.position for x in messages if x.id == message_id), -1)]
+        if not keep:
+            raise SessionNotFoundError(f"message {message_id} is not in session {session_id}")
+        new_id = self.create(f"{source.title} (branch)", source.system_prompt, source.settings,
+                             source.model_fingerprint)
+        end = keep[-1].token_end
+        with self.db.conn:
+            for m in keep:
+                self.db["messages"].insert({
+                    "session_id": new_id, "role": m.role, "content": m.content, "position": m.position,
+                    "token_start": m.token_start, "token_end": m.token_end, "created": m.created,
+                    "parent_id": None,
+                })
+            shared = [c for c in self.chunks(session_id) if c.end <= end]
+            for chunk in shared:  # the same files: no copy on disk
+                self.db["chunks"].insert({"session_id": new_id, **chunk.__dict__})
+            signature = self.kv_signature(session_id)
+            if signature and shared:
+                self.db["kv_signatures"].insert({"session_id": new_id, "signature": json.dumps(signature)})
+            self.db["sessions"].update(new_id, {"token_count": shared[-1].end if shared else 0})
+        return new_id
+
+    def export(self, session_id: str, path: Path | str) -> Path:
+        from .archive import export_session
+
+        return export_session(self, session_id, Path(path))
+
+    def import_file(self, path: Path | str) -> str:
+        from .archive import import_session
+
+        return import_session(self, Path(path))
+
+
+_SUMMARY_SQL = """
+SELECT s.*, COUNT(m.id) AS message_count
+FROM sessions s LEFT JOIN messages m ON m.session_id = s.id
+"""

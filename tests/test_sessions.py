@@ -1,0 +1,284 @@
+"""Sessions: SQLite + safetensors persistence with the real default model."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from infinigen_core.config import SamplingConfig
+from sessions import (
+    ChatSession,
+    ContextWindowError,
+    ImportValidationError,
+    SessionLockedError,
+    SessionNotFoundError,
+    SessionStore,
+)
+
+SHORT = SamplingConfig(max_new_tokens=6)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_turn(chat, text, sampling=SHORT):
+    events = list(chat.send(text, sampling))
+    return events[-1].full_text
+
+
+@pytest.fixture
+def store(tmp_path):
+    return SessionStore(tmp_path / "data")
+
+
+@pytest.fixture
+def two_turn_session(store, real_engine):
+    session_id = store.create("Geography", system_prompt="You are a terse assistant.")
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        run_turn(chat, "What is the capital of France?")
+        run_turn(chat, "And of Italy?")
+        tokens = list(real_engine.token_ids)
+    real_engine.reset()
+    return session_id, tokens
+
+
+def test_store_lists_renames_and_deletes(store, two_turn_session):
+    session_id, tokens = two_turn_session
+    [summary] = store.list()
+    assert summary.title == "Geography" and summary.message_count == 4 and summary.token_count == len(tokens)
+    assert summary.bytes_on_disk == sum(c.size for c in store.chunks(session_id)) > 0
+    store.rename(session_id, "Capitals")
+    assert store.get(session_id).title == "Capitals"
+    files = [store.data_dir / c.file for c in store.chunks(session_id)]
+    assert all(f.exists() for f in files) and len(files) == 2  # one chunk per turn, never the whole cache
+    store.delete(session_id)
+    assert store.list() == [] and not any(f.exists() for f in files)
+    with pytest.raises(SessionNotFoundError):
+        store.get(session_id)
+
+
+def test_reopened_session_continues_exactly_like_an_uninterrupted_run(store, real_engine):
+    session_id = store.create("Round trip")
+    follow_up = "Name one famous museum there."
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        run_turn(chat, "What is the capital of France?", SamplingConfig(max_new_tokens=10))
+        cached = list(real_engine.token_ids)
+        prompt = chat._conversation_ids(extra_user=follow_up, generation_prompt=True)
+        uninterrupted = real_engine.sync_to(prompt)
+        continuation = real_engine.tokenizer("The Louvre is")["input_ids"]
+        uninterrupted_next = real_engine.score(continuation)
+        real_engine.truncate(len(cached))
+
+    real_engine.reset()  # drop every in-memory trace; only the disk remains
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        assert chat.restore.tokens_restored == len(cached) and not chat.restore.rebuilt
+        assert real_engine.token_ids == cached
+        resumed = real_engine.sync_to(prompt)
+        resumed_next = real_engine.score(continuation)
+    torch.testing.assert_close(resumed, uninterrupted, rtol=0, atol=1e-4)
+    torch.testing.assert_close(resumed_next, uninterrupted_next, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("damage,reason", [
+    ("flip", "damaged"),
+    ("truncate", "bytes"),
+    ("delete", "missing"),
+    ("foreign", "another model"),
+])
+def test_damaged_or_foreign_snapshots_are_detected_and_rebuilt(store, real_engine, two_turn_session, damage, reason):
+    session_id, tokens = two_turn_session
+    last = store.chunks(session_id)[-1]
+    path = store.data_dir / last.file
+    if damage == "flip":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[: last.size // 2])
+    elif damage == "delete":
+        path.unlink()
+    else:
+        signature = store.kv_signature(session_id)
+        store.db["kv_signatures"].update(session_id, {"signature": json.dumps({**signature, "model_fingerprint": "x"})})
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        assert chat.restore.rebuilt and reason in chat.restore.reason
+        assert chat.restore.tokens_prefilled > 0
+        assert len(chat.messages) == 4  # no message lost
+        assert real_engine.num_tokens >= len(tokens) - 8
+        run_turn(chat, "And of Spain?")  # it keeps working
+    real_engine.reset()
+    with ChatSession.open(store, real_engine, session_id) as chat:  # the rebuilt pool was saved again
+        assert not chat.restore.rebuilt and chat.restore.tokens_restored == store.get(session_id).token_count
+
+
+def test_one_writer_per_session(store, real_engine, two_turn_session):
+    session_id, _ = two_turn_session
+    with ChatSession.open(store, real_engine, session_id):
+        with pytest.raises(SessionLockedError, match="open elsewhere"):
+            ChatSession.open(store, real_engine, session_id)
+    ChatSession.open(store, real_engine, session_id).close()  # released on close
+
+
+def test_regenerate_and_edit_truncate_and_reuse_the_prefix(store, real_engine, two_turn_session):
+    session_id, tokens = two_turn_session
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        last_user = chat.messages[-2]
+        steps_before = real_engine.steps_run
+        list(chat.regenerate(SamplingConfig(max_new_tokens=6, temperature=1.0, seed=3)))
+        prefill_steps = [s for s in real_engine.history if s.step >= steps_before and not s.is_decode]
+        assert sum(s.new_tokens for s in prefill_steps) <= 1  # the prompt was reused, not recomputed
+        assert [m.role for m in chat.messages] == ["user", "assistant"] * 2
+        assert real_engine.token_ids[: last_user.token_end] == tokens[: last_user.token_end]
+
+        list(chat.edit_last_user("And of Germany?", SHORT))
+        assert [m.content for m in chat.messages if m.role == "user"] == ["What is the capital of France?",
+                                                                           "And of Germany?"]
+        edited = list(real_engine.token_ids)
+    real_engine.reset()
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        assert real_engine.token_ids == edited and not chat.restore.rebuilt
+
+
+def test_branch_shares_the_prefix_chunks(store, real_engine, two_turn_session):
+    session_id, tokens = two_turn_session
+    first_reply = store.messages(session_id)[1]
+    branch_id = store.branch(session_id, first_reply.id)
+    assert [m.content for m in store.messages(branch_id)] == [m.content for m in store.messages(session_id)[:2]]
+    shared = {c.file for c in store.chunks(branch_id)}
+    assert shared and shared <= {c.file for c in store.chunks(session_id)}  # the same files, no copy
+    store.delete(session_id)
+    assert all((store.data_dir / f).exists() for f in shared)  # still used by the branch
+    with ChatSession.open(store, real_engine, branch_id) as chat:
+        assert not chat.restore.rebuilt and chat.restore.tokens_restored > 0
+        run_turn(chat, "And of Spain?")
+        assert len(chat.messages) == 4
+
+
+def test_export_import_round_trip(store, real_engine, two_turn_session, tmp_path):
+    session_id, tokens = two_turn_session
+    exported = store.export(session_id, tmp_path / "chat.igchat")
+    other = SessionStore(tmp_path / "elsewhere")
+    imported = other.import_file(exported)
+    assert [m.content for m in other.messages(imported)] == [m.content for m in store.messages(session_id)]
+    with ChatSession.open(other, real_engine, imported) as chat:
+        assert not chat.restore.rebuilt and real_engine.token_ids == tokens
+
+
+def _rewrite_archive(source: Path, target: Path, change) -> Path:
+    with zipfile.ZipFile(source) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    change(entries)
+    with zipfile.ZipFile(target, "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+    return target
+
+
+def test_hostile_imports_are_refused_and_write_nothing(store, two_turn_session, tmp_path):
+    session_id, _ = two_turn_session
+    good = store.export(session_id, tmp_path / "good.igchat")
+    manifest = lambda e: json.loads(e["manifest.json"])  # noqa: E731
+
+    def traversal(e):
+        e["../../evil.py"] = b"print('owned')"
+
+    def bad_checksum(e):
+        m = manifest(e)
+        m["chunks"][0]["sha256"] = "0" * 64
+        e["manifest.json"] = json.dumps(m).encode()
+
+    def wrong_shape(e):  # a well-formed, correctly summed chunk whose layer-0 keys lost a head
+        import hashlib
+
+        from safetensors.torch import load, save
+
+        from sessions.snapshots import chunk_metadata
+
+        blob = e["chunks/000000.safetensors"]
+        tensors = load(blob)
+        tensors["k.0"] = tensors["k.0"][:2].contiguous()
+        forged = save(tensors, metadata=chunk_metadata(blob))
+        e["chunks/000000.safetensors"] = forged
+        m = manifest(e)
+        m["chunks"][0].update(size=len(forged), sha256=hashlib.sha256(forged).hexdigest())
+        e["manifest.json"] = json.dumps(m).encode()
+
+    def foreign_signature(e):
+        m = manifest(e)
+        m["signature"]["num_kv_heads"] = "4"
+        e["manifest.json"] = json.dumps(m).encode()
+
+    def pickle_chunk(e):
+        import pickle
+
+        payload = pickle.dumps({"k": 1})
+        e["chunks/000000.safetensors"] = payload
+        m = manifest(e)
+        m["chunks"][0]["size"] = len(payload)
+        e["manifest.json"] = json.dumps(m).encode()
+
+    def bad_json(e):
+        e["manifest.json"] = b"{not json"
+
+    cases = {traversal: "unexpected", bad_checksum: "checksum", wrong_shape: "shape", pickle_chunk: "checksum",
+             bad_json: "JSON", foreign_signature: "another num kv heads"}
+    other = SessionStore(tmp_path / "target")
+    for change, message in cases.items():
+        hostile = _rewrite_archive(good, tmp_path / f"{change.__name__}.igchat", change)
+        with pytest.raises(ImportValidationError, match=message):
+            other.import_file(hostile)
+    (tmp_path / "plain.txt").write_text("hello")
+    with pytest.raises(ImportValidationError, match="not a session export"):
+        other.import_file(tmp_path / "plain.txt")
+    assert other.list() == [] and not (tmp_path / "target" / "kv").exists()
+    assert not (tmp_path / "evil.py").exists() and not (tmp_path.parent / "evil.py").exists()
+
+
+def test_the_window_is_checked_before_generation(store, real_engine):
+    session_id = store.create("Long")
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        run_turn(chat, "Hello!")
+        run_turn(chat, "How are you?")
+        huge = "word " * 8150
+        check = chat.check_window(huge)
+        assert not check.fits and check.window == 8192 and check.droppable_turns == 1
+        with pytest.raises(ContextWindowError, match="drop the oldest turns"):
+            list(chat.send(huge))
+        assert len(chat.messages) == 4  # nothing was stored or lost
+        with pytest.raises(ContextWindowError):
+            chat.drop_oldest_turns(huge)  # even without old turns it cannot fit
+        base = chat.check_window("word " * 7000).needed_tokens  # " word" is one token per repeat
+        medium = "word " * (7000 + 8192 - base + 1)
+        assert chat.check_window(medium).needed_tokens == 8193
+        assert chat.drop_oldest_turns(medium) == 1
+        assert [m.content for m in chat.messages] == ["How are you?", chat.messages[1].content]
+        assert chat.check_window(medium).fits
+
+
+def test_kill_9_during_generation_loses_at_most_the_turn_in_flight(store, real_engine):
+    session_id = store.create("Crash")
+    worker = subprocess.Popen([sys.executable, str(ROOT / "tests" / "session_worker.py"), str(store.data_dir),
+                               session_id], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        turn1_tokens = None
+        for line in worker.stdout:
+            if line.startswith("TURN1 DONE"):
+                turn1_tokens = int(line.split()[-1])
+            if line.startswith("TOKEN"):
+                break
+        assert turn1_tokens, "the worker did not finish its first turn"
+        os.kill(worker.pid, signal.SIGKILL)
+    finally:
+        worker.kill()
+        worker.wait(timeout=30)
+    reopened = SessionStore(store.data_dir)
+    with ChatSession.open(reopened, real_engine, session_id) as chat:  # the dead process's lock is gone
+        roles = [m.role for m in chat.messages]
+        assert roles == ["user", "assistant", "user"]  # the question in flight is kept; its reply is lost
+        assert not chat.restore.rebuilt and chat.restore.tokens_restored == turn1_tokens
+        events = list(chat.regenerate(SHORT))  # and it can be answered now
+        assert events[-1].finish_reason is not None and len(chat.messages) == 4
