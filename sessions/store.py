@@ -10,7 +10,10 @@ file is removed only when no session refers to it any more.
 
 from __future__ import annotations
 
+import functools
 import json
+import sqlite3
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +26,17 @@ from .paths import default_data_dir
 from .snapshots import ChunkRecord
 
 DB_NAME = "sessions.db"
+
+
+def _locked(method):
+    """Serialise writers: the app calls the store from Gradio's worker threads."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -55,7 +69,10 @@ class SessionStore:
     def __init__(self, data_dir: Path | str | None = None) -> None:
         self.data_dir = Path(data_dir).expanduser() if data_dir else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite_utils.Database(self.data_dir / DB_NAME)
+        self._lock = threading.RLock()
+        # one connection shared by the app's threads; writes are serialised by _lock
+        connection = sqlite3.connect(self.data_dir / DB_NAME, check_same_thread=False, timeout=30)
+        self.db = sqlite_utils.Database(connection)
         self.db.execute("PRAGMA journal_mode=WAL")  # readers never block the writer; crash-safe commits
         self.db.execute("PRAGMA synchronous=FULL")
         self._create_tables()
@@ -80,6 +97,7 @@ class SessionStore:
             self.db["kv_signatures"].create({"session_id": str, "signature": str}, pk="session_id")
 
     # ------------------------------------------------------------------ sessions
+    @_locked
     def create(self, title: str = "New chat", system_prompt: str = "", settings: dict | None = None,
                fingerprint: str = "") -> str:
         session_id = uuid.uuid4().hex[:16]
@@ -112,6 +130,7 @@ class SessionStore:
             message_count=row["message_count"], bytes_on_disk=size,
         )
 
+    @_locked
     def update(self, session_id: str, **fields) -> None:
         self.get(session_id)
         if "settings" in fields:
@@ -124,6 +143,7 @@ class SessionStore:
             raise ValueError("a session title cannot be empty")
         self.update(session_id, title=title[:200])
 
+    @_locked
     def delete(self, session_id: str) -> None:
         """Remove the session, its messages and every chunk file no other session shares."""
         self.get(session_id)
@@ -150,6 +170,7 @@ class SessionStore:
         return [Message(r["id"], r["role"], r["content"], r["position"], r["token_start"], r["token_end"],
                         r["created"], r["parent_id"]) for r in rows]
 
+    @_locked
     def add_message(self, session_id: str, role: str, content: str, token_start: int, token_end: int) -> Message:
         previous = self.messages(session_id)
         row = {
@@ -162,6 +183,7 @@ class SessionStore:
             self.db["sessions"].update(session_id, {"updated": time.time()})
         return self.messages(session_id)[-1] if message_id else None
 
+    @_locked
     def delete_messages_from(self, session_id: str, position: int) -> None:
         with self.db.conn:
             self.db.execute("DELETE FROM messages WHERE session_id = ? AND position >= ?", [session_id, position])
@@ -175,6 +197,7 @@ class SessionStore:
         row = self.db.execute("SELECT signature FROM kv_signatures WHERE session_id = ?", [session_id]).fetchone()
         return json.loads(row[0]) if row else None
 
+    @_locked
     def add_chunk(self, session_id: str, record: ChunkRecord, signature: dict[str, str], token_count: int) -> None:
         """Register a chunk whose file is already durable (the database commit comes last)."""
         with self.db.conn:
@@ -183,6 +206,7 @@ class SessionStore:
             self.db["chunks"].insert({"session_id": session_id, **record.__dict__}, replace=True)
             self.db["sessions"].update(session_id, {"token_count": token_count, "updated": time.time()})
 
+    @_locked
     def drop_chunks_from(self, session_id: str, position: int) -> None:
         """Forget chunks that end after `position` (the conversation diverged there)."""
         doomed = [c.file for c in self.chunks(session_id) if c.end > position]
@@ -194,6 +218,7 @@ class SessionStore:
         self.drop_chunks_from(session_id, -1)
 
     # ------------------------------------------------------------------ branch, export, import
+    @_locked
     def branch(self, session_id: str, message_id: int) -> str:
         """A new session with the messages up to and including `message_id`, sharing the prefix chunks."""
         source = self.get(session_id)
