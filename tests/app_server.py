@@ -1,0 +1,73 @@
+"""Start `python app.py` in a real subprocess on a free port with a throw-away data dir (for the app tests).
+
+usage (in a test module):
+    from app_server import running_app
+    @pytest.fixture(scope="module")
+    def app(tmp_path_factory):
+        with running_app(tmp_path_factory.mktemp("app-data")) as app:
+            yield app      # app.url, app.data_dir, app.process
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from gradio_client import Client
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class RunningApp:
+    url: str
+    data_dir: Path
+    process: subprocess.Popen
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _ready(url: str) -> bool:
+    try:
+        status = Client(url, verbose=False).predict(api_name="/status")
+    except Exception:  # the server is not listening yet
+        return False
+    if status["error"]:
+        raise RuntimeError(status["error"])
+    return bool(status["ready"])
+
+
+@contextlib.contextmanager
+def running_app(data_dir: Path, timeout_s: float = 600) -> Iterator[RunningApp]:
+    """The first run on a machine downloads and converts the model, hence the generous timeout."""
+    port = free_port()
+    log_path = data_dir / "app.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--data-dir", str(data_dir)],
+                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}/"
+        try:
+            deadline = time.time() + timeout_s
+            while not _ready(url):
+                if process.poll() is not None:
+                    raise RuntimeError(f"app.py exited: {log_path.read_text()[-2000:]}")
+                if time.time() > deadline:
+                    raise RuntimeError(f"app.py was not ready after {timeout_s} s: {log_path.read_text()[-2000:]}")
+                time.sleep(1)
+            yield RunningApp(url, data_dir, process)
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()

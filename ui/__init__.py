@@ -1,0 +1,1 @@
+"""The Gradio chat app: controller (state and actions), panels (plots), inspector (HTML), layout."""

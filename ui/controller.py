@@ -1,0 +1,310 @@
+"""Everything the app does, without Gradio: the engine, the open session, settings, a stop flag.
+
+The app is a local, single-user program: one controller per process holds the engine and the session
+that is open. Turns run one at a time (a second request while one runs gets a clear "busy" error), so
+two browser tabs can never interleave writes; another process gets the session lock's "open elsewhere".
+Every user-facing failure is raised as `UserError` with a message meant to be shown as it is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infinigen_core.config import ConfigError, EngineConfig, SamplingConfig, parse_budget, pool_limit_tokens
+from infinigen_core.engine import ContextOverflowError
+from sessions import ChatSession, SessionError, SessionStore
+
+
+class UserError(Exception):
+    """A problem to show the user; nothing was lost."""
+
+
+@dataclass
+class TurnProgress:
+    """What the UI shows while a turn runs."""
+
+    phase: str = "idle"  # idle | prefill | generating
+    done: int = 0
+    total: int = 0
+    started: float = 0.0
+    tokens: int = 0
+    first_token_at: float | None = None
+
+    def tokens_per_second(self) -> float:
+        if self.first_token_at is None or self.tokens < 2:
+            return 0.0
+        return (self.tokens - 1) / max(time.perf_counter() - self.first_token_at, 1e-9)
+
+
+@dataclass
+class Settings:
+    """The engine and sampling settings as the user typed them (validated by `apply`)."""
+
+    policy: str = "infinigen"
+    alpha: float = 5.0
+    budget: str = "0.2"
+    partial_ratio: float = 0.25
+    pool_limit: str = ""
+    inspect: bool = False  # recording the true attention costs a dense pass per layer
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=256))
+
+
+class ChatController:
+    def __init__(self, data_dir: Path | str | None = None, model: str | None = None, device: str = "auto",
+                 loader: Callable | None = None) -> None:
+        self.store = SessionStore(data_dir)
+        self.model_path, self.device = model, device
+        self.engine = None
+        self.chat: ChatSession | None = None
+        self.settings = Settings()
+        self.status = "Starting..."
+        self.load_error: str | None = None
+        self.ready = threading.Event()
+        self.cancel = threading.Event()
+        self.progress = TurnProgress()
+        self.restore_message = ""
+        self._turn_lock = threading.Lock()
+        self._loader = loader
+
+    # ------------------------------------------------------------------ start-up
+    def load(self, progress: Callable[[str], None] = print) -> None:
+        """Load the model (download, convert and calibrate on first use), then open the latest session."""
+        from infinigen_core.loading import load_engine
+
+        def report(message: str) -> None:
+            self.status = message
+            progress(message)
+
+        try:
+            report("Loading the model (the first start downloads and converts it, then calibrates once)...")
+            loader = self._loader or load_engine
+            self.engine = loader(self.model_path, device=self.device, config=self._engine_config(self.settings),
+                                 progress=report)
+            sessions = self.store.list()
+            self.open_session(sessions[0].id if sessions else self.new_session())
+            report(f"Ready: {self.engine.model_name} on {self.engine.device}")
+        except Exception as error:  # shown in the UI instead of a frozen page
+            self.load_error = f"Could not start: {error}"
+            report(self.load_error)
+        finally:
+            self.ready.set()
+
+    def load_in_background(self, progress: Callable[[str], None] = print) -> threading.Thread:
+        thread = threading.Thread(target=self.load, args=(progress,), daemon=True, name="model-loader")
+        thread.start()
+        return thread
+
+    def _require_engine(self) -> None:
+        if not self.ready.is_set():
+            raise UserError(f"Still starting: {self.status}")
+        if self.engine is None:
+            raise UserError(self.load_error or "the model is not loaded")
+
+    # ------------------------------------------------------------------ settings
+    def _engine_config(self, settings: Settings) -> EngineConfig:
+        budget, is_tokens = parse_budget(settings.budget)
+        limit = None
+        if settings.pool_limit.strip():
+            per_token = self.engine.pool.bytes_per_token() if self.engine is not None else 1
+            limit = pool_limit_tokens(settings.pool_limit.strip(), per_token)
+        return EngineConfig(policy=settings.policy, alpha=float(settings.alpha), budget=budget,
+                            budget_is_tokens=is_tokens, partial_ratio=float(settings.partial_ratio),
+                            pool_limit_tokens=limit, record_recall=settings.inspect)
+
+    def apply_settings(self, policy: str, alpha, budget, partial_ratio, pool_limit: str, inspect: bool,
+                       temperature, top_p, top_k, repetition_penalty, max_new_tokens) -> str:
+        """Validate and store new settings; they take effect on the next turn. Raises UserError."""
+        try:
+            sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+                                      repetition_penalty=float(repetition_penalty),
+                                      max_new_tokens=int(max_new_tokens))
+            candidate = Settings(policy, float(alpha), str(budget).strip(), float(partial_ratio),
+                                 str(pool_limit or ""), bool(inspect), sampling)
+            config = self._engine_config(candidate)
+        except (ConfigError, ValueError, TypeError) as error:
+            raise UserError(f"Settings not applied: {error}") from None
+        self.settings = candidate
+        self._pending_config = config
+        return (f"Settings saved: {config.policy}, alpha {config.alpha:g}, budget {candidate.budget}, "
+                f"partial ratio {config.partial_ratio:g}; they apply from the next message.")
+
+    def _apply_pending_config(self) -> None:
+        config = getattr(self, "_pending_config", None)
+        if config is not None and config != self.engine.config:
+            self.engine.configure(config)
+        self._pending_config = None
+
+    # ------------------------------------------------------------------ sessions
+    def new_session(self, system_prompt: str = "") -> str:
+        fingerprint = self.engine.fingerprint if self.engine is not None else ""
+        session_id = self.store.create("New chat", system_prompt, {}, fingerprint)
+        if self.engine is not None:
+            self.open_session(session_id)
+        return session_id
+
+    def open_session(self, session_id: str, progress: Callable[[int, int], None] | None = None) -> str:
+        self._require_engine_loaded()
+        with self._turn():
+            if self.chat is not None and self.chat.id == session_id:
+                return self.restore_message
+            previous = self.chat
+            if previous is not None:
+                previous.close()
+                self.chat = None
+            try:
+                self.chat = ChatSession.open(self.store, self.engine, session_id, progress)
+            except SessionError as error:
+                if previous is not None:  # stay where we were
+                    self.chat = ChatSession.open(self.store, self.engine, previous.id)
+                raise UserError(str(error)) from None
+            report = self.chat.restore
+            if report.rebuilt:
+                self.restore_message = (f"The saved KV cache could not be used ({report.reason}); rebuilt it by "
+                                        f"re-reading {report.tokens_prefilled} tokens in {report.seconds:.1f} s. "
+                                        "No message was lost.")
+            elif report.tokens_restored:
+                self.restore_message = (f"Restored {report.tokens_restored} tokens from disk in "
+                                        f"{report.seconds:.2f} s (no recomputation).")
+            else:
+                self.restore_message = "New conversation."
+            return self.restore_message
+
+    def _require_engine_loaded(self) -> None:
+        if self.engine is None:
+            raise UserError(self.load_error or f"Still starting: {self.status}")
+
+    def rename_session(self, title: str) -> None:
+        self._require_chat()
+        try:
+            self.store.rename(self.chat.id, title)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+
+    def delete_session(self) -> None:
+        self._require_chat()
+        with self._turn():
+            doomed = self.chat.id
+            self.chat.close()
+            self.chat = None
+            self.store.delete(doomed)
+        remaining = self.store.list()
+        self.open_session(remaining[0].id if remaining else self.new_session())
+
+    def export_session(self, folder: Path) -> Path:
+        self._require_chat()
+        title = "".join(c if c.isalnum() else "-" for c in self.store.get(self.chat.id).title)[:40] or "chat"
+        return self.store.export(self.chat.id, Path(folder) / f"{title}.igchat")
+
+    def import_session(self, path: str | Path) -> str:
+        try:
+            session_id = self.store.import_file(path)
+        except SessionError as error:
+            raise UserError(str(error)) from None
+        self.open_session(session_id)
+        return session_id
+
+    def branch_from(self, message_index: int) -> str:
+        self._require_chat()
+        messages = self.chat.messages
+        if not 0 <= message_index < len(messages):
+            raise UserError(f"there is no message {message_index + 1} to branch from")
+        branch_id = self.store.branch(self.chat.id, messages[message_index].id)
+        self.open_session(branch_id)
+        return branch_id
+
+    def set_system_prompt(self, text: str) -> None:
+        self._require_chat()
+        if text != self.chat.system_prompt:
+            self.chat.set_system_prompt(text)
+
+    def _require_chat(self) -> None:
+        self._require_engine_loaded()
+        if self.chat is None:
+            raise UserError("no session is open")
+
+    # ------------------------------------------------------------------ turns
+    def _turn(self):
+        controller = self
+
+        class _Guard:
+            def __enter__(self):
+                if not controller._turn_lock.acquire(blocking=False):
+                    raise UserError("A reply is being generated: press Stop or wait for it to finish.")
+
+            def __exit__(self, *exc):
+                controller._turn_lock.release()
+
+        return _Guard()
+
+    def chat_history(self) -> list[dict]:
+        if self.chat is None:
+            return []
+        return [{"role": m.role, "content": m.content} for m in self.chat.messages]
+
+    def send(self, text: str) -> Iterator[list[dict]]:
+        if not text or not text.strip():
+            raise UserError("The message is empty: type something first.")
+        self._require_chat()
+        check = self.chat.check_window(text)
+        if not check.fits:
+            raise UserError(
+                f"This message would bring the conversation to {check.needed_tokens} tokens, beyond the model's "
+                f"window of {check.window}. Start a new session, or press 'Drop oldest turns' "
+                f"({check.droppable_turns} can go; the system prompt stays). Nothing was sent."
+            )
+        if not self.chat.messages and self.store.get(self.chat.id).title == "New chat":
+            self.store.rename(self.chat.id, text.strip().splitlines()[0][:60])  # a title worth listing
+        yield from self._run(lambda progress: self.chat.send(text, self.settings.sampling, self.cancel, progress))
+
+    def regenerate(self) -> Iterator[list[dict]]:
+        self._require_chat()
+        yield from self._run(lambda progress: self.chat.regenerate(self.settings.sampling, self.cancel, progress))
+
+    def edit_last(self, text: str) -> Iterator[list[dict]]:
+        if not text or not text.strip():
+            raise UserError("The edited message is empty: type something first.")
+        self._require_chat()
+        yield from self._run(lambda progress: self.chat.edit_last_user(text, self.settings.sampling, self.cancel,
+                                                                      progress))
+
+    def drop_oldest_turns(self, text: str) -> str:
+        self._require_chat()
+        with self._turn():
+            try:
+                dropped = self.chat.drop_oldest_turns(text or "")
+            except SessionError as error:
+                raise UserError(str(error)) from None
+        return f"Dropped the {dropped} oldest turn(s); the system prompt was kept."
+
+    def stop(self) -> None:
+        self.cancel.set()
+
+    def _run(self, start_turn) -> Iterator[list[dict]]:
+        with self._turn():
+            self.cancel.clear()
+            self._apply_pending_config()
+            self.progress = TurnProgress(phase="prefill", started=time.perf_counter())
+
+            def on_prefill(done: int, total: int) -> None:
+                self.progress.done, self.progress.total = done, total
+
+            try:
+                events = start_turn(on_prefill)
+                history = None
+                for event in events:
+                    if history is None:  # the turn's first step stores or removes messages: read them after it
+                        history = self.chat_history()
+                    if self.progress.first_token_at is None:
+                        self.progress.first_token_at = time.perf_counter()
+                        self.progress.phase = "generating"
+                    self.progress.tokens += 1 if event.finish_reason is None else 0
+                    yield history + [{"role": "assistant", "content": event.full_text}]
+            except (SessionError, ContextOverflowError, ConfigError) as error:
+                raise UserError(str(error)) from None
+            finally:
+                self.progress.phase = "idle"
+        yield self.chat_history()

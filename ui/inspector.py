@@ -1,0 +1,85 @@
+"""The prefetch inspector: which past tokens one layer fetched for one generated token, beside the
+layer's true attention, as highlighted text.
+
+Fetched tokens are shaded by their rehearsed score (the sum of the KV head's query-group softmax weights,
+the quantity InfiniGen ranks by); the true attention (recorded when the "inspect" setting is on) is
+shaded by its weight. The recall is the share of the true attention mass that the fetched set carries.
+"""
+
+from __future__ import annotations
+
+import html
+
+import torch
+
+MAX_SHOWN_TOKENS = 1500
+
+
+def decode_steps(engine) -> list:
+    return [step for step in engine.history if step.is_decode and step.layers]
+
+
+def step_labels(engine) -> list[str]:
+    labels = []
+    for index, step in enumerate(decode_steps(engine)):
+        following = engine.token_ids[step.position + 1] if step.position + 1 < len(engine.token_ids) else None
+        token = engine.tokenizer.decode([following]) if following is not None else "(next)"
+        labels.append(f"{index}: token {step.position + 1} {token!r}")
+    return labels
+
+
+def _shaded_text(pieces: list[str], first_position: int, weights: dict[int, float], rgb: str) -> str:
+    peak = max(weights.values(), default=0.0) or 1.0
+    spans = []
+    for offset, piece in enumerate(pieces):
+        position = first_position + offset
+        text = html.escape(piece).replace("\n", "⏎<br>")
+        weight = weights.get(position)
+        if weight is None:
+            spans.append(f"<span>{text}</span>")
+        else:
+            alpha = 0.15 + 0.85 * min(weight / peak, 1.0)
+            spans.append(f'<span class="ig-hit" style="background: rgba({rgb},{alpha:.2f})" '
+                         f'title="position {position}: {weight:.4f}">{text}</span>')
+    return "".join(spans)
+
+
+def render(engine, step_index: int, layer: int) -> str:
+    """HTML for one decode step and layer (or a sentence saying why there is nothing to show)."""
+    steps = decode_steps(engine)
+    if not steps:
+        return "<p>Generate a reply first: the inspector shows the decode steps of the recent replies.</p>"
+    step = steps[max(0, min(step_index, len(steps) - 1))]
+    by_layer = {stats.layer: stats for stats in step.layers}
+    stats = by_layer.get(layer)
+    if stats is None:
+        return f"<p>Layer {layer} does not exist in this model.</p>"
+    if not stats.sparse or stats.selected_positions is None:
+        return (f"<p>Layer {layer} attended densely at this step (all {stats.context_len} past tokens): the first "
+                f"layers and the full and offload policies do not select.</p>")
+    fetched: dict[int, float] = {}
+    scores = stats.selected_scores if stats.selected_scores is not None else torch.ones_like(
+        stats.selected_positions, dtype=torch.float32)
+    for position, score in zip(stats.selected_positions.flatten().tolist(), scores.flatten().tolist()):
+        fetched[position] = max(fetched.get(position, 0.0), float(score))
+    true: dict[int, float] = {}
+    if stats.true_attention is not None:
+        true = dict(zip(stats.true_attention_positions.tolist(), stats.true_attention.tolist()))
+    first = max(0, step.position - MAX_SHOWN_TOKENS)
+    ids = engine.token_ids[first: step.position]
+    pieces = engine.tokenizer.batch_decode([[i] for i in ids]) if ids else []
+    hidden = f"<p><i>{first} earlier tokens not shown.</i></p>" if first else ""
+    recall = (f"recall of the fetched set: <b>{stats.attention_recall:.1%}</b> of the true attention mass; "
+              f"{stats.tokens_for_90} tokens would carry 90%" if stats.attention_recall is not None
+              else "turn on 'Record true attention for the inspector' in the settings to compare with the true attention")
+    summary = (f"<p>Step at position {step.position}, layer {layer}: fetched {stats.fetched} of "
+               f"{stats.context_len} past tokens ({stats.fetched_ratio:.1%}) per KV head; {recall}.</p>")
+    true_column = (_shaded_text(pieces, first, true, "76,120,168") if true
+                   else "<p>No true attention recorded for this step.</p>")
+    return (
+        f"{summary}{hidden}<div class='ig-inspector' style='display:flex; gap:1em'>"
+        f"<div style='flex:1; white-space:pre-wrap'><h4>Fetched by InfiniGen (shade: rehearsed score)</h4>"
+        f"{_shaded_text(pieces, first, fetched, '245,133,24')}</div>"
+        f"<div style='flex:1; white-space:pre-wrap'><h4>True attention of layer {layer} (shade: weight)</h4>"
+        f"{true_column}</div></div>"
+    )

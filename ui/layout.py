@@ -1,0 +1,286 @@
+"""The Gradio Blocks: chat in the middle, sessions on the left, settings, live panels and the inspector.
+
+Handlers stay thin: they call the controller and turn its `UserError`s into readable messages.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import gradio as gr
+
+from infinigen_core.config import POLICY_NAMES
+
+from . import inspector, panels
+from .controller import ChatController, UserError
+
+CSS = """
+.ig-hit { border-radius: 3px; }
+#ig-status { min-height: 2.2em; }
+footer { display: none !important; }
+"""
+
+
+def _session_choices(controller: ChatController) -> list[tuple[str, str]]:
+    choices = []
+    for s in controller.store.list():
+        used = time.strftime("%d %b %H:%M", time.localtime(s.updated))
+        choices.append((f"{s.title} · {s.token_count:,} tokens · {s.message_count} msgs · {used}", s.id))
+    return choices
+
+
+def _status_text(controller: ChatController) -> str:
+    if controller.engine is None:
+        return f"⏳ {controller.status}"
+    progress = controller.progress
+    if progress.phase == "prefill" and progress.total:
+        return f"⏳ Reading your message: {progress.done:,} / {progress.total:,} tokens..."
+    if progress.phase == "prefill":
+        return "⏳ Reading your message..."
+    if progress.phase == "generating":
+        return f"✍️ Generating: {progress.tokens} tokens, {progress.tokens_per_second():.1f} tokens/s"
+    return f"✅ {controller.status}. {controller.restore_message}"
+
+
+def build_app(controller: ChatController) -> gr.Blocks:
+    export_dir = Path(tempfile.mkdtemp(prefix="infinigen-export-"))
+    with gr.Blocks(title="InfiniGen Chat", analytics_enabled=False) as demo:
+        demo.export_dir = export_dir
+        gr.Markdown("## InfiniGen Chat")
+        status = gr.Markdown(_status_text(controller), elem_id="ig-status")
+        with gr.Row():
+            with gr.Column(scale=1, min_width=260):
+                gr.Markdown("### Sessions")
+                session_picker = gr.Dropdown(label="Saved sessions", choices=[], interactive=True,
+                                             elem_id="ig-sessions")
+                new_button = gr.Button("New session", elem_id="ig-new")
+                title_box = gr.Textbox(label="Title", placeholder="Rename this session")
+                rename_button = gr.Button("Rename")
+                delete_button = gr.Button("Delete session", variant="stop")
+                export_button = gr.Button("Export")
+                export_file = gr.File(label="Exported file", interactive=False)
+                import_file = gr.File(label="Import a session (.igchat)", file_types=[".igchat"], type="filepath")
+                branch_number = gr.Number(label="Branch from message #", value=1, precision=0, minimum=1)
+                branch_button = gr.Button("Branch")
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label="Conversation", height=460, elem_id="ig-chat")
+                message = gr.Textbox(label="Message", placeholder="Type a message (Shift+Enter for a new line)",
+                                     lines=3, elem_id="ig-message")
+                with gr.Row():
+                    send_button = gr.Button("Send", variant="primary", elem_id="ig-send")
+                    stop_button = gr.Button("Stop", elem_id="ig-stop")
+                    regenerate_button = gr.Button("Regenerate")
+                    edit_button = gr.Button("Replace last message with this text")
+                    drop_button = gr.Button("Drop oldest turns")
+                with gr.Accordion("System prompt", open=False):
+                    system_box = gr.Textbox(label="System prompt", lines=2)
+                    system_button = gr.Button("Set system prompt")
+                with gr.Accordion("Settings (apply from the next message)", open=False):
+                    with gr.Row():
+                        policy = gr.Dropdown(list(POLICY_NAMES), value="infinigen", label="KV policy")
+                        alpha = gr.Number(value=5.0, label="alpha")
+                        budget = gr.Textbox(value="0.2", label="budget (fraction or tokens)")
+                        partial_ratio = gr.Slider(0.05, 1.0, value=0.25, step=0.05, label="partial ratio")
+                        pool_limit = gr.Textbox(value="", label="pool limit (tokens or e.g. 64MiB)")
+                        record = gr.Checkbox(value=False, label="Record true attention for the inspector (slower)")
+                    with gr.Row():
+                        temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)")
+                        top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
+                        top_k = gr.Number(value=0, precision=0, label="top-k (0 = off)")
+                        repetition = gr.Slider(0.8, 2.0, value=1.0, step=0.05, label="repetition penalty")
+                        max_new = gr.Number(value=256, precision=0, label="max new tokens")
+                    apply_button = gr.Button("Apply settings")
+                    settings_status = gr.Markdown()
+        with gr.Tabs():
+            with gr.Tab("Live panels"):
+                with gr.Row():
+                    memory_plot = gr.Plot(label="Memory", elem_id="ig-memory")
+                    fetch_plot = gr.Plot(label="Fetched ratio", elem_id="ig-fetch")
+                with gr.Row():
+                    sparsity_plot = gr.Plot(label="Sparsity", elem_id="ig-sparsity")
+                    timing_plot = gr.Plot(label="Time", elem_id="ig-timing")
+            with gr.Tab("Prefetch inspector"):
+                with gr.Row():
+                    step_picker = gr.Dropdown(label="Generated token (recent decode steps)", choices=[])
+                    layer_picker = gr.Slider(0, 1, value=2, step=1, label="Layer")
+                    inspect_button = gr.Button("Show")
+                inspector_html = gr.HTML("<p>Generate a reply, then pick a token and a layer.</p>")
+        sessions_json = gr.JSON(visible=False)
+        timer = gr.Timer(1.0)
+
+        # ---------------------------------------------------------------- handlers
+        def fail(error: Exception):
+            raise gr.Error(str(error), duration=12)
+
+        def refresh_sessions():
+            current = controller.chat.id if controller.chat is not None else None
+            summary = controller.store.get(current) if current else None
+            return gr.update(choices=_session_choices(controller), value=current), \
+                (summary.title if summary else ""), (summary.system_prompt if summary else "")
+
+        def on_send(text):
+            try:
+                for history in controller.send(text):
+                    yield history, ""
+            except UserError as error:
+                fail(error)
+
+        def on_regenerate():
+            try:
+                yield from controller.regenerate()
+            except UserError as error:
+                fail(error)
+
+        def on_edit(text):
+            try:
+                for history in controller.edit_last(text):
+                    yield history, ""
+            except UserError as error:
+                fail(error)
+
+        def on_stop():
+            controller.stop()
+            return "Stopping after the current token; what was generated is kept."
+
+        def on_drop(text):
+            try:
+                gr.Info(controller.drop_oldest_turns(text))
+            except UserError as error:
+                fail(error)
+            return controller.chat_history()
+
+        def on_open(session_id):
+            if not session_id:
+                return controller.chat_history(), _status_text(controller)
+            try:
+                controller.open_session(session_id)
+            except UserError as error:
+                fail(error)
+            return controller.chat_history(), _status_text(controller)
+
+        def on_new():
+            try:
+                controller.new_session()
+            except UserError as error:
+                fail(error)
+            return controller.chat_history()
+
+        def on_rename(title):
+            try:
+                controller.rename_session(title)
+            except UserError as error:
+                fail(error)
+
+        def on_delete():
+            try:
+                controller.delete_session()
+            except UserError as error:
+                fail(error)
+            return controller.chat_history()
+
+        def on_export():
+            try:
+                return str(controller.export_session(export_dir))
+            except UserError as error:
+                fail(error)
+
+        def on_import(path):
+            if not path:
+                return controller.chat_history()
+            try:
+                controller.import_session(path)
+            except UserError as error:
+                fail(error)
+            return controller.chat_history()
+
+        def on_branch(number):
+            try:
+                controller.branch_from(int(number or 1) - 1)
+            except UserError as error:
+                fail(error)
+            return controller.chat_history()
+
+        def on_system(text):
+            try:
+                controller.set_system_prompt(text or "")
+            except UserError as error:
+                fail(error)
+            return "System prompt saved; it applies from the next message."
+
+        def on_apply(*values):
+            try:
+                return controller.apply_settings(*values)
+            except UserError as error:
+                fail(error)
+
+        def on_tick(last_seen):
+            """Refresh the status always, the plots only when the engine ran a new step."""
+            text = _status_text(controller)
+            engine = controller.engine
+            seen = (engine.steps_run, controller.chat.id if controller.chat else None) if engine else None
+            if engine is None or seen == last_seen:
+                return text, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), last_seen
+            data = panels.collect(engine, controller.progress.tokens_per_second())
+            figures = (panels.memory_plot(data), panels.fetch_ratio_plot(data), panels.sparsity_heatmap(data),
+                       panels.timing_plot(data))
+            panels.close_all(*figures)
+            labels = inspector.step_labels(engine)
+            steps = gr.update(choices=labels, value=labels[-1] if labels else None)
+            layers = gr.update(maximum=engine.adapter.num_layers - 1)
+            return (text, *figures, steps, layers, seen)
+
+        def on_inspect(step_label, layer):
+            if controller.engine is None or not step_label:
+                return "<p>Generate a reply first.</p>"
+            return inspector.render(controller.engine, int(str(step_label).split(":")[0]), int(layer))
+
+        def list_sessions():
+            return [s.__dict__ for s in controller.store.list()]
+
+        def app_status():
+            return {"ready": controller.engine is not None and controller.ready.is_set(),
+                    "status": controller.status, "error": controller.load_error,
+                    "restore": controller.restore_message, "session": controller.chat.id if controller.chat else None}
+
+        last_seen = gr.State(None)
+        session_outputs = [session_picker, title_box, system_box]
+        send_event = send_button.click(on_send, message, [chatbot, message], api_name="send")
+        message.submit(on_send, message, [chatbot, message], api_name=False).then(refresh_sessions, None,
+                                                                                 session_outputs)
+        send_event.then(refresh_sessions, None, session_outputs, api_name=False)
+        stop_button.click(on_stop, None, status, api_name="stop", queue=False)
+        regenerate_button.click(on_regenerate, None, chatbot, api_name="regenerate").then(
+            refresh_sessions, None, session_outputs, api_name=False)
+        edit_button.click(on_edit, message, [chatbot, message], api_name="edit_last").then(
+            refresh_sessions, None, session_outputs, api_name=False)
+        drop_button.click(on_drop, message, chatbot, api_name="drop_oldest_turns")
+        session_picker.input(on_open, session_picker, [chatbot, status], api_name=False).then(
+            refresh_sessions, None, session_outputs, api_name=False)
+        open_api = gr.Textbox(visible=False)
+        open_api.change(on_open, open_api, [chatbot, status], api_name="open_session")
+        new_button.click(on_new, None, chatbot, api_name="new_session").then(refresh_sessions, None,
+                                                                             session_outputs, api_name=False)
+        rename_button.click(on_rename, title_box, None, api_name="rename").then(refresh_sessions, None,
+                                                                                session_outputs, api_name=False)
+        delete_button.click(on_delete, None, chatbot, api_name="delete").then(refresh_sessions, None,
+                                                                              session_outputs, api_name=False)
+        export_button.click(on_export, None, export_file, api_name="export")
+        import_file.upload(on_import, import_file, chatbot, api_name="import").then(
+            refresh_sessions, None, session_outputs, api_name=False)
+        branch_button.click(on_branch, branch_number, chatbot, api_name="branch").then(
+            refresh_sessions, None, session_outputs, api_name=False)
+        system_button.click(on_system, system_box, settings_status, api_name="system_prompt")
+        apply_button.click(on_apply, [policy, alpha, budget, partial_ratio, pool_limit, record, temperature, top_p,
+                                      top_k, repetition, max_new], settings_status, api_name="apply_settings")
+        inspect_button.click(on_inspect, [step_picker, layer_picker], inspector_html, api_name="inspect")
+        timer.tick(on_tick, last_seen, [status, memory_plot, fetch_plot, sparsity_plot, timing_plot, step_picker,
+                                        layer_picker, last_seen], api_name=False, show_progress="hidden")
+        status_button = gr.Button(visible=False)
+        status_button.click(app_status, None, sessions_json, api_name="status")
+        list_button = gr.Button(visible=False)
+        list_button.click(list_sessions, None, sessions_json, api_name="list_sessions")
+        demo.load(lambda: controller.chat_history(), None, chatbot, api_name=False).then(
+            refresh_sessions, None, session_outputs, api_name=False)
+    return demo
