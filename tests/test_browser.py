@@ -1,0 +1,85 @@
+"""End to end in a real headless Chromium: send, watch the reply stream, see the panels, reload and resume."""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from app_server import running_app
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+BOT = "#ig-chat [data-testid='bot']"
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    with running_app(tmp_path_factory.mktemp("browser-data")) as running:
+        yield running
+
+
+@pytest.fixture
+def page(app):
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian chromium is not installed (apt-get install chromium)")
+    args = ["--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    if os.geteuid() == 0:
+        args.append("--no-sandbox")
+    with playwright_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        page = browser.new_page(viewport={"width": 1400, "height": 1300})
+        page.goto(app.url)
+        page.wait_for_selector("#ig-status:has-text('Ready')", timeout=120_000)
+        yield page
+        browser.close()
+
+
+def send(page, text: str) -> None:
+    page.locator("#ig-message textarea").fill(text)
+    page.locator("#ig-send").click()
+
+
+def reply_lengths_while_streaming(page, count_before: int, timeout_s: float = 240) -> list[int]:
+    """Length of the newest reply, sampled until the Send button's turn is over."""
+    lengths, deadline = [], time.time() + timeout_s
+    page.wait_for_function(f"document.querySelectorAll(\"{BOT}\").length > {count_before}", timeout=timeout_s * 1000)
+    stable_since = time.time()
+    while time.time() < deadline:
+        lengths.append(len(page.locator(BOT).last.inner_text()))
+        if len(lengths) > 1 and lengths[-1] != lengths[-2]:
+            stable_since = time.time()
+        busy = any(word in page.locator("#ig-status").inner_text() for word in ("Generating", "Reading"))
+        if not busy and time.time() - stable_since > 3:  # the status refreshes once a second
+            break
+        time.sleep(0.05)
+    return lengths
+
+
+def test_chat_streams_shows_panels_and_resumes_after_reload(page):
+    ARTIFACTS.mkdir(exist_ok=True)
+    send(page, "Describe the sea in three sentences.")
+    lengths = reply_lengths_while_streaming(page, 0)
+    assert lengths[-1] > 20
+    assert len({n for n in lengths if 0 < n < lengths[-1]}) >= 2  # it grew in steps: streamed
+    first_reply = page.locator(BOT).last.inner_text()
+
+    # the live panels are pictures, drawn after the decode steps
+    for panel in ("#ig-memory", "#ig-fetch", "#ig-sparsity", "#ig-timing"):
+        page.wait_for_selector(f"{panel} img", timeout=30_000)
+    page.screenshot(path=str(ROOT / "docs" / "screenshot.png"), full_page=True)
+
+    page.reload()
+    page.wait_for_selector("#ig-status:has-text('Ready')", timeout=60_000)
+    page.wait_for_function(f"document.querySelectorAll(\"{BOT}\").length == 1", timeout=30_000)
+    assert page.locator(BOT).last.inner_text() == first_reply
+    assert "Describe the sea" in page.locator("#ig-sessions").inner_html() or \
+        "Describe the sea" in page.locator("#ig-sessions input").input_value()
+
+    send(page, "Now in one sentence.")
+    lengths = reply_lengths_while_streaming(page, 1)
+    assert lengths[-1] > 0
+    assert page.locator(BOT).count() == 2  # the conversation went on where it was
+    page.screenshot(path=str(ARTIFACTS / "browser-after-reload.png"), full_page=True)
