@@ -18,9 +18,13 @@ def client(app):
     return Client(app.url, verbose=False)
 
 
-def assistant_text(history):
-    content = history[-1]["content"]
+def text_of(message):
+    content = message["content"]
     return content if isinstance(content, str) else "".join(part.get("text", "") for part in content)
+
+
+def assistant_text(history):
+    return text_of(history[-1])
 
 
 def sessions(client):
@@ -80,3 +84,41 @@ def test_bad_input_gets_a_readable_message(client):
     with pytest.raises(Exception, match="window"):
         client.predict("word " * 9000, api_name="/send")
     assert sessions(client)[0]["message_count"] == before  # nothing stored, nothing lost
+
+
+def test_inspector_shows_fetched_tokens_beside_true_attention(client):
+    client.predict("infinigen", 5, "0.2", 0.25, "", True, 0.0, 1.0, 0, 1.0, 8, api_name="/apply_settings")
+    client.predict(api_name="/new_session")
+    client.predict("Tell me about the moon.", api_name="/send")
+    page = client.predict(4, 10, api_name="/inspect")
+    assert "Fetched by InfiniGen" in page and "True attention of layer 10" in page
+    assert "ig-hit" in page and "recall of the fetched set" in page
+    assert "attended densely" in client.predict(4, 0, api_name="/inspect")  # the first layers are dense
+    client.predict("infinigen", 5, "0.2", 0.25, "", False, 0.0, 1.0, 0, 1.0, 16, api_name="/apply_settings")
+
+
+def test_regenerate_edit_export_import_and_branch(client, tmp_path):
+    from gradio_client import handle_file
+
+    client.predict(api_name="/new_session")
+    client.predict("Say hello.", api_name="/send")
+    regenerated = client.predict(api_name="/regenerate")
+    assert [m["role"] for m in regenerated] == ["user", "assistant"]  # replaced, not appended
+    edited, _ = client.predict("Say goodbye.", api_name="/edit_last")
+    assert [m["role"] for m in edited] == ["user", "assistant"] and "goodbye" in text_of(edited[0])
+
+    exported = client.predict(api_name="/export")
+    count = len(sessions(client))
+    imported = client.predict(handle_file(exported), api_name="/import")
+    assert [text_of(m) for m in imported] == [text_of(m) for m in edited]
+    assert len(sessions(client)) == count + 1
+
+    broken = tmp_path / "broken.igchat"
+    broken.write_bytes(b"not an archive")
+    with pytest.raises(Exception, match="not a session export"):
+        client.predict(handle_file(str(broken)), api_name="/import")
+    assert len(sessions(client)) == count + 1  # the failed import added nothing and lost nothing
+
+    branched = client.predict(1, api_name="/branch")
+    assert [m["role"] for m in branched] == ["user"]
+    assert len(sessions(client)) == count + 2

@@ -286,6 +286,7 @@ class ChatController:
     def _run(self, start_turn) -> Iterator[list[dict]]:
         with self._turn():
             self.cancel.clear()
+            self.restore_message = ""  # said once, after opening the session
             self._apply_pending_config()
             self.progress = TurnProgress(phase="prefill", started=time.perf_counter())
 

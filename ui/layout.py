@@ -33,15 +33,15 @@ def _session_choices(controller: ChatController) -> list[tuple[str, str]]:
 
 def _status_text(controller: ChatController) -> str:
     if controller.engine is None:
-        return f"⏳ {controller.status}"
+        return f"**Starting:** {controller.status}"
     progress = controller.progress
     if progress.phase == "prefill" and progress.total:
-        return f"⏳ Reading your message: {progress.done:,} / {progress.total:,} tokens..."
+        return f"**Reading your message:** {progress.done:,} / {progress.total:,} tokens..."
     if progress.phase == "prefill":
-        return "⏳ Reading your message..."
+        return "**Reading your message...**"
     if progress.phase == "generating":
-        return f"✍️ Generating: {progress.tokens} tokens, {progress.tokens_per_second():.1f} tokens/s"
-    return f"✅ {controller.status}. {controller.restore_message}"
+        return f"**Generating:** {progress.tokens} tokens, {progress.tokens_per_second():.1f} tokens/s"
+    return f"**{controller.status}.** {controller.restore_message}"
 
 
 def build_app(controller: ChatController) -> gr.Blocks:
@@ -59,11 +59,12 @@ def build_app(controller: ChatController) -> gr.Blocks:
                 title_box = gr.Textbox(label="Title", placeholder="Rename this session")
                 rename_button = gr.Button("Rename")
                 delete_button = gr.Button("Delete session", variant="stop")
-                export_button = gr.Button("Export")
-                export_file = gr.File(label="Exported file", interactive=False)
-                import_file = gr.File(label="Import a session (.igchat)", file_types=[".igchat"], type="filepath")
-                branch_number = gr.Number(label="Branch from message #", value=1, precision=0, minimum=1)
-                branch_button = gr.Button("Branch")
+                with gr.Accordion("Export, import, branch", open=False):
+                    export_button = gr.Button("Export")
+                    export_file = gr.File(label="Exported file", interactive=False)
+                    import_file = gr.File(label="Import a session (.igchat)", file_types=[".igchat"], type="filepath")
+                    branch_number = gr.Number(label="Branch from message #", value=1, precision=0, minimum=1)
+                    branch_button = gr.Button("Branch")
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(label="Conversation", height=460, elem_id="ig-chat")
                 message = gr.Textbox(label="Message", placeholder="Type a message (Shift+Enter for a new line)",
@@ -236,6 +237,11 @@ def build_app(controller: ChatController) -> gr.Blocks:
                 return "<p>Generate a reply first.</p>"
             return inspector.render(controller.engine, int(str(step_label).split(":")[0]), int(layer))
 
+        def on_inspect_index(step_index, layer):
+            if controller.engine is None:
+                return "<p>Still starting.</p>"
+            return inspector.render(controller.engine, int(step_index or 0), int(layer or 0))
+
         def list_sessions():
             return [s.__dict__ for s in controller.store.list()]
 
@@ -274,7 +280,11 @@ def build_app(controller: ChatController) -> gr.Blocks:
         system_button.click(on_system, system_box, settings_status, api_name="system_prompt")
         apply_button.click(on_apply, [policy, alpha, budget, partial_ratio, pool_limit, record, temperature, top_p,
                                       top_k, repetition, max_new], settings_status, api_name="apply_settings")
-        inspect_button.click(on_inspect, [step_picker, layer_picker], inspector_html, api_name="inspect")
+        inspect_button.click(on_inspect, [step_picker, layer_picker], inspector_html, api_name=False)
+        # the same view for scripts and tests: step by index (0 = oldest recent decode step), layer by number
+        step_index_api, layer_api = gr.Number(visible=False, precision=0), gr.Number(visible=False, precision=0)
+        inspect_api_button = gr.Button(visible=False)
+        inspect_api_button.click(on_inspect_index, [step_index_api, layer_api], inspector_html, api_name="inspect")
         timer.tick(on_tick, last_seen, [status, memory_plot, fetch_plot, sparsity_plot, timing_plot, step_picker,
                                         layer_picker, last_seen], api_name=False, show_progress="hidden")
         status_button = gr.Button(visible=False)
