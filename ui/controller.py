@@ -27,7 +27,7 @@ class UserError(Exception):
 class TurnProgress:
     """What the UI shows while a turn runs."""
 
-    phase: str = "idle"  # idle | prefill | generating
+    phase: str = "idle"  # idle | restore | prefill | generating
     done: int = 0
     total: int = 0
     started: float = 0.0
@@ -155,12 +155,21 @@ class ChatController:
             if previous is not None:
                 previous.close()
                 self.chat = None
+            self.progress = TurnProgress(phase="restore", started=time.perf_counter())
+
+            def on_restore(done: int, total: int) -> None:
+                self.progress.done, self.progress.total = done, total
+                if progress is not None:
+                    progress(done, total)
+
             try:
-                self.chat = ChatSession.open(self.store, self.engine, session_id, progress)
+                self.chat = ChatSession.open(self.store, self.engine, session_id, on_restore)
             except SessionError as error:
                 if previous is not None:  # stay where we were
                     self.chat = ChatSession.open(self.store, self.engine, previous.id)
                 raise UserError(str(error)) from None
+            finally:
+                self.progress.phase = "idle"
             report = self.chat.restore
             if report.rebuilt:
                 self.restore_message = (f"The saved KV cache could not be used ({report.reason}); rebuilt it by "

@@ -28,7 +28,9 @@ def step_labels(engine) -> list[str]:
     return labels
 
 
-def _shaded_text(pieces: list[str], first_position: int, weights: dict[int, float], rgb: str) -> str:
+def _shaded_text(pieces: list[str], first_position: int, weights: dict[int, float], rgb: str,
+                 floor: float) -> str:
+    """`floor` keeps every marked token visible; 0 lets tiny weights fade out."""
     peak = max(weights.values(), default=0.0) or 1.0
     spans = []
     for offset, piece in enumerate(pieces):
@@ -38,7 +40,7 @@ def _shaded_text(pieces: list[str], first_position: int, weights: dict[int, floa
         if weight is None:
             spans.append(f"<span>{text}</span>")
         else:
-            alpha = 0.15 + 0.85 * min(weight / peak, 1.0)
+            alpha = floor + (1 - floor) * min(weight / peak, 1.0)
             spans.append(f'<span class="ig-hit" style="background: rgba({rgb},{alpha:.2f})" '
                          f'title="position {position}: {weight:.4f}">{text}</span>')
     return "".join(spans)
@@ -74,12 +76,12 @@ def render(engine, step_index: int, layer: int) -> str:
               else "turn on 'Record true attention for the inspector' in the settings to compare with the true attention")
     summary = (f"<p>Step at position {step.position}, layer {layer}: fetched {stats.fetched} of "
                f"{stats.context_len} past tokens ({stats.fetched_ratio:.1%}) per KV head; {recall}.</p>")
-    true_column = (_shaded_text(pieces, first, true, "76,120,168") if true
+    true_column = (_shaded_text(pieces, first, true, "76,120,168", floor=0.0) if true
                    else "<p>No true attention recorded for this step.</p>")
     return (
         f"{summary}{hidden}<div class='ig-inspector' style='display:flex; gap:1em'>"
         f"<div style='flex:1; white-space:pre-wrap'><h4>Fetched by InfiniGen (shade: rehearsed score)</h4>"
-        f"{_shaded_text(pieces, first, fetched, '245,133,24')}</div>"
+        f"{_shaded_text(pieces, first, fetched, '245,133,24', floor=0.15)}</div>"
         f"<div style='flex:1; white-space:pre-wrap'><h4>True attention of layer {layer} (shade: weight)</h4>"
         f"{true_column}</div></div>"
     )

@@ -35,6 +35,8 @@ def _status_text(controller: ChatController) -> str:
     if controller.engine is None:
         return f"**Starting:** {controller.status}"
     progress = controller.progress
+    if progress.phase == "restore":
+        return f"**Opening the session:** {progress.done:,} / {progress.total:,} tokens of KV cache..."
     if progress.phase == "prefill" and progress.total:
         return f"**Reading your message:** {progress.done:,} / {progress.total:,} tokens..."
     if progress.phase == "prefill":
