@@ -224,7 +224,11 @@ def build_app(controller: ChatController) -> gr.Blocks:
             engine = controller.engine
             seen = (engine.steps_run, controller.chat.id if controller.chat else None) if engine else None
             if engine is None or seen == last_seen:
-                return text, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), last_seen
+                return (text, *[gr.skip()] * 8, last_seen)
+            # the page may have opened before the model and the last session were loaded: show them now
+            session_changed = last_seen is None or last_seen[1] != seen[1]
+            history = controller.chat_history() if session_changed else gr.skip()
+            picker = gr.update(choices=_session_choices(controller), value=seen[1]) if session_changed else gr.skip()
             data = panels.collect(engine, controller.progress.tokens_per_second())
             figures = (panels.memory_plot(data), panels.fetch_ratio_plot(data), panels.sparsity_heatmap(data),
                        panels.timing_plot(data))
@@ -232,7 +236,7 @@ def build_app(controller: ChatController) -> gr.Blocks:
             labels = inspector.step_labels(engine)
             steps = gr.update(choices=labels, value=labels[-1] if labels else None)
             layers = gr.update(maximum=engine.adapter.num_layers - 1)
-            return (text, *figures, steps, layers, seen)
+            return (text, *figures, steps, layers, history, picker, seen)
 
         def on_inspect(step_label, layer):
             if controller.engine is None or not step_label:
@@ -288,7 +292,7 @@ def build_app(controller: ChatController) -> gr.Blocks:
         inspect_api_button = gr.Button(visible=False)
         inspect_api_button.click(on_inspect_index, [step_index_api, layer_api], inspector_html, api_name="inspect")
         timer.tick(on_tick, last_seen, [status, memory_plot, fetch_plot, sparsity_plot, timing_plot, step_picker,
-                                        layer_picker, last_seen], api_name=False, show_progress="hidden")
+                                        layer_picker, chatbot, session_picker, last_seen], api_name=False, show_progress="hidden")
         status_button = gr.Button(visible=False)
         status_button.click(app_status, None, sessions_json, api_name="status")
         list_button = gr.Button(visible=False)
