@@ -12,7 +12,7 @@ from pathlib import Path
 from infinigen_core.calibration import calibration_text
 from infinigen_core.config import SamplingConfig
 
-from .chat import ChatSession
+from .chat import REPLY_RESERVE_TOKENS, ChatSession
 from .store import SessionStore
 
 
@@ -39,7 +39,9 @@ def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = No
     with tempfile.TemporaryDirectory() as scratch:
         store = SessionStore(data_dir or scratch)
         session_id = store.create("resume benchmark")
-        document = _long_document(engine.tokenizer, context_tokens - 120)
+        # leave room in the window for the follow-up question and its reply, which send() checks for
+        target = min(context_tokens, engine.max_context - 2 * REPLY_RESERVE_TOKENS)
+        document = _long_document(engine.tokenizer, target - 120)
         with ChatSession.open(store, engine, session_id) as chat:
             for _ in chat.send("Here is a document:\n\n" + document, SamplingConfig(max_new_tokens=8)):
                 pass

@@ -78,6 +78,7 @@ class ChatSession:
         started = time.perf_counter()
         engine, signature = self.engine, self.engine.kv_signature()
         engine.reset()
+        self.store.remove_leftovers(self.id)
         records = self.store.chunks(self.id)
         problem = ""
         if records and self.store.kv_signature(self.id) != signature:

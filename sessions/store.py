@@ -164,6 +164,19 @@ class SessionStore:
             if not still_used:
                 (self.data_dir / name).unlink(missing_ok=True)
 
+    def remove_leftovers(self, session_id: str) -> list[str]:
+        """Delete what a writer killed mid-snapshot left in the session's folder: temporary files, and
+        chunk files that were renamed into place but never registered. Call it holding the session's lock."""
+        folder = self.data_dir / "kv" / session_id
+        removed = []
+        for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+            name = path.relative_to(self.data_dir).as_posix()
+            registered = self.db.execute("SELECT 1 FROM chunks WHERE file = ? LIMIT 1", [name]).fetchone()
+            if path.is_file() and not registered:
+                path.unlink(missing_ok=True)
+                removed.append(name)
+        return removed
+
     # ------------------------------------------------------------------ messages
     def messages(self, session_id: str) -> list[Message]:
         rows = self.db.query("SELECT * FROM messages WHERE session_id = ? ORDER BY position", [session_id])

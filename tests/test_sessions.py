@@ -259,22 +259,30 @@ def test_the_window_is_checked_before_generation(store, real_engine):
         assert chat.check_window(medium).fits
 
 
-def test_kill_9_during_generation_loses_at_most_the_turn_in_flight(store, real_engine):
-    session_id = store.create("Crash")
+def kill_worker_at(store, session_id, mode, marker):
+    """Run tests/session_worker.py, SIGKILL it when it prints `marker`; returns its first turn's tokens."""
     worker = subprocess.Popen([sys.executable, str(ROOT / "tests" / "session_worker.py"), str(store.data_dir),
-                               session_id], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                               session_id, mode], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    turn1_tokens = None
     try:
-        turn1_tokens = None
         for line in worker.stdout:
             if line.startswith("TURN1 DONE"):
                 turn1_tokens = int(line.split()[-1])
-            if line.startswith("TOKEN"):
+            if line.startswith(marker):
                 break
+        else:
+            pytest.fail(f"the worker ended without printing {marker}")
         assert turn1_tokens, "the worker did not finish its first turn"
         os.kill(worker.pid, signal.SIGKILL)
     finally:
         worker.kill()
         worker.wait(timeout=30)
+    return turn1_tokens
+
+
+def test_kill_9_during_generation_loses_at_most_the_turn_in_flight(store, real_engine):
+    session_id = store.create("Crash")
+    turn1_tokens = kill_worker_at(store, session_id, "generation", "TOKEN")
     reopened = SessionStore(store.data_dir)
     with ChatSession.open(reopened, real_engine, session_id) as chat:  # the dead process's lock is gone
         roles = [m.role for m in chat.messages]
@@ -282,3 +290,24 @@ def test_kill_9_during_generation_loses_at_most_the_turn_in_flight(store, real_e
         assert not chat.restore.rebuilt and chat.restore.tokens_restored == turn1_tokens
         events = list(chat.regenerate(SHORT))  # and it can be answered now
         assert events[-1].finish_reason is not None and len(chat.messages) == 4
+
+
+def test_kill_9_during_a_snapshot_write_keeps_every_message(store, real_engine):
+    session_id = store.create("Crash while saving")
+    turn1_tokens = kill_worker_at(store, session_id, "snapshot", "SNAPSHOT WRITING")
+    folder = store.data_dir / "kv" / session_id
+    leftovers = [p for p in folder.iterdir() if ".tmp-" in p.name]
+    assert leftovers, "the worker was not killed inside the chunk write"
+
+    reopened = SessionStore(store.data_dir)
+    with ChatSession.open(reopened, real_engine, session_id) as chat:
+        # both replies were committed; only the second turn's KV rows were in flight
+        assert [m.role for m in chat.messages] == ["user", "assistant", "user", "assistant"]
+        assert not chat.restore.rebuilt and chat.restore.tokens_restored == turn1_tokens
+        assert not any(".tmp-" in p.name for p in folder.iterdir())  # the torn write is cleaned up
+        run_turn(chat, "And of Spain?")
+        conversation = chat._conversation_ids(chat.messages[:-1], generation_prompt=True)  # up to the reply
+        assert real_engine.token_ids[: len(conversation)] == conversation  # the lost rows were recomputed
+        chunks = reopened.chunks(session_id)
+        assert [c.start for c in chunks] == [0] + [c.end for c in chunks[:-1]]
+        assert chunks[-1].end == real_engine.num_tokens == reopened.get(session_id).token_count
