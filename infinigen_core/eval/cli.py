@@ -1,0 +1,243 @@
+"""`python -m infinigen_core.eval <subcommand>`: argument parsing, model loading and printing.
+
+    python -m infinigen_core.eval ppl --text essays/ --context 2048 --json
+    python -m infinigen_core.eval speed --text essays/ --context 2048,4096 --save results/speed.json
+    python -m infinigen_core.eval gpu            # "no CUDA device" and exit 0 on a CPU-only machine
+
+Progress and loading messages go to stderr; the table goes to stdout, then (with --json) one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..config import ConfigError, EngineConfig, parse_budget
+from .common import (EvalError, format_table, load_token_ids, machine_description, parse_numbers, parse_policies,
+                     read_text, to_json, windows)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _base_config(args) -> EngineConfig:
+    budget, is_tokens = parse_budget(args.budget)
+    return EngineConfig(alpha=args.alpha, budget=budget, budget_is_tokens=is_tokens,
+                        partial_ratio=args.partial_ratio, dense_layers=args.dense_layers)
+
+
+def _configs(args) -> dict[str, EngineConfig]:
+    base = _base_config(args)
+    return {name: base.with_changes(policy=name) for name in parse_policies(args.policies)}
+
+
+def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = True) -> None:
+    if text:
+        parser.add_argument("--text", type=Path, required=True, help="a UTF-8 file or a directory of .txt files")
+    if policies is not None:
+        parser.add_argument("--policies", default=policies, help=f"comma-separated (default {policies})")
+    parser.add_argument("--alpha", type=float, default=EngineConfig.alpha)
+    parser.add_argument("--budget", default=str(EngineConfig.budget), help="fraction (0.2) or token count (256)")
+    parser.add_argument("--partial-ratio", type=float, default=EngineConfig.partial_ratio)
+    parser.add_argument("--dense-layers", type=int, default=EngineConfig.dense_layers)
+    parser.add_argument("--model", help="checkpoint directory or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m infinigen_core.eval",
+                                     description="Accuracy and speed of every KV policy on the real decode path")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    ppl = commands.add_parser("ppl", help="perplexity of long text, scored token by token")
+    _common(ppl, "full,infinigen,h2o,streaming")
+    ppl.add_argument("--context", type=int, required=True, help="tokens per window")
+    ppl.add_argument("--prefill", type=int, help="tokens prefilled per window (default: all but the last min(256, N/4))")
+    ppl.add_argument("--windows", type=int, default=1, help="windows spread over the text (default 1)")
+
+    agree = commands.add_parser("agree", help="greedy agreement of each policy with the full cache")
+    _common(agree, "full,infinigen,h2o,streaming")
+    agree.add_argument("--context", type=int, default=2048, help="prompt tokens (default 2048)")
+    agree.add_argument("--new-tokens", type=int, default=64)
+    agree.add_argument("--windows", type=int, default=1)
+
+    recall = commands.add_parser("recall", help="per-layer share of the true attention mass fetched")
+    _common(recall, "infinigen,h2o,streaming")
+    recall.add_argument("--context", type=int, default=2048)
+    recall.add_argument("--decode-tokens", type=int, default=32)
+
+    speed = commands.add_parser("speed", help="decode ms/token per policy and its ratio to full, same run")
+    _common(speed, "full,offload,infinigen")
+    speed.add_argument("--context", default="2048,4096,8192", help="comma-separated contexts")
+    speed.add_argument("--decode-tokens", type=int, default=24, help="timed decode steps per policy and context")
+    speed.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the policies")
+    speed.add_argument("--no-reference", action="store_true", help="skip the plain transformers row")
+
+    sweep = commands.add_parser("sweep", help="InfiniGen alpha x budget x partial ratio")
+    _common(sweep, None)
+    sweep.add_argument("--context", type=int, default=2048)
+    sweep.add_argument("--prefill", type=int)
+    sweep.add_argument("--windows", type=int, default=1)
+    sweep.add_argument("--alphas", default="3,4,5,6")
+    sweep.add_argument("--budgets", default="0.1,0.2")
+    sweep.add_argument("--partial-ratios", default="0.2,0.3")
+    sweep.add_argument("--max-ppl-increase", type=float, default=0.01, help="for choosing defaults (0.01 = 1%%)")
+
+    resume = commands.add_parser("resume", help="first token after reopening a saved session vs re-prefill")
+    _common(resume, None, text=False)
+    resume.add_argument("--context", type=int, default=8192)
+
+    gpu = commands.add_parser("gpu", help="random-weight Llama-2-7B/Llama-3-8B shapes on a CUDA device")
+    gpu.add_argument("--models", default="llama2-7b,llama3-8b")
+    gpu.add_argument("--context", default="4096,8192,16384,32768")
+    gpu.add_argument("--policies", default="full,offload,infinigen")
+    gpu.add_argument("--budget", type=float, default=0.2, help="fixed fraction InfiniGen fetches")
+    gpu.add_argument("--decode-tokens", type=int, default=8)
+    gpu.add_argument("--json", action="store_true")
+    gpu.add_argument("--save", type=Path)
+    return parser
+
+
+def _load_engine(args):
+    from ..loading import load_engine
+
+    return load_engine(args.model, device=args.device, config=_base_config(args), progress=_log)
+
+
+def _prefill_for(args) -> int:
+    from .ppl import default_prefill
+
+    return args.prefill if args.prefill is not None else default_prefill(args.context)
+
+
+def run_ppl(args) -> tuple[str, dict]:
+    from .ppl import perplexity, with_ratio_to_full
+
+    configs = _configs(args)
+    text = read_text(args.text)  # bad input fails before the model loads
+    engine = _load_engine(args)
+    ids = load_token_ids(engine.tokenizer, text, args.context, args.text)
+    results = with_ratio_to_full(perplexity(engine, windows(ids, args.context, args.windows), _prefill_for(args),
+                                            configs, _log))
+    rows = [{"policy": name, **values} for name, values in results.items()]
+    table = format_table(rows, ["policy", "ppl", "ppl_vs_full", "fetched_ratio", "sparse_fetched_ratio",
+                                "ms_per_token", "scored_tokens"])
+    return table, {"context": args.context, "prefill": _prefill_for(args), "windows": args.windows, **results}
+
+
+def run_agree(args) -> tuple[str, dict]:
+    from .agree import agreement
+
+    configs = _configs(args)
+    text = read_text(args.text)  # bad input fails before the model loads
+    engine = _load_engine(args)
+    ids = load_token_ids(engine.tokenizer, text, args.context, args.text)
+    results = agreement(engine, windows(ids, args.context, args.windows), args.new_tokens, configs, _log)
+    rows = [{"policy": name, **values} for name, values in results.items()]
+    return format_table(rows, ["policy", "agreement", "match_prefix", "fetched_ratio", "new_tokens"]), {
+        "context": args.context, **results}
+
+
+def run_recall(args) -> tuple[str, dict]:
+    from .recall import attention_recall
+
+    configs = _configs(args)
+    text = read_text(args.text)  # bad input fails before the model loads
+    engine = _load_engine(args)
+    ids = load_token_ids(engine.tokenizer, text, args.context + args.decode_tokens, args.text)
+    results = attention_recall(engine, ids[: args.context], ids[args.context : args.context + args.decode_tokens],
+                               configs, _log)
+    layers = sorted({layer for r in results.values() for layer in r["per_layer"]})
+    rows = [{"layer": layer, **{name: r["per_layer"].get(layer) for name, r in results.items()}} for layer in layers]
+    rows.append({"layer": "mean", **{name: r["recall"] for name, r in results.items()}})
+    rows.append({"layer": "fetched", **{name: r["fetched_ratio"] for name, r in results.items()}})
+    return format_table(rows, ["layer", *results]), {"context": args.context, **results}
+
+
+def run_speed(args) -> tuple[str, dict]:
+    from .speed import decode_speed
+
+    configs = _configs(args)
+    contexts = parse_numbers(args.context, int)
+    text = read_text(args.text)  # bad input fails before the model loads
+    engine = _load_engine(args)
+    ids = load_token_ids(engine.tokenizer, text, max(contexts) + args.decode_tokens + args.rounds, args.text)
+    rows = []
+    for context in contexts:
+        rows += decode_speed(engine, ids, context, configs, args.decode_tokens, args.rounds,
+                             reference=not args.no_reference, progress=_log)
+    table = format_table(rows, ["context", "policy", "ms_per_token", "ratio_to_full", "mean_ms", "prefill_s",
+                                "fetched_ratio", "pool_bytes", "device_bytes"])
+    return table, {"rows": rows}
+
+
+def run_sweep(args) -> tuple[str, dict]:
+    from .sweep import choose_defaults, sweep
+
+    base = _base_config(args)
+    alphas = parse_numbers(args.alphas)
+    budgets = parse_numbers(args.budgets)
+    partials = parse_numbers(args.partial_ratios)
+    for alpha in alphas:  # validate the whole grid before any model work
+        for budget in budgets:
+            for partial in partials:
+                base.with_changes(policy="infinigen", alpha=alpha, budget=budget, partial_ratio=partial)
+    text = read_text(args.text)  # bad input fails before the model loads
+    engine = _load_engine(args)
+    ids = load_token_ids(engine.tokenizer, text, args.context, args.text)
+    rows = sweep(engine, windows(ids, args.context, args.windows), _prefill_for(args), alphas, budgets, partials,
+                 base, _log)
+    chosen = choose_defaults(rows, args.max_ppl_increase)
+    table = format_table(rows, ["policy", "alpha", "budget", "partial_ratio", "ppl", "ppl_vs_full", "fetched_ratio",
+                                "sparse_fetched_ratio", "ms_per_token"])
+    if chosen:
+        table += (f"\nchosen: alpha {chosen['alpha']}, budget {chosen['budget']}, partial ratio "
+                  f"{chosen['partial_ratio']} (least KV fetched within {args.max_ppl_increase:.0%} of full's perplexity)")
+    else:
+        table += f"\nno combination came within {args.max_ppl_increase:.0%} of full's perplexity"
+    return table, {"context": args.context, "rows": rows, "chosen": chosen}
+
+
+def run_resume(args) -> tuple[str, dict]:
+    from .resume import resume_versus_reprefill
+
+    engine = _load_engine(args)
+    result = resume_versus_reprefill(engine, args.context)
+    return format_table([result], ["tokens", "resume_s", "reprefill_s", "speedup"]), result
+
+
+def run_gpu(args) -> tuple[str, dict]:
+    from .gpu import NO_CUDA_MESSAGE, gpu_benchmark, parse_shapes
+
+    result = gpu_benchmark(parse_shapes(args.models), parse_numbers(args.context, int), parse_policies(args.policies),
+                           args.budget, args.decode_tokens, _log)
+    if not result["cuda"]:
+        return NO_CUDA_MESSAGE, result
+    table = format_table(result["rows"], ["model", "context", "policy", "tokens_per_s", "speedup_vs_offload",
+                                          "ms_per_token", "bytes_fetched_per_token", "h2d_gbps", "peak_h2d_gbps"])
+    return f"device: {result['device']}\n{table}", result
+
+
+RUNNERS = {"ppl": run_ppl, "agree": run_agree, "recall": run_recall, "speed": run_speed, "sweep": run_sweep,
+           "resume": run_resume, "gpu": run_gpu}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        table, result = RUNNERS[args.command](args)
+    except (EvalError, ConfigError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    result = {"command": args.command, "machine": machine_description(), **result}
+    print(table, flush=True)
+    if args.save:
+        args.save.parent.mkdir(parents=True, exist_ok=True)
+        args.save.write_text(to_json(result) + "\n", encoding="utf-8")
+    if args.json:
+        print(to_json(result), flush=True)
+    return 0

@@ -1,0 +1,95 @@
+"""Decode and prefill speed per policy, as ratios measured in the same run.
+
+    python -m infinigen_core.eval speed --text essays/ --context 2048,4096,8192 --policies full,offload,infinigen
+
+Per context: one prefill (dense, timed), then rounds in which every policy in turn decodes a few of the
+text's next tokens from the same prefix. Interleaving the policies means a burst of load from another
+process slows them alike; the first step after each switch is a warm-up and is not timed. The median
+step time is reported (robust to such bursts) and its ratio to `full`'s. A reference row runs plain
+transformers (its own DynamicCache, no engine) over the same tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ..config import EngineConfig
+from .common import EvalError, decode_tokens, load_prefix
+
+REFERENCE = "transformers"
+
+
+def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, EngineConfig], decode_tokens_n: int,
+                 rounds: int = 2, reference: bool = True, progress=None) -> list[dict]:
+    """Rows for one context: policy, ms_per_token (median), mean_ms, ratio_to_full, prefill_s, pool/device bytes."""
+    if len(ids) < context + decode_tokens_n + rounds:
+        raise EvalError(f"{context + decode_tokens_n + rounds} tokens are needed for context {context}, the text has {len(ids)}")
+    if decode_tokens_n < rounds:
+        raise EvalError(f"--decode-tokens ({decode_tokens_n}) must be at least --rounds ({rounds})")
+    prefix = list(ids[:context])
+    per_round = decode_tokens_n // rounds
+    first = next(iter(configs.values()))
+    if progress:
+        progress(f"context {context}: prefill")
+    engine.reset()
+    prefill_s = load_prefix(engine, first, prefix)
+    times = {name: [] for name in configs}
+    facts = {}
+    for round_index in range(rounds):
+        for name, config in configs.items():
+            if progress:
+                progress(f"context {context}: round {round_index + 1}/{rounds}, {name}")
+            load_prefix(engine, config, prefix)
+            # each round decodes the same next tokens: the same work for every policy
+            run = decode_tokens(engine, ids[context : context + per_round + 1])
+            times[name] += run.step_ms[1:]
+            step = engine.history[-1]
+            facts[name] = {"fetched_ratio": run.fetched_ratio, "pool_bytes": step.pool_bytes,
+                           "device_bytes": step.device_bytes}
+    engine.reset()
+    rows = []
+    for name in configs:
+        rows.append({"policy": name, "context": context, "ms_per_token": statistics.median(times[name]),
+                     "mean_ms": statistics.fmean(times[name]), "decode_steps": len(times[name]),
+                     "prefill_s": prefill_s if name == first.policy else None, **facts[name]})
+    if reference:
+        if progress:
+            progress(f"context {context}: plain transformers reference")
+        rows.append(transformers_reference(engine.model, ids, context, rounds * per_round))
+    base = next((row["ms_per_token"] for row in rows if row["policy"] == "full"), None)
+    for row in rows:
+        row["ratio_to_full"] = row["ms_per_token"] / base if base else None
+    return rows
+
+
+@torch.inference_mode()
+def transformers_reference(model, ids: Sequence[int], context: int, steps: int, chunk: int = 512) -> dict:
+    """Prefill and decode with the model's own attention and DynamicCache: what the engine is measured against."""
+    from transformers import DynamicCache
+
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        cache = DynamicCache(config=model.config)
+        started = time.perf_counter()
+        for start in range(0, context, chunk):
+            piece = torch.tensor([list(ids[start : min(start + chunk, context)])], device=model.device)
+            model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        prefill_s = time.perf_counter() - started
+        step_ms = []
+        for token in ids[context : context + steps + 1]:
+            started = time.perf_counter()
+            model(input_ids=torch.tensor([[int(token)]], device=model.device), past_key_values=cache, use_cache=True)
+            step_ms.append((time.perf_counter() - started) * 1e3)
+        cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        del cache
+    finally:
+        model.set_attn_implementation(previous)
+    timed = step_ms[1:]
+    return {"policy": REFERENCE, "context": context, "ms_per_token": statistics.median(timed),
+            "mean_ms": statistics.fmean(timed), "decode_steps": len(timed), "prefill_s": prefill_s,
+            "fetched_ratio": 1.0, "pool_bytes": cache_bytes, "device_bytes": cache_bytes}
