@@ -1,0 +1,201 @@
+"""The benchmark tools measure what they claim: exact checks on a tiny model, a short real-model run, the CLI."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import make_tiny_engine, random_tokens
+from infinigen_core.calibration import calibration_text
+from infinigen_core.config import EngineConfig
+from infinigen_core.eval import cli
+from infinigen_core.eval.agree import agreement
+from infinigen_core.eval.common import (EvalError, format_table, load_prefix, parse_policies, read_text, to_json,
+                                        windows)
+from infinigen_core.eval.ppl import perplexity
+from infinigen_core.eval.recall import attention_recall
+from infinigen_core.eval.speed import decode_speed
+from infinigen_core.eval.sweep import choose_defaults, sweep
+
+CONTEXT = 160
+PREFILL = 128
+
+
+@pytest.fixture
+def tiny_engine(tiny_llama):
+    engine = make_tiny_engine(tiny_llama)
+    yield engine
+    engine.close()
+
+
+def configs(*policies, **settings):
+    return {name: EngineConfig(policy=name, **settings) for name in policies}
+
+
+def test_full_perplexity_equals_the_plain_model_on_the_scored_tokens(tiny_llama, tiny_engine):
+    window = random_tokens(CONTEXT, seed=3)
+    result = perplexity(tiny_engine, [window], PREFILL, configs("full", "offload"))
+    model = tiny_llama[0]
+    with torch.inference_mode():
+        tiny_engine.model.set_attn_implementation("sdpa")
+        try:
+            logits = model(input_ids=torch.tensor([window])).logits[0]
+        finally:
+            tiny_engine.model.set_attn_implementation("infinigen")
+    # logits[i] predicts token i+1: the scored tokens are window[PREFILL+1:], predicted from PREFILL on
+    nll = torch.nn.functional.cross_entropy(logits[PREFILL:-1], torch.tensor(window[PREFILL + 1 :]))
+    assert result["full"]["ppl"] == pytest.approx(math.exp(float(nll)), rel=1e-4)
+    assert result["offload"]["ppl"] == pytest.approx(result["full"]["ppl"], rel=1e-4)
+    assert result["full"]["scored_tokens"] == CONTEXT - PREFILL - 1
+    assert result["full"]["fetched_ratio"] == 1.0 and result["offload"]["fetched_ratio"] == 1.0
+    assert tiny_engine.num_tokens == 0  # the tools leave the engine empty
+
+
+def test_a_small_budget_fetches_less_and_changes_perplexity(tiny_engine):
+    window = random_tokens(CONTEXT, seed=4)
+    result = perplexity(tiny_engine, [window], PREFILL, configs("full", "streaming", "infinigen", budget=0.1, alpha=1e9))
+    for name in ("streaming", "infinigen"):
+        # two dense layers of four read everything, the two sparse ones about a tenth
+        assert result[name]["sparse_fetched_ratio"] == pytest.approx(0.1, abs=0.02)
+        assert result[name]["fetched_ratio"] == pytest.approx((2 + 2 * 0.1) / 4, abs=0.02)
+        assert result[name]["ppl"] != pytest.approx(result["full"]["ppl"], rel=1e-6)
+
+
+def test_prefill_is_shared_except_with_h2o_which_learns_from_it(tiny_engine):
+    prefix = random_tokens(PREFILL, seed=5)
+    assert load_prefix(tiny_engine, EngineConfig(policy="full"), prefix) > 0
+    assert load_prefix(tiny_engine, EngineConfig(policy="infinigen"), prefix) == 0.0  # cached K/V reused
+    assert load_prefix(tiny_engine, EngineConfig(policy="h2o"), prefix) > 0
+    assert float(tiny_engine.policy.scores[2].sum()) > 0  # heavy-hitter scores came from this prefill
+    assert load_prefix(tiny_engine, EngineConfig(policy="streaming"), prefix) > 0
+    assert tiny_engine.token_ids == prefix
+
+
+def test_agreement_of_full_with_itself_is_perfect_and_a_tiny_budget_is_not(tiny_engine):
+    prompt = random_tokens(PREFILL, seed=6)
+    result = agreement(tiny_engine, [prompt], 12, configs("full", "streaming", budget=2, budget_is_tokens=True))
+    assert result["full"]["agreement"] == 1.0 and result["full"]["match_prefix"] == 12
+    assert result["streaming"]["agreement"] < 1.0
+    assert result["streaming"]["match_prefix"] < 12
+
+
+def test_recall_is_complete_when_everything_is_fetched_and_partial_otherwise(tiny_engine):
+    ids = random_tokens(PREFILL + 6, seed=7)
+    everything = attention_recall(tiny_engine, ids[:PREFILL], ids[PREFILL:], configs("infinigen", budget=1.0, alpha=1e9))
+    assert sorted(everything["infinigen"]["per_layer"]) == [2, 3]  # the sparse layers only
+    assert everything["infinigen"]["recall"] == pytest.approx(1.0, abs=1e-4)
+    small = attention_recall(tiny_engine, ids[:PREFILL], ids[PREFILL:], configs("streaming", "infinigen", budget=0.1, alpha=1e9))
+    for name in ("streaming", "infinigen"):
+        assert 0 < small[name]["recall"] < 0.95
+    # the sink+recent window misses what a random model attends to; speculation finds more of it
+    assert small["infinigen"]["recall"] > small["streaming"]["recall"]
+
+
+def test_speed_rows_compare_every_policy_with_full_in_the_same_run(tiny_engine):
+    ids = random_tokens(PREFILL + 12, seed=8)
+    rows = decode_speed(tiny_engine, ids, PREFILL, configs("full", "offload", "infinigen"), decode_tokens_n=6, rounds=2)
+    assert [row["policy"] for row in rows] == ["full", "offload", "infinigen", "transformers"]
+    by_policy = {row["policy"]: row for row in rows}
+    assert by_policy["full"]["ratio_to_full"] == 1.0
+    for row in rows:
+        assert row["ms_per_token"] > 0 and row["decode_steps"] == 6  # timed steps; the warm-up step after each switch is extra
+        assert row["ratio_to_full"] == pytest.approx(row["ms_per_token"] / by_policy["full"]["ms_per_token"])
+        assert row["pool_bytes"] > 0
+    assert by_policy["infinigen"]["fetched_ratio"] < 1.0
+    assert by_policy["full"]["prefill_s"] > 0
+    with pytest.raises(EvalError, match="tokens are needed"):
+        decode_speed(tiny_engine, ids[:PREFILL], PREFILL, configs("full"), decode_tokens_n=6)
+
+
+def test_sweep_covers_the_grid_and_choose_defaults_takes_the_cheapest_within_tolerance(tiny_engine):
+    window = random_tokens(CONTEXT, seed=9)
+    rows = sweep(tiny_engine, [window], PREFILL, alphas=[1.0, 1e9], budgets=[0.1, 0.5], partial_ratios=[0.25, 0.5])
+    assert len(rows) == 1 + 2 * 2 * 2 and rows[0]["policy"] == "full" and rows[0]["ppl_vs_full"] == 0.0
+    assert {(r["alpha"], r["budget"], r["partial_ratio"]) for r in rows[1:]} == {
+        (a, b, p) for a in (1.0, 1e9) for b in (0.1, 0.5) for p in (0.25, 0.5)}
+    synthetic = [{"policy": "full", "ppl_vs_full": 0.0, "fetched_ratio": 1.0},
+                 {"policy": "infinigen", "ppl_vs_full": 0.005, "fetched_ratio": 0.3},
+                 {"policy": "infinigen", "ppl_vs_full": 0.009, "fetched_ratio": 0.2},
+                 {"policy": "infinigen", "ppl_vs_full": 0.05, "fetched_ratio": 0.1}]
+    assert choose_defaults(synthetic, 0.01) is synthetic[2]
+    assert choose_defaults(synthetic, 0.001) is None
+
+
+def test_text_helpers(tmp_path):
+    (tmp_path / "b.txt").write_text("second", encoding="utf-8")
+    (tmp_path / "a.txt").write_text("first", encoding="utf-8")
+    (tmp_path / "skip.md").write_text("not text", encoding="utf-8")
+    assert read_text(tmp_path) == "first\n\nsecond"
+    with pytest.raises(EvalError, match="does not exist"):
+        read_text(tmp_path / "missing.txt")
+    (tmp_path / "bad.bin").write_bytes(b"\xff\xfe\xfa")
+    with pytest.raises(EvalError, match="not UTF-8"):
+        read_text(tmp_path / "bad.bin")
+    assert windows(list(range(100)), 30, 2) == [list(range(30)), list(range(50, 80))]
+    assert len(windows(list(range(100)), 30, 9)) == 3
+    with pytest.raises(EvalError, match="fewer than one window"):
+        windows(list(range(10)), 30, 1)
+    with pytest.raises(EvalError, match="unknown policy fast"):
+        parse_policies("full,fast")
+    table = format_table([{"policy": "full", "ppl": 12.3456}, {"policy": "h2o", "ppl": float("nan")}], ["policy", "ppl"])
+    assert table.splitlines()[2] == "| full   | 12.35 |" and table.splitlines()[3] == "| h2o    | -     |"
+    assert json.loads(to_json({"ppl": float("nan"), "rows": [1.5]})) == {"ppl": None, "rows": [1.5]}
+
+
+def test_bad_input_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    def refuse(args):
+        raise AssertionError("the model must not load for bad input")
+
+    monkeypatch.setattr(cli, "_load_engine", refuse)
+    assert cli.main(["ppl", "--text", str(tmp_path / "missing.txt"), "--context", "512"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli.main(["ppl", "--text", str(tmp_path), "--context", "512", "--policies", "full,magic"]) == 2
+    assert "unknown policy magic" in capsys.readouterr().err
+    assert cli.main(["sweep", "--text", str(tmp_path), "--alphas", "5", "--budgets", "1.5"]) == 2
+    assert "budget" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the benchmark would run for real")
+def test_gpu_benchmark_without_cuda_says_so_and_exits_cleanly():
+    done = subprocess.run([sys.executable, "-m", "infinigen_core.eval", "gpu", "--json"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "no CUDA device: the GPU benchmark needs one, nothing was measured"
+    result = json.loads(lines[-1])
+    assert result["cuda"] is False and result["rows"] == [] and result["command"] == "gpu"
+
+
+# ------------------------------------------------------------------------------------------- real model
+def test_ppl_cli_on_the_real_model(real_engine, tmp_path, capsys, monkeypatch):
+    """The shipped calibration text, 320 tokens: the JSON's shape, and the sparse policies fetch a fraction."""
+    text = tmp_path / "text.txt"
+    text.write_text(calibration_text(), encoding="utf-8")
+    monkeypatch.setattr(cli, "_load_engine", lambda args: real_engine)  # the session's one real engine
+    saved = tmp_path / "out" / "ppl.json"
+    code = cli.main(["ppl", "--text", str(text), "--context", "320", "--prefill", "288",
+                     "--policies", "full,infinigen,streaming", "--json", "--save", str(saved)])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result == json.loads(saved.read_text())
+    full, infinigen = result["full"], result["infinigen"]
+    assert 1 < full["ppl"] < 100  # a trained model on English prose
+    assert full["fetched_ratio"] == 1.0 and full["ppl_vs_full"] == 0.0
+    # 28 of 30 layers sparse at a 20% budget; accuracy at this tiny context is the benchmarks' business
+    assert infinigen["fetched_ratio"] < 0.3 and result["streaming"]["fetched_ratio"] < 0.3
+    assert math.isfinite(infinigen["ppl"]) and infinigen["ppl"] != full["ppl"]
+    assert all(result[name]["ms_per_token"] > 0 and result[name]["scored_tokens"] == 31 for name in result
+               if isinstance(result[name], dict) and "ppl" in result[name])
+
+
+def test_resume_benchmark_on_the_real_model(real_engine):
+    from infinigen_core.eval.resume import resume_versus_reprefill
+
+    result = resume_versus_reprefill(real_engine, 384)
+    assert 300 < result["tokens"] <= 384 + 64
+    assert result["resume_s"] > 0 and result["reprefill_s"] > 0
+    assert result["speedup"] == pytest.approx(result["reprefill_s"] / result["resume_s"])
+    assert real_engine.num_tokens == 0
