@@ -108,6 +108,8 @@ def test_speed_rows_compare_every_policy_with_full_in_the_same_run(tiny_engine):
     assert by_policy["full"]["prefill_s"] > 0
     with pytest.raises(EvalError, match="tokens are needed"):
         decode_speed(tiny_engine, ids[:PREFILL], PREFILL, configs("full"), decode_tokens_n=6)
+    with pytest.raises(EvalError, match="exceeds the model's window"):
+        decode_speed(tiny_engine, random_tokens(1100), 1022, configs("full"), decode_tokens_n=6)
 
 
 def test_sweep_covers_the_grid_and_choose_defaults_takes_the_cheapest_within_tolerance(tiny_engine):

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, EngineConfig, parse_budget
+from ..engine import ContextOverflowError
 from .common import (EvalError, format_table, load_token_ids, machine_description, parse_numbers, parse_policies,
                      read_text, to_json, windows)
 
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         table, result = RUNNERS[args.command](args)
-    except (EvalError, ConfigError) as error:
+    except (EvalError, ConfigError, ContextOverflowError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     result = {"command": args.command, "machine": machine_description(), **result}

@@ -30,8 +30,11 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
         raise EvalError(f"{context + decode_tokens_n + rounds} tokens are needed for context {context}, the text has {len(ids)}")
     if decode_tokens_n < rounds:
         raise EvalError(f"--decode-tokens ({decode_tokens_n}) must be at least --rounds ({rounds})")
-    prefix = list(ids[:context])
     per_round = decode_tokens_n // rounds
+    if context + per_round + 1 > engine.max_context:
+        raise EvalError(f"context {context} plus {per_round + 1} decode steps per round exceeds the model's window of "
+                        f"{engine.max_context}: use a context of at most {engine.max_context - per_round - 1}")
+    prefix = list(ids[:context])
     first = next(iter(configs.values()))
     if progress:
         progress(f"context {context}: prefill")
