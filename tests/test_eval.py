@@ -201,3 +201,22 @@ def test_resume_benchmark_on_the_real_model(real_engine):
     assert result["resume_s"] > 0 and result["reprefill_s"] > 0
     assert result["speedup"] == pytest.approx(result["reprefill_s"] / result["resume_s"])
     assert real_engine.num_tokens == 0
+
+
+def test_plots_from_saved_results(tiny_engine, tmp_path):
+    from infinigen_core.eval.plots import make_plots
+    from infinigen_core.eval.ppl import with_ratio_to_full
+
+    ids = random_tokens(CONTEXT, seed=10)
+    saved = {
+        "ppl2k.json": {"context": CONTEXT, **with_ratio_to_full(perplexity(tiny_engine, [ids], PREFILL, configs("full", "streaming")))},
+        "recall.json": {"context": PREFILL, **attention_recall(tiny_engine, ids[:PREFILL], ids[PREFILL:PREFILL + 3], configs("infinigen", "h2o"))},
+        "speed.json": {"rows": decode_speed(tiny_engine, ids, PREFILL, configs("full", "infinigen"), 2, 1)},
+        "sweep.json": {"context": CONTEXT, "rows": sweep(tiny_engine, [ids], PREFILL, [1e9], [0.2, 0.5], [0.25]), "chosen": None},
+    }
+    for name, result in saved.items():
+        (tmp_path / name).write_text(to_json(result))
+    made = make_plots(tmp_path, tmp_path / "plots")
+    assert sorted(p.name for p in made) == ["ppl.png", "recall.png", "speed.png", "sweep.png"]
+    for path in made:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000

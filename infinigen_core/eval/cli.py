@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--decode-tokens", type=int, default=8)
     gpu.add_argument("--json", action="store_true")
     gpu.add_argument("--save", type=Path)
+
+    plot = commands.add_parser("plot", help="PNG plots from results saved with --save")
+    plot.add_argument("--results", type=Path, required=True, help="directory of saved JSON results")
+    plot.add_argument("--out", type=Path, default=Path("docs/plots"))
+    plot.add_argument("--json", action="store_true")
+    plot.add_argument("--save", type=Path)
     return parser
 
 
@@ -223,8 +229,18 @@ def run_gpu(args) -> tuple[str, dict]:
     return f"device: {result['device']}\n{table}", result
 
 
+def run_plot(args) -> tuple[str, dict]:
+    from .plots import make_plots
+
+    if not args.results.is_dir():
+        raise EvalError(f"{args.results} is not a directory of saved results")
+    made = [str(path) for path in make_plots(args.results, args.out)]
+    return "\n".join(made) if made else "no saved results found", {"plots": made}
+
+
 RUNNERS = {"ppl": run_ppl, "agree": run_agree, "recall": run_recall, "speed": run_speed, "sweep": run_sweep,
-           "resume": run_resume, "gpu": run_gpu}
+           "resume": run_resume, "gpu": run_gpu,
+           "plot": run_plot}
 
 
 def main(argv: list[str] | None = None) -> int:
