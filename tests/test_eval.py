@@ -220,3 +220,22 @@ def test_plots_from_saved_results(tiny_engine, tmp_path):
     assert sorted(p.name for p in made) == ["ppl.png", "recall.png", "speed.png", "sweep.png"]
     for path in made:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_random_llama_from_meta_is_fully_initialised():
+    """The GPU benchmark's model builder, on the CPU with a small shape: no uninitialised memory left."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from infinigen_core.eval.gpu import ModelShape, random_llama
+
+    shape = ModelShape("small", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=100, rope_theta=500000.0)
+    model = random_llama(shape, 256, device="cpu", dtype=torch.float32)
+    assert model.config.num_key_value_heads == 2 and model.config.max_position_embeddings >= 256
+    fresh = LlamaRotaryEmbedding(model.config)
+    assert torch.equal(model.model.rotary_emb.inv_freq, fresh.inv_freq)
+    assert torch.equal(model.model.norm.weight, torch.ones(64))
+    weights = model.model.layers[0].self_attn.q_proj.weight
+    assert 0.01 < float(weights.std()) < 0.03  # drawn from N(0, 0.02), not leftover memory
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert torch.isfinite(logits).all()

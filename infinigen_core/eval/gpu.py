@@ -67,8 +67,8 @@ def peak_h2d_gbps(megabytes: int = 1024, repeats: int = 5) -> float:
     return best
 
 
-def random_llama(shape: ModelShape, max_context: int):
-    """A fp16 Llama of this shape with random weights, allocated on the GPU without a CPU copy."""
+def random_llama(shape: ModelShape, max_context: int, device: str = "cuda", dtype: torch.dtype = torch.float16):
+    """A Llama of this shape with random weights, allocated on `device` without a CPU copy first."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -77,8 +77,8 @@ def random_llama(shape: ModelShape, max_context: int):
                          num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
                          max_position_embeddings=max_context + 64, rope_theta=shape.rope_theta)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(torch.float16)
-    model.to_empty(device="cuda")
+        model = LlamaForCausalLM(config).to(dtype)
+    model.to_empty(device=device)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -86,8 +86,8 @@ def random_llama(shape: ModelShape, max_context: int):
             else:
                 parameter.normal_(0.0, 0.02)
     # to_empty leaves the rotary frequencies (a computed buffer) uninitialised: compute them again
-    model.model.rotary_emb = LlamaRotaryEmbedding(config).to("cuda")
-    return model.eval()
+    model.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)
+    return model.eval().requires_grad_(False)
 
 
 def _decode_ms(engine, tokens: Sequence[int]) -> tuple[list[float], int]:
