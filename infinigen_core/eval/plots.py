@@ -97,9 +97,14 @@ def plot_sweep(result: dict, out: Path) -> Path:
         chosen = [r for r in rows if r["partial_ratio"] == partial]
         axis.scatter([100 * r["fetched_ratio"] for r in chosen], [100 * r["ppl_vs_full"] for r in chosen],
                      label=f"partial ratio {partial}")
+        # combinations where the budget binds land on the same point: one label naming them all
+        labels: dict[tuple[float, float], list[str]] = {}
         for r in chosen:
-            axis.annotate(f"a{r['alpha']:g} b{r['budget']:g}", (100 * r["fetched_ratio"], 100 * r["ppl_vs_full"]),
-                          fontsize=7, xytext=(3, 3), textcoords="offset points")
+            point = (round(100 * r["fetched_ratio"], 1), round(100 * r["ppl_vs_full"], 1))
+            labels.setdefault(point, []).append(f"a{r['alpha']:g}")
+        for (x, y), names in labels.items():
+            budget = next(r["budget"] for r in chosen if round(100 * r["fetched_ratio"], 1) == x)
+            axis.annotate(f"{','.join(names)} b{budget:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     if result.get("chosen"):
         c = result["chosen"]
         axis.scatter([100 * c["fetched_ratio"]], [100 * c["ppl_vs_full"]], s=160, facecolors="none",
