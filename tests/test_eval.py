@@ -105,6 +105,7 @@ def test_speed_rows_compare_every_policy_with_full_in_the_same_run(tiny_engine):
         assert row["ratio_to_full"] == pytest.approx(row["ms_per_token"] / by_policy["full"]["ms_per_token"])
         assert row["pool_bytes"] > 0
     assert by_policy["infinigen"]["fetched_ratio"] < 1.0
+    assert by_policy["infinigen"]["speculate_ms"] > 0 and by_policy["full"]["speculate_ms"] == 0
     assert by_policy["full"]["prefill_s"] > 0
     with pytest.raises(EvalError, match="tokens are needed"):
         decode_speed(tiny_engine, ids[:PREFILL], PREFILL, configs("full"), decode_tokens_n=6)

@@ -177,8 +177,9 @@ def run_speed(args) -> tuple[str, dict]:
     for context in contexts:
         rows += decode_speed(engine, ids, context, configs, args.decode_tokens, args.rounds,
                              reference=not args.no_reference, progress=_log)
-    table = format_table(rows, ["context", "policy", "ms_per_token", "ratio_to_full", "mean_ms", "prefill_s",
-                                "fetched_ratio", "pool_bytes", "device_bytes"])
+    table = format_table(rows, ["context", "policy", "ms_per_token", "ratio_to_full", "mean_ms", "speculate_ms",
+                                "fetch_wait_ms", "attention_ms", "prefill_s", "fetched_ratio", "pool_bytes",
+                                "device_bytes"])
     return table, {"rows": rows}
 
 

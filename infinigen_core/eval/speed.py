@@ -41,6 +41,7 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
     engine.reset()
     prefill_s = load_prefix(engine, first, prefix)
     times = {name: [] for name in configs}
+    splits = {name: [] for name in configs}  # where each step's time went (speculation, fetch, attention)
     facts = {}
     for round_index in range(rounds):
         for name, config in configs.items():
@@ -50,6 +51,7 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
             # each round decodes the same next tokens: the same work for every policy
             run = decode_tokens(engine, ids[context : context + per_round + 1])
             times[name] += run.step_ms[1:]
+            splits[name] += [step.time_split_ms() for step in list(engine.history)[-per_round:]]
             step = engine.history[-1]
             facts[name] = {"fetched_ratio": run.fetched_ratio, "pool_bytes": step.pool_bytes,
                            "device_bytes": step.device_bytes}
@@ -58,7 +60,9 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
     for name in configs:
         rows.append({"policy": name, "context": context, "ms_per_token": statistics.median(times[name]),
                      "mean_ms": statistics.fmean(times[name]), "decode_steps": len(times[name]),
-                     "prefill_s": prefill_s if name == first.policy else None, **facts[name]})
+                     "prefill_s": prefill_s if name == first.policy else None, **facts[name],
+                     **{f"{part}_ms": statistics.median(s[part] for s in splits[name])
+                        for part in ("speculate", "fetch_wait", "attention")}})
     if reference:
         if progress:
             progress(f"context {context}: plain transformers reference")
