@@ -42,7 +42,8 @@ def plot_ppl(results: list[dict], out: Path) -> Path:
         axis.axhline(0, color="black", linewidth=0.5)
         axis.grid(axis="y", alpha=0.3)
     left.set_yscale("symlog", linthresh=5)
-    left.legend()
+    left.set_ylim(top=left.get_ylim()[1] * 4)  # room for the legend above the bars
+    left.legend(loc="upper left", ncols=3, fontsize=8)
     figure.tight_layout()
     path = out / "ppl.png"
     figure.savefig(path, dpi=110)
