@@ -130,6 +130,7 @@ def gpu_benchmark(shape_names: Sequence[str], contexts: Sequence[int], policies:
                 engine.prefill(ids[:context])
                 for policy in policies:
                     engine.configure(fixed.with_changes(policy=policy))  # moves the pool to pinned host memory
+                    torch.cuda.reset_peak_memory_stats()
                     engine.truncate(context)
                     engine.decode(ids[context])  # warm-up step, not timed
                     engine.truncate(context)
@@ -139,7 +140,7 @@ def gpu_benchmark(shape_names: Sequence[str], contexts: Sequence[int], policies:
                     rows.append({"model": shape.name, "context": context, "policy": policy, "ms_per_token": ms,
                                  "tokens_per_s": 1e3 / ms, "bytes_fetched_per_token": per_token,
                                  "h2d_gbps": per_token / (ms / 1e3) / 1e9 if policy != "full" else None,
-                                 "peak_h2d_gbps": peak, "gpu_bytes": torch.cuda.max_memory_allocated()})
+                                 "peak_h2d_gbps": peak, "peak_gpu_bytes": torch.cuda.max_memory_allocated()})
                     progress(f"  {policy}: {ms:.1f} ms/token, {per_token / 2**20:.1f} MiB fetched per token")
                 engine.truncate(0)
         finally:
