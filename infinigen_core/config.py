@@ -27,16 +27,18 @@ class EngineConfig:
         (0 < budget <= 1) or, with budget_is_tokens, as a token count.
     alpha: InfiniGen keeps tokens whose rehearsed attention logit is within alpha of the maximum.
     partial_ratio: fraction of each head's channels kept in the partial query/key for speculation.
+    The defaults (alpha 12, budget 0.15, partial ratio 0.5) come from the sweep in docs/BENCHMARKS.md: on
+    SmolLM2's 64-channel heads the paper's alpha 5 / ratio 0.25 rehearse attention too coarsely.
     dense_layers: the first layers attend densely (their inputs differ too much to speculate from).
     pool_limit_tokens: optional cap on the host KV pool; beyond it entries are evicted by fetch rate,
         sparing `sink_tokens` attention sinks and the `recent_window` newest tokens.
     """
 
     policy: str = "infinigen"
-    alpha: float = 5.0
-    budget: float = 0.2
+    alpha: float = 12.0
+    budget: float = 0.15
     budget_is_tokens: bool = False
-    partial_ratio: float = 0.25
+    partial_ratio: float = 0.5
     dense_layers: int = 2
     pool_limit_tokens: int | None = None
     sink_tokens: int = 4
@@ -49,7 +51,7 @@ class EngineConfig:
         if self.policy not in POLICY_NAMES:
             raise ConfigError(f"unknown policy {self.policy!r}: choose one of {', '.join(POLICY_NAMES)}")
         if not (self.alpha > 0) or math.isnan(self.alpha):
-            raise ConfigError(f"alpha must be a positive number (the paper uses 4-5), got {self.alpha}")
+            raise ConfigError(f"alpha must be a positive number (default 12; the paper uses 4-5), got {self.alpha}")
         if self.budget_is_tokens:
             if self.budget < 1 or self.budget != int(self.budget):
                 raise ConfigError(f"a token budget must be a whole number >= 1, got {self.budget}")

@@ -44,10 +44,10 @@ class TurnProgress:
 class Settings:
     """The engine and sampling settings as the user typed them (validated by `apply`)."""
 
-    policy: str = "infinigen"
-    alpha: float = 5.0
-    budget: str = "0.2"
-    partial_ratio: float = 0.25
+    policy: str = EngineConfig.policy
+    alpha: float = EngineConfig.alpha
+    budget: str = str(EngineConfig.budget)
+    partial_ratio: float = EngineConfig.partial_ratio
     pool_limit: str = ""
     inspect: bool = False  # recording the true attention costs a dense pass per layer
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=256))
@@ -55,9 +55,9 @@ class Settings:
 
 class ChatController:
     def __init__(self, data_dir: Path | str | None = None, model: str | None = None, device: str = "auto",
-                 loader: Callable | None = None) -> None:
+                 loader: Callable | None = None, quantize: str | None = None) -> None:
         self.store = SessionStore(data_dir)
-        self.model_path, self.device = model, device
+        self.model_path, self.device, self.quantize = model, device, quantize
         self.engine = None
         self.chat: ChatSession | None = None
         self.settings = Settings()
@@ -83,7 +83,7 @@ class ChatController:
             report("Loading the model (the first start downloads and converts it, then calibrates once)...")
             loader = self._loader or load_engine
             self.engine = loader(self.model_path, device=self.device, config=self._engine_config(self.settings),
-                                 progress=report)
+                                 quantize=self.quantize, progress=report)
             sessions = self.store.list()
             self.open_session(sessions[0].id if sessions else self.new_session())
             report(f"Ready: {self.engine.model_name} on {self.engine.device}")

@@ -82,10 +82,12 @@ def build_app(controller: ChatController) -> gr.Blocks:
                     system_button = gr.Button("Set system prompt")
                 with gr.Accordion("Settings (apply from the next message)", open=False):
                     with gr.Row():
-                        policy = gr.Dropdown(list(POLICY_NAMES), value="infinigen", label="KV policy")
-                        alpha = gr.Number(value=5.0, label="alpha")
-                        budget = gr.Textbox(value="0.2", label="budget (fraction or tokens)")
-                        partial_ratio = gr.Slider(0.05, 1.0, value=0.25, step=0.05, label="partial ratio")
+                        shown = controller.settings
+                        policy = gr.Dropdown(list(POLICY_NAMES), value=shown.policy, label="KV policy")
+                        alpha = gr.Number(value=shown.alpha, label="alpha")
+                        budget = gr.Textbox(value=shown.budget, label="budget (fraction or tokens)")
+                        partial_ratio = gr.Slider(0.05, 1.0, value=shown.partial_ratio, step=0.05,
+                                                  label="partial ratio")
                         pool_limit = gr.Textbox(value="", label="pool limit (tokens or e.g. 64MiB)")
                         record = gr.Checkbox(value=False, label="Record true attention for the inspector (slower)")
                     with gr.Row():
