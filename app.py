@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     from ui.layout import CSS, build_app
 
     try:
-        controller = ChatController(args.data_dir, args.model, args.device)
+        controller = ChatController(args.data_dir, args.model, args.device, quantize=args.quantize)
     except (OSError, SessionError) as error:
         print(f"error: cannot use the data directory: {error}", file=sys.stderr)
         return 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 SUPPORTED_MODEL_TYPES = LLAMA_LIKE + ("opt",)
@@ -77,8 +76,8 @@ class ModelAdapter:
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """Query [heads, n, head_dim] that `attention` would compute from `hidden_states` [1, n, hidden]."""
-        proj = attention.q_proj
-        query = F.linear(hidden_states[0], proj.weight, proj.bias)  # [n, heads*dim]
+        # the module itself, not F.linear on its weight: a bitsandbytes 8/4-bit layer stores packed weights
+        query = attention.q_proj(hidden_states[0])  # [n, heads*dim]
         query = query.view(-1, self.num_heads, self.head_dim).transpose(0, 1)
         if self.model_type == "opt":
             return query * attention.scaling

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    gen.add_argument("--quantize", choices=("8bit", "4bit"), default=None,
+                     help="load the weights in 8 or 4 bits with bitsandbytes (CUDA only)")
     gen.add_argument("--cache-dir", type=Path, default=None, help="model and skew cache (default: user cache)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the results last")
     return parser
@@ -80,7 +82,7 @@ def run_generate(args) -> dict:
     engine_config, sampling = _settings(args)
     prompt = _read_prompt(args)
     engine = load_engine(args.model, device=args.device, config=engine_config, cache_dir=args.cache_dir,
-                         progress=lambda message: print(message, file=sys.stderr, flush=True))
+                         quantize=args.quantize, progress=lambda message: print(message, file=sys.stderr, flush=True))
     if args.pool_limit:
         limit = pool_limit_tokens(args.pool_limit, engine.pool.bytes_per_token())
         engine.configure(engine_config.with_changes(pool_limit_tokens=limit))

@@ -90,20 +90,23 @@ def _dequantised_dir(cache_dir: Path, gguf: Path) -> Path:
     return cache_dir / "models" / f"{gguf.stem}-f32-{key}"
 
 
-def _load_gguf(gguf: Path, cache_dir: Path, progress: Progress):
+def _load_gguf(gguf: Path, cache_dir: Path, progress: Progress, quantize: str | None = None,
+               device: torch.device | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     converted = _dequantised_dir(cache_dir, gguf)
-    if (converted / "done").exists():
-        return _load_checkpoint(converted)
-    progress(f"Reading {gguf.name} (dequantising a GGUF takes ~20 s, once)...")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as error:  # transformers raises many kinds for a bad file
-        raise ModelLoadError(f"could not read GGUF file {gguf}: {error}") from error
-    _save_plain_checkpoint(model, tokenizer, converted)
-    return model, tokenizer
+    if not (converted / "done").exists():
+        progress(f"Reading {gguf.name} (dequantising a GGUF takes ~20 s, once)...")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        except Exception as error:  # transformers raises many kinds for a bad file
+            raise ModelLoadError(f"could not read GGUF file {gguf}: {error}") from error
+        _save_plain_checkpoint(model, tokenizer, converted)
+        if not quantize:
+            return model, tokenizer
+    # bitsandbytes quantises while loading, so a quantised model always comes from the plain checkpoint
+    return _load_checkpoint(converted, quantize, device)
 
 
 def _save_plain_checkpoint(model, tokenizer, directory: Path) -> None:
@@ -149,11 +152,13 @@ def _load_checkpoint(directory: Path, quantize: str | None = None, device: torch
 def load_model(model_path: str | None, cache_dir: Path, device: torch.device, quantize: str | None = None,
                progress: Progress = print):
     """(model, tokenizer, display name) for the default model, a checkpoint directory or a .gguf file."""
+    if quantize not in (None, "8bit", "4bit"):
+        raise ModelLoadError(f"unknown quantisation {quantize!r}: use 8bit or 4bit (bitsandbytes), or leave it out")
     if quantize and device.type != "cuda":
         raise ModelLoadError("8-bit/4-bit weights (bitsandbytes) need a CUDA device; drop --quantize on the CPU")
     if model_path is None:
         gguf, name = ensure_default_gguf(cache_dir, progress), DEFAULT_MODEL_NAME
-        model, tokenizer = _load_gguf(gguf, cache_dir, progress)
+        model, tokenizer = _load_gguf(gguf, cache_dir, progress, quantize, device)
     else:
         path = Path(model_path).expanduser()
         if not path.exists():
@@ -162,7 +167,7 @@ def load_model(model_path: str | None, cache_dir: Path, device: torch.device, qu
         if path.is_file():
             if path.suffix != ".gguf":
                 raise ModelLoadError(f"{path} is a file but not a .gguf: pass a GGUF file or a checkpoint directory")
-            model, tokenizer = _load_gguf(path, cache_dir, progress)
+            model, tokenizer = _load_gguf(path, cache_dir, progress, quantize, device)
         else:
             model, tokenizer = _load_checkpoint(path, quantize, device)
     ModelAdapter.for_model(model)  # raises a clear error for unsupported architectures

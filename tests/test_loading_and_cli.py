@@ -88,6 +88,32 @@ def test_cli_rejects_bad_input_before_loading_anything():
     assert result.returncode == 2 and "cannot read the prompt file" in result.stderr
     result = run_cli("--prompt", "hi", "--model", "/nonexistent/model")
     assert result.returncode == 2 and "does not exist" in result.stderr
+    result = run_cli("--prompt", "hi", "--device", "cpu", "--quantize", "8bit")
+    assert result.returncode == 2 and "need a CUDA device" in result.stderr
+
+
+def test_rehearsed_query_is_the_layers_own_query(tiny_llama):
+    """Speculation calls the projection module (so 8/4-bit bitsandbytes layers work) and matches its output."""
+    from infinigen_core.arch import ModelAdapter
+
+    model, _ = tiny_llama
+    adapter = ModelAdapter.for_model(model)
+    attention = adapter.attention_modules(model)[1]
+    hidden = torch.randn(1, 3, model.config.hidden_size)
+    positions = torch.arange(5, 8).unsqueeze(0)
+    cos, sin = model.model.rotary_emb(hidden, positions)
+    calls = []
+    handle = attention.q_proj.register_forward_hook(lambda module, args, output: calls.append(output.shape))
+    try:
+        query = adapter.rehearse_query(attention, hidden, (cos, sin))
+    finally:
+        handle.remove()
+    assert calls, "the q projection module was bypassed"
+    raw = attention.q_proj(hidden[0]).view(3, adapter.num_heads, adapter.head_dim).transpose(0, 1)
+    half = adapter.head_dim // 2
+    rotated = torch.cat((-raw[..., half:], raw[..., :half]), dim=-1)
+    expected = raw * cos[0] + rotated * sin[0]
+    torch.testing.assert_close(query, expected)
 
 
 def test_cli_generates_and_reports_json():
