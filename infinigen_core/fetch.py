@@ -32,7 +32,12 @@ class PendingFetch:
         started = time.perf_counter()
         if self._future is not None:
             keys, values, event = self._future.result()
-            torch.cuda.current_stream().wait_event(event)
+            compute = torch.cuda.current_stream()
+            compute.wait_event(event)
+            # allocated on the copy stream, read on the compute stream: tell the caching allocator, or it
+            # may hand the memory back to the copy stream while attention still reads it
+            keys.record_stream(compute)
+            values.record_stream(compute)
         else:
             keys, values = self._ready
         return FetchedRows(keys, values, (time.perf_counter() - started) * 1e3)
