@@ -152,9 +152,7 @@ class ChatSession:
                 raise ContextWindowError(self.check_window(text, kept))
             kept, dropped = kept[users[1]:], dropped + 1
         if dropped:
-            self.store.delete_messages_from(self.id, 0)
-            for message in kept:  # spans are unknown until the next turn re-syncs the cache
-                self.store.add_message(self.id, message.role, message.content, -1, -1)
+            self.store.replace_messages(self.id, [(m.role, m.content) for m in kept])
         return dropped
 
     def send(self, text: str, sampling: SamplingConfig = SamplingConfig(), cancel=None,

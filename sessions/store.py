@@ -148,7 +148,7 @@ class SessionStore:
         """Remove the session, its messages and every chunk file no other session shares."""
         self.get(session_id)
         files = [r["file"] for r in self.db.query("SELECT file FROM chunks WHERE session_id = ?", [session_id])]
-        with self.db.conn:
+        with self.db.atomic():
             self.db.execute("DELETE FROM chunks WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM kv_signatures WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
@@ -191,14 +191,29 @@ class SessionStore:
             "token_start": token_start, "token_end": token_end, "created": time.time(),
             "parent_id": previous[-1].id if previous else None,
         }
-        with self.db.conn:
+        with self.db.atomic():
             message_id = self.db["messages"].insert(row).last_pk
             self.db["sessions"].update(session_id, {"updated": time.time()})
         return self.messages(session_id)[-1] if message_id else None
 
     @_locked
+    def replace_messages(self, session_id: str, messages: list[tuple[str, str]]) -> None:
+        """Make (role, content) pairs the session's whole history, in one transaction: a crash leaves the
+        old history or the new one, never a mix. Token spans become unknown (-1) until the next turn."""
+        now = time.time()
+        with self.db.atomic():
+            self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
+            parent = None
+            for position, (role, content) in enumerate(messages):
+                cursor = self.db.execute(
+                    "INSERT INTO messages (session_id, role, content, position, token_start, token_end, created, "
+                    "parent_id) VALUES (?, ?, ?, ?, -1, -1, ?, ?)", [session_id, role, content, position, now, parent])
+                parent = cursor.lastrowid
+            self.db.execute("UPDATE sessions SET updated = ? WHERE id = ?", [now, session_id])
+
+    @_locked
     def delete_messages_from(self, session_id: str, position: int) -> None:
-        with self.db.conn:
+        with self.db.atomic():
             self.db.execute("DELETE FROM messages WHERE session_id = ? AND position >= ?", [session_id, position])
 
     # ------------------------------------------------------------------ KV chunks
@@ -213,7 +228,7 @@ class SessionStore:
     @_locked
     def add_chunk(self, session_id: str, record: ChunkRecord, signature: dict[str, str], token_count: int) -> None:
         """Register a chunk whose file is already durable (the database commit comes last)."""
-        with self.db.conn:
+        with self.db.atomic():
             self.db["kv_signatures"].upsert({"session_id": session_id, "signature": json.dumps(signature)},
                                             pk="session_id")
             self.db["chunks"].insert({"session_id": session_id, **record.__dict__}, replace=True)
@@ -223,7 +238,7 @@ class SessionStore:
     def drop_chunks_from(self, session_id: str, position: int) -> None:
         """Forget chunks that end after `position` (the conversation diverged there)."""
         doomed = [c.file for c in self.chunks(session_id) if c.end > position]
-        with self.db.conn:
+        with self.db.atomic():
             self.db.execute("DELETE FROM chunks WHERE session_id = ? AND end > ?", [session_id, position])
         self.remove_unreferenced(doomed)
 
@@ -242,7 +257,7 @@ class SessionStore:
         new_id = self.create(f"{source.title} (branch)", source.system_prompt, source.settings,
                              source.model_fingerprint)
         end = keep[-1].token_end
-        with self.db.conn:
+        with self.db.atomic():
             for m in keep:
                 self.db["messages"].insert({
                     "session_id": new_id, "role": m.role, "content": m.content, "position": m.position,
