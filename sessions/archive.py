@@ -21,31 +21,51 @@ from .snapshots import ChunkError, ChunkRecord, parse_chunk
 ARCHIVE_FORMAT = "infinigen-chat-session/1"
 MAX_MANIFEST_BYTES = 64 * 2**20
 MAX_CHUNK_BYTES = 4 * 2**30
+MAX_GEOMETRY = 4096  # layers, KV heads, head dimension: far above any model this app runs
 SIGNATURE_KEYS = ("model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "skew")
 
 
 def export_session(store, session_id: str, path: Path) -> Path:
+    """Write the session to one file. A chunk that is missing or damaged on disk is left out with every
+    chunk after it (the importer then re-reads those turns), so the export is always importable."""
     summary = store.get(session_id)
-    chunks = store.chunks(session_id)
-    manifest = {
-        "format": ARCHIVE_FORMAT,
-        "title": summary.title,
-        "system_prompt": summary.system_prompt,
-        "settings": summary.settings,
-        "model_fingerprint": summary.model_fingerprint,
-        "signature": store.kv_signature(session_id),
-        "messages": [{"role": m.role, "content": m.content, "token_start": m.token_start,
-                      "token_end": m.token_end, "created": m.created} for m in store.messages(session_id)],
-        "chunks": [{"start": c.start, "end": c.end, "sha256": c.sha256, "size": c.size} for c in chunks],
-    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as archive:
-        archive.writestr("manifest.json", json.dumps(manifest, indent=1))
-        for index, chunk in enumerate(chunks):
-            archive.write(store.data_dir / chunk.file, _chunk_name(index))
-    tmp.replace(path)
+    try:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as archive:
+            exported = []
+            for chunk in store.chunks(session_id):
+                data = _intact_chunk_bytes(store.data_dir / chunk.file, chunk)
+                if data is None:
+                    break
+                archive.writestr(_chunk_name(len(exported)), data)
+                exported.append({"start": chunk.start, "end": chunk.end, "sha256": chunk.sha256, "size": chunk.size})
+            manifest = {
+                "format": ARCHIVE_FORMAT,
+                "title": summary.title,
+                "system_prompt": summary.system_prompt,
+                "settings": summary.settings,
+                "model_fingerprint": summary.model_fingerprint,
+                "signature": store.kv_signature(session_id) if exported else None,
+                "messages": [{"role": m.role, "content": m.content, "token_start": m.token_start,
+                              "token_end": m.token_end, "created": m.created} for m in store.messages(session_id)],
+                "chunks": exported,
+            }
+            archive.writestr("manifest.json", json.dumps(manifest, indent=1))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def _intact_chunk_bytes(file: Path, chunk: ChunkRecord) -> bytes | None:
+    try:
+        data = file.read_bytes()
+    except OSError:
+        return None
+    if len(data) != chunk.size or hashlib.sha256(data).hexdigest() != chunk.sha256:
+        return None
+    return data
 
 
 def _chunk_name(index: int) -> str:
@@ -99,44 +119,66 @@ def _check_manifest_types(manifest: dict) -> None:
         expect(isinstance(signature, dict) and set(signature) == set(SIGNATURE_KEYS)
                and all(isinstance(v, str) for v in signature.values()), "KV signature")
         expect(signature["dtype"] in ("float32", "float16", "bfloat16"), "KV dtype")
-        expect(all(signature[k].isdigit() for k in ("num_layers", "num_kv_heads", "head_dim")), "KV geometry")
+        expect(all(signature[k].isascii() and signature[k].isdecimal() and 0 < int(signature[k]) <= MAX_GEOMETRY
+                   for k in ("num_layers", "num_kv_heads", "head_dim")), "KV geometry")
 
 
 def import_session(store, path: Path) -> str:
+    """Validate the whole file, then write it as a new session; returns the new session's id.
+
+    Chunks are read one at a time in both passes, so memory stays at one chunk whatever the file's size.
+    """
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError) as error:
         raise _fail(f"it is not a session export ({error})") from None
     with archive:
-        manifest = _read_manifest(archive)
-        expected_names = {"manifest.json"} | {_chunk_name(i) for i in range(len(manifest["chunks"]))}
-        names = set(archive.namelist())
-        if names != expected_names:
-            strange = sorted(names - expected_names)[:3] or sorted(expected_names - names)[:3]
-            raise _fail(f"it holds unexpected or missing entries: {strange}")
-        blobs = []
-        for index, entry in enumerate(manifest["chunks"]):
-            info = archive.getinfo(_chunk_name(index))
-            if info.file_size != entry["size"]:
-                raise _fail(f"chunk {index} has {info.file_size} bytes, the manifest says {entry['size']}")
-            data = archive.read(info)
-            if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                raise _fail(f"chunk {index} is damaged (checksum mismatch)")
-            try:
-                parse_chunk(data, manifest["signature"], entry["start"], entry["end"])
-            except ChunkError as error:
-                raise _fail(f"chunk {index}: {error}") from None
-            blobs.append((entry, data))
-    return _write_imported(store, manifest, blobs)
+        try:
+            manifest = _read_manifest(archive)
+            _check_entries(archive, manifest)
+            for index, entry in enumerate(manifest["chunks"]):
+                _read_valid_chunk(archive, index, entry, manifest["signature"], parse=True)
+        except ImportValidationError:
+            raise
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError, RuntimeError) as error:
+            # a damaged archive (bad CRC, truncated member) or a value the checks above did not foresee
+            raise _fail(f"it is damaged ({error})") from None
+        return _write_imported(store, manifest, lambda index, entry: _read_valid_chunk(
+            archive, index, entry, manifest["signature"], parse=False))
 
 
-def _write_imported(store, manifest: dict, blobs: list[tuple[dict, bytes]]) -> str:
+def _check_entries(archive: zipfile.ZipFile, manifest: dict) -> None:
+    expected_names = {"manifest.json"} | {_chunk_name(i) for i in range(len(manifest["chunks"]))}
+    names = set(archive.namelist())
+    if names != expected_names:
+        strange = sorted(names - expected_names)[:3] or sorted(expected_names - names)[:3]
+        raise _fail(f"it holds unexpected or missing entries: {strange}")
+    for index, entry in enumerate(manifest["chunks"]):
+        info = archive.getinfo(_chunk_name(index))
+        if info.file_size != entry["size"]:
+            raise _fail(f"chunk {index} has {info.file_size} bytes, the manifest says {entry['size']}")
+
+
+def _read_valid_chunk(archive: zipfile.ZipFile, index: int, entry: dict, signature: dict, parse: bool) -> bytes:
+    data = archive.read(_chunk_name(index))
+    if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise _fail(f"chunk {index} is damaged (checksum mismatch)")
+    if parse:
+        try:
+            parse_chunk(data, signature, entry["start"], entry["end"])
+        except ChunkError as error:
+            raise _fail(f"chunk {index}: {error}") from None
+    return data
+
+
+def _write_imported(store, manifest: dict, read_chunk_data) -> str:
     session_id = store.create(manifest["title"] or "Imported chat", manifest["system_prompt"], manifest["settings"],
                               manifest["model_fingerprint"])
     try:
         for m in manifest["messages"]:
             store.add_message(session_id, m["role"], m["content"], m["token_start"], m["token_end"])
-        for entry, data in blobs:
+        for index, entry in enumerate(manifest["chunks"]):
+            data = read_chunk_data(index, entry)  # checked again: the file may have changed since validation
             name = f"kv/{session_id}/{entry['start']:08d}-{entry['end']:08d}-{entry['sha256'][:12]}.safetensors"
             atomic_write_bytes(store.data_dir / name, data)
             record = ChunkRecord(name, entry["start"], entry["end"], entry["sha256"], entry["size"])

@@ -168,6 +168,38 @@ def test_export_import_round_trip(store, real_engine, two_turn_session, tmp_path
         assert not chat.restore.rebuilt and real_engine.token_ids == tokens
 
 
+def test_export_of_a_damaged_session_leaves_out_the_bad_chunk_and_imports(store, real_engine, two_turn_session,
+                                                                          tmp_path):
+    session_id, tokens = two_turn_session
+    first, second = store.chunks(session_id)
+    damaged = bytearray((store.data_dir / second.file).read_bytes())
+    damaged[-1] ^= 0xFF
+    (store.data_dir / second.file).write_bytes(bytes(damaged))
+    exported = store.export(session_id, tmp_path / "backup.igchat")
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    other = SessionStore(tmp_path / "elsewhere")
+    imported = other.import_file(exported)
+    assert [c.end for c in other.chunks(imported)] == [first.end]  # the intact prefix only
+    assert [m.content for m in other.messages(imported)] == [m.content for m in store.messages(session_id)]
+    with ChatSession.open(other, real_engine, imported) as chat:
+        assert real_engine.token_ids == tokens[: first.end]
+        run_turn(chat, "And of Spain?")  # the turns left out are re-read by the next turn
+        assert len(chat.messages) == 6 and real_engine.token_ids[: len(tokens)] == tokens
+
+
+def test_dropping_old_turns_is_one_transaction(store):
+    session_id = store.create("Atomic")
+    for index in range(4):
+        store.add_message(session_id, "user" if index % 2 == 0 else "assistant", f"message {index}", index, index + 1)
+    with pytest.raises(Exception):  # the second row cannot be stored: nothing may change at all
+        store.replace_messages(session_id, [("user", "kept"), ("assistant", object())])
+    assert [m.content for m in store.messages(session_id)] == [f"message {i}" for i in range(4)]
+    store.replace_messages(session_id, [("user", "message 2"), ("assistant", "message 3")])
+    first, second = store.messages(session_id)
+    assert (first.content, first.position, first.token_start) == ("message 2", 0, -1)
+    assert second.parent_id == first.id and second.position == 1
+
+
 def _rewrite_archive(source: Path, target: Path, change) -> Path:
     with zipfile.ZipFile(source) as archive:
         entries = {name: archive.read(name) for name in archive.namelist()}
@@ -224,8 +256,19 @@ def test_hostile_imports_are_refused_and_write_nothing(store, two_turn_session, 
     def bad_json(e):
         e["manifest.json"] = b"{not json"
 
+    def huge_geometry(e):  # would make the shape check enumerate 10^8 tensor names
+        m = manifest(e)
+        m["signature"]["num_layers"] = "100000000"
+        e["manifest.json"] = json.dumps(m).encode()
+
+    def unicode_digits(e):  # "²" passes str.isdigit() but int() refuses it
+        m = manifest(e)
+        m["signature"]["head_dim"] = "\u00b2"
+        e["manifest.json"] = json.dumps(m).encode()
+
     cases = {traversal: "unexpected", bad_checksum: "checksum", wrong_shape: "shape", pickle_chunk: "checksum",
-             bad_json: "JSON", foreign_signature: "another num kv heads"}
+             bad_json: "JSON", foreign_signature: "another num kv heads", huge_geometry: "KV geometry",
+             unicode_digits: "KV geometry"}
     other = SessionStore(tmp_path / "target")
     for change, message in cases.items():
         hostile = _rewrite_archive(good, tmp_path / f"{change.__name__}.igchat", change)
@@ -234,6 +277,11 @@ def test_hostile_imports_are_refused_and_write_nothing(store, two_turn_session, 
     (tmp_path / "plain.txt").write_text("hello")
     with pytest.raises(ImportValidationError, match="not a session export"):
         other.import_file(tmp_path / "plain.txt")
+    bad_crc = bytearray(good.read_bytes())  # one flipped byte in a stored chunk: the zip's CRC no longer holds
+    bad_crc[len(bad_crc) // 2] ^= 0xFF
+    (tmp_path / "bad_crc.igchat").write_bytes(bytes(bad_crc))
+    with pytest.raises(ImportValidationError, match="damaged|checksum"):
+        other.import_file(tmp_path / "bad_crc.igchat")
     assert other.list() == [] and not (tmp_path / "target" / "kv").exists()
     assert not (tmp_path / "evil.py").exists() and not (tmp_path.parent / "evil.py").exists()
 
