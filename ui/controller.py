@@ -84,8 +84,7 @@ class ChatController:
             loader = self._loader or load_engine
             self.engine = loader(self.model_path, device=self.device, config=self._engine_config(self.settings),
                                  quantize=self.quantize, progress=report)
-            sessions = self.store.list()
-            self.open_session(sessions[0].id if sessions else self.new_session())
+            self._open_latest_free_session()
             report(f"Ready: {self.engine.model_name} on {self.engine.device}")
         except Exception as error:  # shown in the UI instead of a frozen page
             self.load_error = f"Could not start: {error}"
@@ -97,6 +96,16 @@ class ChatController:
         thread = threading.Thread(target=self.load, args=(progress,), daemon=True, name="model-loader")
         thread.start()
         return thread
+
+    def _open_latest_free_session(self) -> None:
+        """The most recent session that no other window or process holds; a new one when all are taken."""
+        for summary in self.store.list():
+            try:
+                self.open_session(summary.id)
+                return
+            except UserError:  # open in another app process: leave it to that one
+                continue
+        self.new_session()
 
     def _require_engine(self) -> None:
         if not self.ready.is_set():
@@ -136,12 +145,21 @@ class ChatController:
         config = getattr(self, "_pending_config", None)
         if config is not None and config != self.engine.config:
             self.engine.configure(config)
+            self.store.update(self.chat.id, settings=self._settings_record())
         self._pending_config = None
+
+    def _settings_record(self) -> dict:
+        """The engine and sampling settings a session's turns ran with, as stored beside it."""
+        s = self.settings
+        return {"policy": s.policy, "alpha": s.alpha, "budget": s.budget, "partial_ratio": s.partial_ratio,
+                "pool_limit": s.pool_limit, "temperature": s.sampling.temperature, "top_p": s.sampling.top_p,
+                "top_k": s.sampling.top_k, "repetition_penalty": s.sampling.repetition_penalty,
+                "max_new_tokens": s.sampling.max_new_tokens}
 
     # ------------------------------------------------------------------ sessions
     def new_session(self, system_prompt: str = "") -> str:
         fingerprint = self.engine.fingerprint if self.engine is not None else ""
-        session_id = self.store.create("New chat", system_prompt, {}, fingerprint)
+        session_id = self.store.create("New chat", system_prompt, self._settings_record(), fingerprint)
         if self.engine is not None:
             self.open_session(session_id)
         return session_id
@@ -209,6 +227,7 @@ class ChatController:
         return self.store.export(self.chat.id, Path(folder) / f"{title}.igchat")
 
     def import_session(self, path: str | Path) -> str:
+        self._refuse_while_generating()
         try:
             session_id = self.store.import_file(path)
         except SessionError as error:
@@ -221,6 +240,7 @@ class ChatController:
         messages = self.chat.messages
         if not 0 <= message_index < len(messages):
             raise UserError(f"there is no message {message_index + 1} to branch from")
+        self._refuse_while_generating()
         branch_id = self.store.branch(self.chat.id, messages[message_index].id)
         self.open_session(branch_id)
         return branch_id
@@ -236,6 +256,11 @@ class ChatController:
             raise UserError("no session is open")
 
     # ------------------------------------------------------------------ turns
+    def _refuse_while_generating(self) -> None:
+        """For actions that create something before opening it: refuse up front rather than half-way."""
+        if self._turn_lock.locked():
+            raise UserError("A reply is being generated: press Stop or wait for it to finish.")
+
     def _turn(self):
         controller = self
 

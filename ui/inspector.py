@@ -16,7 +16,7 @@ MAX_SHOWN_TOKENS = 1500
 
 
 def decode_steps(engine) -> list:
-    return [step for step in engine.history if step.is_decode and step.layers]
+    return [step for step in list(engine.history) if step.is_decode and step.layers]  # generation appends meanwhile
 
 
 def step_labels(engine) -> list[str]:

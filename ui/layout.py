@@ -27,7 +27,8 @@ def _session_choices(controller: ChatController) -> list[tuple[str, str]]:
     choices = []
     for s in controller.store.list():
         used = time.strftime("%d %b %H:%M", time.localtime(s.updated))
-        choices.append((f"{s.title} · {s.token_count:,} tokens · {s.message_count} msgs · {used}", s.id))
+        size = f"{s.bytes_on_disk / 2**20:.1f} MiB"
+        choices.append((f"{s.title} · {s.token_count:,} tokens · {s.message_count} msgs · {size} · {used}", s.id))
     return choices
 
 
