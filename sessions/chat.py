@@ -177,11 +177,13 @@ class ChatSession:
         if not users:
             raise SessionError("there is no message to answer yet")
         last_user = users[-1]
-        self.store.delete_messages_from(self.id, last_user.position + 1)
         if 0 < last_user.token_end <= self.engine.num_tokens:
             self.engine.truncate(last_user.token_end)  # keep the prompt, drop the old reply
-        prompt_ids = self._conversation_ids(generation_prompt=True)
-        yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress)
+        prompt_ids = self._conversation_ids([m for m in messages if m.position <= last_user.position],
+                                            generation_prompt=True)
+        # the stored old reply goes only once a new one starts: a failure or an instant Stop keeps it
+        yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress,
+                               replaces_from=last_user.position + 1)
 
     def edit_last_user(self, text: str, sampling: SamplingConfig = SamplingConfig(), cancel=None,
                        on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
@@ -200,16 +202,21 @@ class ChatSession:
             self.engine.truncate(last_user.token_start)
         yield from self.send(text, sampling, cancel, on_prefill_progress)
 
-    def _reply(self, prompt_ids: list[int], sampling: SamplingConfig, cancel,
-               on_prefill_progress: Progress | None) -> Iterator[GenerationEvent]:
-        text, finished = "", False
+    def _reply(self, prompt_ids: list[int], sampling: SamplingConfig, cancel, on_prefill_progress: Progress | None,
+               replaces_from: int | None = None) -> Iterator[GenerationEvent]:
+        """Stream a reply and store it. A reply exists once a token came (or the model ended at once); then,
+        and not before, messages from `replaces_from` on (an old reply) are deleted."""
+        text, produced = "", False
         try:
             for event in generate(self.engine, prompt_ids, sampling, cancel, on_prefill_progress):
+                if not produced and (event.token_id is not None or event.finish_reason == "eos"):
+                    produced = True
+                    if replaces_from is not None:
+                        self.store.delete_messages_from(self.id, replaces_from)
                 text = event.full_text
-                finished = event.finish_reason is not None
                 yield event
         finally:  # also when the consumer stops early or generation fails: keep what was generated
-            if text or finished:
+            if produced:
                 self.store.add_message(self.id, "assistant", text, len(prompt_ids), self.engine.num_tokens)
             self._persist_new_rows()
 

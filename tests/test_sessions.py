@@ -143,6 +143,21 @@ def test_regenerate_and_edit_truncate_and_reuse_the_prefix(store, real_engine, t
         assert real_engine.token_ids == edited and not chat.restore.rebuilt
 
 
+def test_regenerate_keeps_the_old_reply_until_a_new_one_starts(store, real_engine, two_turn_session):
+    import threading
+
+    session_id, _ = two_turn_session
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        old_reply = chat.messages[-1].content
+        stopped = threading.Event()
+        stopped.set()  # Stop pressed before the first token
+        list(chat.regenerate(SHORT, cancel=stopped))
+        assert [m.role for m in chat.messages] == ["user", "assistant"] * 2 and chat.messages[-1].content == old_reply
+        events = list(chat.regenerate(SamplingConfig(max_new_tokens=6, temperature=1.0, seed=11)))
+        assert [m.role for m in chat.messages] == ["user", "assistant"] * 2
+        assert chat.messages[-1].content == events[-1].full_text
+
+
 def test_branch_shares_the_prefix_chunks(store, real_engine, two_turn_session):
     session_id, tokens = two_turn_session
     first_reply = store.messages(session_id)[1]
