@@ -29,7 +29,8 @@ DB_NAME = "sessions.db"
 
 
 def _locked(method):
-    """Serialise writers: the app calls the store from Gradio's worker threads."""
+    """Serialise use of the one connection: the app calls the store from Gradio's worker threads, and a read
+    must not see another thread's transaction half-done."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -109,12 +110,14 @@ class SessionStore:
         })
         return session_id
 
+    @_locked
     def get(self, session_id: str) -> SessionSummary:
         rows = list(self.db.query(_SUMMARY_SQL + " WHERE s.id = ? GROUP BY s.id", [session_id]))
         if not rows:
             raise SessionNotFoundError(f"no session with id {session_id!r} (it may have been deleted)")
         return self._summary(rows[0])
 
+    @_locked
     def list(self) -> list[SessionSummary]:
         """Every session, most recently used first."""
         rows = self.db.query(_SUMMARY_SQL + " GROUP BY s.id ORDER BY s.updated DESC")
@@ -178,6 +181,7 @@ class SessionStore:
         return removed
 
     # ------------------------------------------------------------------ messages
+    @_locked
     def messages(self, session_id: str) -> list[Message]:
         rows = self.db.query("SELECT * FROM messages WHERE session_id = ? ORDER BY position", [session_id])
         return [Message(r["id"], r["role"], r["content"], r["position"], r["token_start"], r["token_end"],
@@ -217,10 +221,12 @@ class SessionStore:
             self.db.execute("DELETE FROM messages WHERE session_id = ? AND position >= ?", [session_id, position])
 
     # ------------------------------------------------------------------ KV chunks
+    @_locked
     def chunks(self, session_id: str) -> list[ChunkRecord]:
         rows = self.db.query("SELECT * FROM chunks WHERE session_id = ? ORDER BY start", [session_id])
         return [ChunkRecord(r["file"], r["start"], r["end"], r["sha256"], r["size"]) for r in rows]
 
+    @_locked
     def kv_signature(self, session_id: str) -> dict[str, str] | None:
         row = self.db.execute("SELECT signature FROM kv_signatures WHERE session_id = ?", [session_id]).fetchone()
         return json.loads(row[0]) if row else None
