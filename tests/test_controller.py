@@ -46,3 +46,18 @@ def test_a_session_records_the_settings_its_turns_ran_with(tmp_path, real_engine
         assert real_engine.config.policy == "h2o"
     finally:
         controller.chat.close()
+
+
+def test_app_flags_default_to_a_private_local_server():
+    import pytest
+
+    from ui.cli import parse_args
+
+    args = parse_args([])
+    assert (args.host, args.port, args.share, args.quantize, args.device) == ("127.0.0.1", 7860, False, None, "auto")
+    args = parse_args(["--port", "8000", "--quantize", "4bit", "--data-dir", "~/chats"])
+    assert args.port == 8000 and args.quantize == "4bit" and str(args.data_dir) == "~/chats"
+    for bad in (["--port", "0"], ["--quantize", "3bit"], ["--device", "tpu"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(bad)
+        assert exit_info.value.code == 2
