@@ -24,12 +24,21 @@ footer { display: none !important; }
 
 
 def _session_choices(controller: ChatController) -> list[tuple[str, str]]:
+    """Short labels that fit the sidebar: title, tokens, last used (the open session's details sit below)."""
     choices = []
     for s in controller.store.list():
-        used = time.strftime("%d %b %H:%M", time.localtime(s.updated))
-        size = f"{s.bytes_on_disk / 2**20:.1f} MiB"
-        choices.append((f"{s.title} · {s.token_count:,} tokens · {s.message_count} msgs · {size} · {used}", s.id))
+        title = s.title if len(s.title) <= 20 else s.title[:19] + "…"
+        used = time.strftime("%d %b", time.localtime(s.updated))
+        choices.append((f"{title} · {s.token_count:,} tok · {used}", s.id))
     return choices
+
+
+def _session_details(summary) -> str:
+    if summary is None:
+        return ""
+    used = time.strftime("%d %b %Y %H:%M", time.localtime(summary.updated))
+    return (f"{summary.token_count:,} tokens · {summary.message_count} messages · "
+            f"{summary.bytes_on_disk / 2**20:.1f} MiB on disk · last used {used}")
 
 
 def _status_text(controller: ChatController) -> str:
@@ -58,6 +67,7 @@ def build_app(controller: ChatController) -> gr.Blocks:
                 gr.Markdown("### Sessions")
                 session_picker = gr.Dropdown(label="Saved sessions", choices=[], interactive=True,
                                              elem_id="ig-sessions")
+                session_info = gr.Markdown(elem_id="ig-session-info")
                 new_button = gr.Button("New session", elem_id="ig-new")
                 title_box = gr.Textbox(label="Title", placeholder="Rename this session")
                 rename_button = gr.Button("Rename")
@@ -124,7 +134,8 @@ def build_app(controller: ChatController) -> gr.Blocks:
             current = controller.chat.id if controller.chat is not None else None
             summary = controller.store.get(current) if current else None
             return gr.update(choices=_session_choices(controller), value=current), \
-                (summary.title if summary else ""), (summary.system_prompt if summary else "")
+                (summary.title if summary else ""), (summary.system_prompt if summary else ""), \
+                _session_details(summary)
 
         def on_send(text):
             try:
@@ -227,11 +238,13 @@ def build_app(controller: ChatController) -> gr.Blocks:
             engine = controller.engine
             seen = (engine.steps_run, controller.chat.id if controller.chat else None) if engine else None
             if engine is None or seen == last_seen:
-                return (text, *[gr.skip()] * 8, last_seen)
+                return (text, *[gr.skip()] * 9, last_seen)
             # the page may have opened before the model and the last session were loaded: show them now
             session_changed = last_seen is None or last_seen[1] != seen[1]
             history = controller.chat_history() if session_changed else gr.skip()
             picker = gr.update(choices=_session_choices(controller), value=seen[1]) if session_changed else gr.skip()
+            details = (_session_details(controller.store.get(seen[1])) if session_changed and seen[1]
+                       else gr.skip())
             data = panels.collect(engine, controller.progress.tokens_per_second())
             figures = (panels.memory_plot(data), panels.fetch_ratio_plot(data), panels.sparsity_heatmap(data),
                        panels.timing_plot(data))
@@ -239,7 +252,7 @@ def build_app(controller: ChatController) -> gr.Blocks:
             labels = inspector.step_labels(engine)
             steps = gr.update(choices=labels, value=labels[-1] if labels else None)
             layers = gr.update(maximum=engine.adapter.num_layers - 1)
-            return (text, *figures, steps, layers, history, picker, seen)
+            return (text, *figures, steps, layers, history, picker, details, seen)
 
         def on_inspect(step_label, layer):
             if controller.engine is None or not step_label:
@@ -260,7 +273,7 @@ def build_app(controller: ChatController) -> gr.Blocks:
                     "restore": controller.restore_message, "session": controller.chat.id if controller.chat else None}
 
         last_seen = gr.State(None)
-        session_outputs = [session_picker, title_box, system_box]
+        session_outputs = [session_picker, title_box, system_box, session_info]
         send_event = send_button.click(on_send, message, [chatbot, message], api_name="send")
         message.submit(on_send, message, [chatbot, message], api_name=False).then(refresh_sessions, None,
                                                                                  session_outputs)
@@ -295,7 +308,8 @@ def build_app(controller: ChatController) -> gr.Blocks:
         inspect_api_button = gr.Button(visible=False)
         inspect_api_button.click(on_inspect_index, [step_index_api, layer_api], inspector_html, api_name="inspect")
         timer.tick(on_tick, last_seen, [status, memory_plot, fetch_plot, sparsity_plot, timing_plot, step_picker,
-                                        layer_picker, chatbot, session_picker, last_seen], api_name=False, show_progress="hidden")
+                                        layer_picker, chatbot, session_picker, session_info, last_seen],
+                   api_name=False, show_progress="hidden")
         status_button = gr.Button(visible=False)
         status_button.click(app_status, None, sessions_json, api_name="status")
         list_button = gr.Button(visible=False)
