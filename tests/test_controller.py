@@ -44,6 +44,10 @@ def test_a_session_records_the_settings_its_turns_ran_with(tmp_path, real_engine
         stored = controller.store.get(controller.chat.id).settings
         assert stored["policy"] == "h2o" and stored["budget"] == "0.3" and stored["max_new_tokens"] == 4
         assert real_engine.config.policy == "h2o"
+        controller.apply_settings("h2o", 12, "0.3", 0.5, "", False, 0.7, 0.9, 0, 1.0, 3)  # sampling only
+        list(controller.send("Thanks"))
+        stored = controller.store.get(controller.chat.id).settings
+        assert stored["temperature"] == 0.7 and stored["max_new_tokens"] == 3
     finally:
         controller.chat.close()
 

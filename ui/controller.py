@@ -143,9 +143,11 @@ class ChatController:
 
     def _apply_pending_config(self) -> None:
         config = getattr(self, "_pending_config", None)
-        if config is not None and config != self.engine.config:
+        if config is None:
+            return
+        if config != self.engine.config:
             self.engine.configure(config)
-            self.store.update(self.chat.id, settings=self._settings_record())
+        self.store.update(self.chat.id, settings=self._settings_record())  # sampling-only changes count too
         self._pending_config = None
 
     def _settings_record(self) -> dict:
