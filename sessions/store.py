@@ -21,7 +21,7 @@ from pathlib import Path
 
 import sqlite_utils
 
-from .errors import SessionNotFoundError
+from .errors import SessionError, SessionNotFoundError
 from .paths import default_data_dir
 from .snapshots import ChunkRecord
 
@@ -71,12 +71,23 @@ class SessionStore:
         self.data_dir = Path(data_dir).expanduser() if data_dir else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        # one connection shared by the app's threads; writes are serialised by _lock
-        connection = sqlite3.connect(self.data_dir / DB_NAME, check_same_thread=False, timeout=30)
-        self.db = sqlite_utils.Database(connection)
-        self.db.execute("PRAGMA journal_mode=WAL")  # readers never block the writer; crash-safe commits
-        self.db.execute("PRAGMA synchronous=FULL")
-        self._create_tables()
+        path = self.data_dir / DB_NAME
+        connection = None
+        try:
+            # one connection shared by the app's threads; writes are serialised by _lock
+            connection = sqlite3.connect(path, check_same_thread=False, timeout=30)
+            self.db = sqlite_utils.Database(connection)
+            self._check_before_writing()
+            self.db.execute("PRAGMA journal_mode=WAL")  # readers never block the writer; crash-safe commits
+            self.db.execute("PRAGMA synchronous=FULL")
+            self._create_tables()
+        except sqlite3.DatabaseError as error:
+            if connection is not None:
+                connection.close()
+            raise SessionError(
+                f"the session database {path} is damaged or is not InfiniGen Chat's ({error}); it was left "
+                f"as it is: move it aside (rename it) to start with an empty one, or pass another --data-dir"
+            ) from None
 
     def _create_tables(self) -> None:
         if "sessions" not in self.db.table_names():
@@ -96,6 +107,20 @@ class SessionStore:
             }, pk=("session_id", "start"), foreign_keys=[("session_id", "sessions", "id")])
         if "kv_signatures" not in self.db.table_names():
             self.db["kv_signatures"].create({"session_id": str, "signature": str}, pk="session_id")
+
+    def _check_before_writing(self) -> None:
+        """Refuse a damaged file, or one made by another program, before changing a byte of it."""
+        damage = self.db.execute("PRAGMA quick_check").fetchone()[0]
+        if damage != "ok":
+            raise sqlite3.DatabaseError(damage)
+        tables = set(self.db.table_names())
+        strangers = {t for t in tables if not t.startswith("sqlite_")} - set(_COLUMNS)
+        if strangers:
+            raise sqlite3.DatabaseError(f"it holds other tables ({', '.join(sorted(strangers)[:3])})")
+        for table in tables & set(_COLUMNS):
+            present = {column.name for column in self.db[table].columns}
+            if not _COLUMNS[table] <= present:
+                raise sqlite3.DatabaseError(f"table {table} lacks {', '.join(sorted(_COLUMNS[table] - present))}")
 
     # ------------------------------------------------------------------ sessions
     @_locked
@@ -289,6 +314,14 @@ class SessionStore:
 
         return import_session(self, Path(path))
 
+
+_COLUMNS = {
+    "sessions": {"id", "title", "system_prompt", "created", "updated", "model_fingerprint", "settings", "token_count"},
+    "messages": {"id", "session_id", "role", "content", "position", "token_start", "token_end", "created",
+                 "parent_id"},
+    "chunks": {"session_id", "start", "end", "file", "sha256", "size"},
+    "kv_signatures": {"session_id", "signature"},
+}
 
 _SUMMARY_SQL = """
 SELECT s.*, COUNT(m.id) AS message_count

@@ -374,3 +374,23 @@ def test_kill_9_during_a_snapshot_write_keeps_every_message(store, real_engine):
         chunks = reopened.chunks(session_id)
         assert [c.start for c in chunks] == [0] + [c.end for c in chunks[:-1]]
         assert chunks[-1].end == real_engine.num_tokens == reopened.get(session_id).token_count
+
+
+@pytest.mark.parametrize("damage", ["garbage", "foreign"])
+def test_a_damaged_or_foreign_database_is_refused_clearly_and_left_alone(tmp_path, damage):
+    import sqlite3
+
+    from sessions import SessionError
+
+    data = tmp_path / "data"
+    data.mkdir()
+    database = data / "sessions.db"
+    if damage == "garbage":
+        database.write_bytes(b"this is not an SQLite file, just some bytes" * 100)
+    else:
+        with sqlite3.connect(database) as other:
+            other.execute("CREATE TABLE sessions (id TEXT, name TEXT)")
+    before = database.read_bytes()
+    with pytest.raises(SessionError, match="damaged or is not InfiniGen Chat's.*move it aside"):
+        SessionStore(data)
+    assert database.read_bytes() == before
