@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--alpha", type=float, default=EngineConfig.alpha)
     gen.add_argument("--budget", default=str(EngineConfig.budget),
                      help="fraction of the context (0.2) or a token count (256) that a sparse layer may fetch")
+    gen.add_argument("--min-fetch-tokens", type=int, default=EngineConfig.min_fetch_tokens,
+                     help="a fractional budget never fetches fewer tokens than this (0: no floor)")
     gen.add_argument("--partial-ratio", type=float, default=EngineConfig.partial_ratio)
     gen.add_argument("--pool-limit", default=None, help="cap on the host KV pool: tokens (8192) or bytes (64MiB)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
@@ -55,7 +57,8 @@ def _settings(args) -> tuple[EngineConfig, SamplingConfig]:
     budget, budget_is_tokens = parse_budget(args.budget)
     parse_pool_limit(args.pool_limit)  # format check now; converted to tokens once the model is known
     engine_config = EngineConfig(policy=args.policy, alpha=args.alpha, budget=budget,
-                                 budget_is_tokens=budget_is_tokens, partial_ratio=args.partial_ratio)
+                                 budget_is_tokens=budget_is_tokens, partial_ratio=args.partial_ratio,
+                                 min_fetch_tokens=args.min_fetch_tokens)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
                               seed=args.seed)
@@ -121,6 +124,7 @@ def run_generate(args) -> dict:
         "device": str(engine.device),
         "settings": {"alpha": engine_config.alpha, "budget": engine_config.budget,
                      "budget_is_tokens": engine_config.budget_is_tokens,
+                     "min_fetch_tokens": engine_config.min_fetch_tokens,
                      "partial_ratio": engine_config.partial_ratio, "pool_limit_tokens": engine.config.pool_limit_tokens},
     }
 

@@ -1,7 +1,9 @@
 """Engine and sampling settings: frozen dataclasses, validated in one place.
 
->>> EngineConfig(policy="infinigen", alpha=4.0, budget=0.2).budget_tokens_for(1000)
-200
+>>> EngineConfig(policy="infinigen", alpha=4.0, budget=0.2).budget_tokens_for(4000)
+800
+>>> EngineConfig(budget=0.2).budget_tokens_for(1000)  # the floor: never fewer than 256 tokens
+256
 >>> parse_pool_limit("512MiB")
 ('bytes', 536870912)
 """
@@ -25,6 +27,9 @@ class EngineConfig:
 
     budget: the most past tokens a sparse layer may fetch per step, as a fraction of the context
         (0 < budget <= 1) or, with budget_is_tokens, as a token count.
+    min_fetch_tokens: a fractional budget never allows fewer tokens than this, so a short chat (where
+        fetching everything costs next to nothing) is not answered from a handful of tokens; 0 turns
+        the floor off. A token budget is taken as given.
     alpha: InfiniGen keeps tokens whose rehearsed attention logit is within alpha of the maximum.
     partial_ratio: fraction of each head's channels kept in the partial query/key for speculation.
     The defaults (alpha 12, budget 0.15, partial ratio 0.5) come from the sweep in docs/BENCHMARKS.md: on
@@ -38,6 +43,7 @@ class EngineConfig:
     alpha: float = 12.0
     budget: float = 0.15
     budget_is_tokens: bool = False
+    min_fetch_tokens: int = 256
     partial_ratio: float = 0.5
     dense_layers: int = 2
     pool_limit_tokens: int | None = None
@@ -59,6 +65,8 @@ class EngineConfig:
             raise ConfigError(
                 f"budget must be a fraction of the context in (0, 1] or a token count >= 2, got {self.budget}"
             )
+        if self.min_fetch_tokens < 0 or self.min_fetch_tokens != int(self.min_fetch_tokens):
+            raise ConfigError(f"min_fetch_tokens must be a whole number >= 0 (0: no floor), got {self.min_fetch_tokens}")
         if not (0 < self.partial_ratio <= 1):
             raise ConfigError(f"partial ratio must be in (0, 1] (the paper uses 0.2-0.3), got {self.partial_ratio}")
         if self.dense_layers < 1:
@@ -83,7 +91,7 @@ class EngineConfig:
         if self.budget_is_tokens:
             cap = int(self.budget)
         else:
-            cap = int(math.ceil(self.budget * context_len - 1e-9))
+            cap = max(int(math.ceil(self.budget * context_len - 1e-9)), self.min_fetch_tokens)
         return max(1, min(cap, context_len))
 
     def with_changes(self, **changes) -> "EngineConfig":

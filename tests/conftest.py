@@ -52,6 +52,8 @@ def tiny_opt():
 
 
 def make_tiny_engine(model_and_skew, **settings) -> InfiniGenEngine:
+    """An engine over a tiny model; the fetch floor is off unless asked for, since tiny tests use short contexts."""
+    settings.setdefault("min_fetch_tokens", 0)
     model, skew = model_and_skew
     return InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny")
 

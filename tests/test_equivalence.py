@@ -42,6 +42,19 @@ def test_a_small_budget_changes_the_logits(tiny_llama):
     assert difference > 1e-3
 
 
+def test_the_fetch_floor_makes_a_short_context_exact(tiny_llama):
+    """A 5% budget left out tokens above; with a floor above the context length nothing is left out."""
+    dense = make_tiny_engine(tiny_llama, policy="full")
+    floored = make_tiny_engine(tiny_llama, policy="infinigen", budget=0.05, alpha=1e9, min_fetch_tokens=256)
+    try:
+        expected, actual = teacher_forced_logits(dense), teacher_forced_logits(floored)
+        decode_steps = [s for s in floored.history if s.is_decode]
+        assert all(layer.fetched == layer.context_len for s in decode_steps for layer in s.sparse_layers())
+    finally:
+        dense.close(), floored.close()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
 def test_real_model_full_budget_matches_dense(real_engine):
     from infinigen_core.calibration import calibration_text
 

@@ -32,6 +32,7 @@ def tiny_engine(tiny_llama):
 
 
 def configs(*policies, **settings):
+    settings.setdefault("min_fetch_tokens", 0)  # short tiny-model contexts: budgets as fractions, no floor
     return {name: EngineConfig(policy=name, **settings) for name in policies}
 
 
@@ -180,14 +181,14 @@ def test_ppl_cli_on_the_real_model(real_engine, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_load_engine", lambda args: real_engine)  # the session's one real engine
     saved = tmp_path / "out" / "ppl.json"
     code = cli.main(["ppl", "--text", str(text), "--context", "320", "--prefill", "288",
-                     "--policies", "full,infinigen,streaming", "--json", "--save", str(saved)])
+                     "--policies", "full,infinigen,streaming", "--min-fetch-tokens", "0", "--json", "--save", str(saved)])
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result == json.loads(saved.read_text())
     full, infinigen = result["full"], result["infinigen"]
     assert 1 < full["ppl"] < 100  # a trained model on English prose
     assert full["fetched_ratio"] == 1.0 and full["ppl_vs_full"] == 0.0
-    # 28 of 30 layers sparse at a 20% budget; accuracy at this tiny context is the benchmarks' business
+    # 28 of 30 layers sparse at a 15% budget (no floor); accuracy at this tiny context is the benchmarks' business
     assert infinigen["fetched_ratio"] < 0.3 and result["streaming"]["fetched_ratio"] < 0.3
     assert math.isfinite(infinigen["ppl"]) and infinigen["ppl"] != full["ppl"]
     assert all(result[name]["ms_per_token"] > 0 and result[name]["scored_tokens"] == 31 for name in result

@@ -24,11 +24,18 @@ def run_cli(*args, timeout=300):
 @pytest.mark.parametrize("settings,message", [
     ({"alpha": -1}, "alpha"), ({"budget": 1.5}, "budget"), ({"budget": 0}, "budget"),
     ({"partial_ratio": 0}, "partial ratio"), ({"policy": "magic"}, "unknown policy"),
-    ({"budget": 2.5, "budget_is_tokens": True}, "whole number"),
+    ({"budget": 2.5, "budget_is_tokens": True}, "whole number"), ({"min_fetch_tokens": -1}, "min_fetch_tokens"),
 ])
 def test_invalid_settings_say_what_to_change(settings, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig(**settings)
+
+
+def test_a_fractional_budget_has_a_floor_and_a_token_budget_does_not():
+    floored = EngineConfig(budget=0.15, min_fetch_tokens=256)
+    assert [floored.budget_tokens_for(n) for n in (100, 1000, 4000)] == [100, 256, 600]
+    assert EngineConfig(budget=0.15, min_fetch_tokens=0).budget_tokens_for(1000) == 150
+    assert EngineConfig(budget=64, budget_is_tokens=True, min_fetch_tokens=256).budget_tokens_for(1000) == 64
 
 
 def test_pool_limits_in_bytes_and_tokens():

@@ -31,7 +31,7 @@ def test_choose_respects_the_budget_cap():
     from infinigen_core.config import EngineConfig
 
     policy = InfiniGenPolicy.__new__(InfiniGenPolicy)
-    policy.ctx = type("Ctx", (), {"config": EngineConfig(alpha=100.0, budget=0.1)})()
+    policy.ctx = type("Ctx", (), {"config": EngineConfig(alpha=100.0, budget=0.1, min_fetch_tokens=0)})()
     selection = policy.choose(torch.randn(2, 3, 100), past_len=100)
     assert selection.alpha_count == 100  # every token is within alpha ...
     assert selection.slots.shape[1] == 10  # ... but the budget caps k at 10% of the context
@@ -77,11 +77,11 @@ def test_full_channel_rehearsal_finds_the_true_top_k(tiny_llama):
 
 
 def test_partial_channels_mostly_agree_with_the_true_attention(real_engine):
-    """On the real model with default settings the fetched set carries most of the attention mass."""
+    """On the real model at the default budget the fetched set carries most of the attention mass."""
     from infinigen_core.calibration import calibration_text
     from infinigen_core.config import EngineConfig
 
-    real_engine.configure(EngineConfig(record_recall=True))
+    real_engine.configure(EngineConfig(record_recall=True, min_fetch_tokens=0))  # the budget alone decides
     ids = real_engine.tokenizer(calibration_text())["input_ids"]
     real_engine.prefill(ids[:600])
     real_engine.score(ids[600:606])
@@ -89,5 +89,5 @@ def test_partial_channels_mostly_agree_with_the_true_attention(real_engine):
     assert len(sparse) == 28
     recall = sum(layer.attention_recall for layer in sparse) / len(sparse)
     fetched = sum(layer.fetched_ratio for layer in sparse) / len(sparse)
-    assert fetched <= 0.2 + 1e-9
+    assert fetched <= EngineConfig.budget + 0.01  # k is rounded up to a whole token
     assert recall > 0.8 and recall > fetched + 0.4, (recall, fetched)

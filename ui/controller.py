@@ -51,6 +51,7 @@ class Settings:
     pool_limit: str = ""
     inspect: bool = False  # recording the true attention costs a dense pass per layer
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=256))
+    min_fetch_tokens: int = EngineConfig.min_fetch_tokens
 
 
 class ChatController:
@@ -122,24 +123,29 @@ class ChatController:
             limit = pool_limit_tokens(settings.pool_limit.strip(), per_token)
         return EngineConfig(policy=settings.policy, alpha=float(settings.alpha), budget=budget,
                             budget_is_tokens=is_tokens, partial_ratio=float(settings.partial_ratio),
-                            pool_limit_tokens=limit, record_recall=settings.inspect)
+                            min_fetch_tokens=int(settings.min_fetch_tokens), pool_limit_tokens=limit,
+                            record_recall=settings.inspect)
 
     def apply_settings(self, policy: str, alpha, budget, partial_ratio, pool_limit: str, inspect: bool,
-                       temperature, top_p, top_k, repetition_penalty, max_new_tokens) -> str:
+                       temperature, top_p, top_k, repetition_penalty, max_new_tokens,
+                       min_fetch_tokens=EngineConfig.min_fetch_tokens) -> str:
         """Validate and store new settings; they take effect on the next turn. Raises UserError."""
         try:
             sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                                       repetition_penalty=float(repetition_penalty),
                                       max_new_tokens=int(max_new_tokens))
+            if float(min_fetch_tokens) != int(float(min_fetch_tokens)):
+                raise ConfigError(f"the fetch floor must be a whole number of tokens, got {min_fetch_tokens}")
             candidate = Settings(policy, float(alpha), str(budget).strip(), float(partial_ratio),
-                                 str(pool_limit or ""), bool(inspect), sampling)
+                                 str(pool_limit or ""), bool(inspect), sampling, int(float(min_fetch_tokens)))
             config = self._engine_config(candidate)
         except (ConfigError, ValueError, TypeError) as error:
             raise UserError(f"Settings not applied: {error}") from None
         self.settings = candidate
         self._pending_config = config
         return (f"Settings saved: {config.policy}, alpha {config.alpha:g}, budget {candidate.budget}, "
-                f"partial ratio {config.partial_ratio:g}; they apply from the next message.")
+                f"at least {config.min_fetch_tokens} tokens, partial ratio {config.partial_ratio:g}; they apply "
+                "from the next message.")
 
     def _apply_pending_config(self) -> None:
         config = getattr(self, "_pending_config", None)
@@ -153,7 +159,8 @@ class ChatController:
     def _settings_record(self) -> dict:
         """The engine and sampling settings a session's turns ran with, as stored beside it."""
         s = self.settings
-        return {"policy": s.policy, "alpha": s.alpha, "budget": s.budget, "partial_ratio": s.partial_ratio,
+        return {"policy": s.policy, "alpha": s.alpha, "budget": s.budget, "min_fetch_tokens": s.min_fetch_tokens,
+                "partial_ratio": s.partial_ratio,
                 "pool_limit": s.pool_limit, "temperature": s.sampling.temperature, "top_p": s.sampling.top_p,
                 "top_k": s.sampling.top_k, "repetition_penalty": s.sampling.repetition_penalty,
                 "max_new_tokens": s.sampling.max_new_tokens}

@@ -97,6 +97,8 @@ def build_app(controller: ChatController) -> gr.Blocks:
                         policy = gr.Dropdown(list(POLICY_NAMES), value=shown.policy, label="KV policy")
                         alpha = gr.Number(value=shown.alpha, label="alpha")
                         budget = gr.Textbox(value=shown.budget, label="budget (fraction or tokens)")
+                        min_fetch = gr.Number(value=shown.min_fetch_tokens, precision=0,
+                                              label="fetch at least (tokens; 0 = no floor)")
                         partial_ratio = gr.Slider(0.05, 1.0, value=shown.partial_ratio, step=0.05,
                                                   label="partial ratio")
                         pool_limit = gr.Textbox(value="", label="pool limit (tokens or e.g. 64MiB)")
@@ -301,7 +303,8 @@ def build_app(controller: ChatController) -> gr.Blocks:
             refresh_sessions, None, session_outputs, api_name=False)
         system_button.click(on_system, system_box, settings_status, api_name="system_prompt")
         apply_button.click(on_apply, [policy, alpha, budget, partial_ratio, pool_limit, record, temperature, top_p,
-                                      top_k, repetition, max_new], settings_status, api_name="apply_settings")
+                                      top_k, repetition, max_new, min_fetch], settings_status,
+                           api_name="apply_settings")
         inspect_button.click(on_inspect, [step_picker, layer_picker], inspector_html, api_name=False)
         # the same view for scripts and tests: step by index (0 = oldest recent decode step), layer by number
         step_index_api, layer_api = gr.Number(visible=False, precision=0), gr.Number(visible=False, precision=0)

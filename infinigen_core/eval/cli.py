@@ -26,7 +26,8 @@ def _log(message: str) -> None:
 def _base_config(args) -> EngineConfig:
     budget, is_tokens = parse_budget(args.budget)
     return EngineConfig(alpha=args.alpha, budget=budget, budget_is_tokens=is_tokens,
-                        partial_ratio=args.partial_ratio, dense_layers=args.dense_layers)
+                        min_fetch_tokens=args.min_fetch_tokens, partial_ratio=args.partial_ratio,
+                        dense_layers=args.dense_layers)
 
 
 def _configs(args) -> dict[str, EngineConfig]:
@@ -41,6 +42,8 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
         parser.add_argument("--policies", default=policies, help=f"comma-separated (default {policies})")
     parser.add_argument("--alpha", type=float, default=EngineConfig.alpha)
     parser.add_argument("--budget", default=str(EngineConfig.budget), help="fraction (0.2) or token count (256)")
+    parser.add_argument("--min-fetch-tokens", type=int, default=EngineConfig.min_fetch_tokens,
+                        help="a fractional budget never fetches fewer tokens than this (0: no floor)")
     parser.add_argument("--partial-ratio", type=float, default=EngineConfig.partial_ratio)
     parser.add_argument("--dense-layers", type=int, default=EngineConfig.dense_layers)
     parser.add_argument("--model", help="checkpoint directory or .gguf (default: SmolLM2-135M-Instruct)")
