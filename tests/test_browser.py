@@ -70,8 +70,6 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page):
     for panel in ("#ig-memory", "#ig-fetch", "#ig-sparsity", "#ig-timing"):
         page.wait_for_selector(f"{panel} img", timeout=30_000)
     page.screenshot(path=str(ARTIFACTS / "browser-mid-conversation.png"), full_page=True)
-    if os.environ.get("UPDATE_SCREENSHOT"):  # the README's picture: refreshed on request, not by every test run
-        page.screenshot(path=str(ROOT / "docs" / "screenshot.png"), full_page=True)
 
     page.reload()
     page.wait_for_selector("#ig-status:has-text('Ready')", timeout=60_000)
@@ -87,3 +85,16 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page):
     assert lengths[-1] > 0
     assert page.locator(BOT).count() == 2  # the conversation went on where it was
     page.screenshot(path=str(ARTIFACTS / "browser-after-reload.png"), full_page=True)
+
+    # a pasted document (the project's own ~2.4k-token calibration text): reading it shows progress, and
+    # at this length the sparse layers fetch a fraction of the context
+    from infinigen_core.calibration import calibration_text
+
+    send(page, "Here is a story I am writing:\n\n" + calibration_text() + "\n\nWhat is it about, in one sentence?")
+    page.wait_for_selector("#ig-status:has-text('Reading your message')", timeout=60_000)
+    lengths = reply_lengths_while_streaming(page, 2)
+    assert lengths[-1] > 0 and page.locator(BOT).count() == 3
+    page.wait_for_selector("#ig-session-info:has-text('6 messages')", timeout=30_000)
+    page.screenshot(path=str(ARTIFACTS / "browser-long-document.png"), full_page=True)
+    if os.environ.get("UPDATE_SCREENSHOT"):  # the README's picture: refreshed on request, not by every test run
+        page.screenshot(path=str(ROOT / "docs" / "screenshot.png"), full_page=True)
