@@ -2,9 +2,11 @@
 
 from pathlib import Path
 
+import pytest
+
 from sessions import SessionStore
 from sessions.lock import SessionLock
-from ui.controller import ChatController
+from ui.controller import ChatController, UserError
 
 
 def _controller(data_dir: Path, engine) -> ChatController:
@@ -47,14 +49,16 @@ def test_a_session_records_the_settings_its_turns_ran_with(tmp_path, real_engine
         controller.apply_settings("h2o", 12, "0.3", 0.5, "", False, 0.7, 0.9, 0, 1.0, 3)  # sampling only
         list(controller.send("Thanks"))
         stored = controller.store.get(controller.chat.id).settings
-        assert stored["temperature"] == 0.7 and stored["max_new_tokens"] == 3
+        assert stored["temperature"] == 0.7 and stored["max_new_tokens"] == 3 and stored["min_fetch_tokens"] == 256
+        for bad_floor, message in ((-5, "min_fetch_tokens"), (2.5, "whole number")):
+            with pytest.raises(UserError, match=message):
+                controller.apply_settings("infinigen", 12, "0.15", 0.5, "", False, 0.0, 1.0, 0, 1.0, 8, bad_floor)
+        assert controller.settings.min_fetch_tokens == 256  # the bad values changed nothing
     finally:
         controller.chat.close()
 
 
 def test_app_flags_default_to_a_private_local_server():
-    import pytest
-
     from ui.cli import parse_args
 
     args = parse_args([])
