@@ -90,23 +90,12 @@ class SessionStore:
             ) from None
 
     def _create_tables(self) -> None:
-        if "sessions" not in self.db.table_names():
-            self.db["sessions"].create({
-                "id": str, "title": str, "system_prompt": str, "created": float, "updated": float,
-                "model_fingerprint": str, "settings": str, "token_count": int,
-            }, pk="id")
-        if "messages" not in self.db.table_names():
-            self.db["messages"].create({
-                "id": int, "session_id": str, "role": str, "content": str, "position": int,
-                "token_start": int, "token_end": int, "created": float, "parent_id": int,
-            }, pk="id", foreign_keys=[("session_id", "sessions", "id")])
-            self.db["messages"].create_index(["session_id", "position"])
-        if "chunks" not in self.db.table_names():
-            self.db["chunks"].create({
-                "session_id": str, "start": int, "end": int, "file": str, "sha256": str, "size": int,
-            }, pk=("session_id", "start"), foreign_keys=[("session_id", "sessions", "id")])
-        if "kv_signatures" not in self.db.table_names():
-            self.db["kv_signatures"].create({"session_id": str, "signature": str}, pk="session_id")
+        existing = set(self.db.table_names())
+        for name, table in _TABLES.items():
+            if name not in existing:
+                self.db[name].create(table["columns"], pk=table["pk"], foreign_keys=table.get("foreign_keys"))
+                for index in table.get("indexes", ()):
+                    self.db[name].create_index(index)
 
     def _check_before_writing(self) -> None:
         """Refuse a damaged file, or one made by another program, before changing a byte of it."""
@@ -114,13 +103,13 @@ class SessionStore:
         if damage != "ok":
             raise sqlite3.DatabaseError(damage)
         tables = set(self.db.table_names())
-        strangers = {t for t in tables if not t.startswith("sqlite_")} - set(_COLUMNS)
+        strangers = {t for t in tables if not t.startswith("sqlite_")} - set(_TABLES)
         if strangers:
             raise sqlite3.DatabaseError(f"it holds other tables ({', '.join(sorted(strangers)[:3])})")
-        for table in tables & set(_COLUMNS):
-            present = {column.name for column in self.db[table].columns}
-            if not _COLUMNS[table] <= present:
-                raise sqlite3.DatabaseError(f"table {table} lacks {', '.join(sorted(_COLUMNS[table] - present))}")
+        for table in tables & set(_TABLES):
+            missing = set(_TABLES[table]["columns"]) - {column.name for column in self.db[table].columns}
+            if missing:
+                raise sqlite3.DatabaseError(f"table {table} lacks {', '.join(sorted(missing))}")
 
     # ------------------------------------------------------------------ sessions
     @_locked
@@ -315,12 +304,16 @@ class SessionStore:
         return import_session(self, Path(path))
 
 
-_COLUMNS = {
-    "sessions": {"id", "title", "system_prompt", "created", "updated", "model_fingerprint", "settings", "token_count"},
-    "messages": {"id", "session_id", "role", "content", "position", "token_start", "token_end", "created",
-                 "parent_id"},
-    "chunks": {"session_id", "start", "end", "file", "sha256", "size"},
-    "kv_signatures": {"session_id", "signature"},
+_SESSION_KEY = [("session_id", "sessions", "id")]
+_TABLES = {  # the one description of the schema: tables are created from it and opened files checked against it
+    "sessions": {"columns": {"id": str, "title": str, "system_prompt": str, "created": float, "updated": float,
+                             "model_fingerprint": str, "settings": str, "token_count": int}, "pk": "id"},
+    "messages": {"columns": {"id": int, "session_id": str, "role": str, "content": str, "position": int,
+                             "token_start": int, "token_end": int, "created": float, "parent_id": int},
+                 "pk": "id", "foreign_keys": _SESSION_KEY, "indexes": [["session_id", "position"]]},
+    "chunks": {"columns": {"session_id": str, "start": int, "end": int, "file": str, "sha256": str, "size": int},
+               "pk": ("session_id", "start"), "foreign_keys": _SESSION_KEY},
+    "kv_signatures": {"columns": {"session_id": str, "signature": str}, "pk": "session_id"},
 }
 
 _SUMMARY_SQL = """
