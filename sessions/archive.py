@@ -9,14 +9,13 @@ tensors, so no pickle is ever loaded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import zipfile
 from pathlib import Path
 
 from .errors import ImportValidationError
 from .paths import atomic_write_bytes
-from .snapshots import ChunkError, ChunkRecord, parse_chunk
+from .snapshots import ChunkError, ChunkRecord, check_integrity, parse_chunk, read_chunk_bytes
 
 ARCHIVE_FORMAT = "infinigen-chat-session/1"
 MAX_MANIFEST_BYTES = 64 * 2**20
@@ -35,8 +34,9 @@ def export_session(store, session_id: str, path: Path) -> Path:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as archive:
             exported = []
             for chunk in store.chunks(session_id):
-                data = _intact_chunk_bytes(store.data_dir / chunk.file, chunk)
-                if data is None:
+                try:
+                    data = read_chunk_bytes(store.data_dir, chunk)
+                except ChunkError:
                     break
                 archive.writestr(_chunk_name(len(exported)), data)
                 exported.append({"start": chunk.start, "end": chunk.end, "sha256": chunk.sha256, "size": chunk.size})
@@ -56,16 +56,6 @@ def export_session(store, session_id: str, path: Path) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
-
-
-def _intact_chunk_bytes(file: Path, chunk: ChunkRecord) -> bytes | None:
-    try:
-        data = file.read_bytes()
-    except OSError:
-        return None
-    if len(data) != chunk.size or hashlib.sha256(data).hexdigest() != chunk.sha256:
-        return None
-    return data
 
 
 def _chunk_name(index: int) -> str:
@@ -161,13 +151,12 @@ def _check_entries(archive: zipfile.ZipFile, manifest: dict) -> None:
 
 def _read_valid_chunk(archive: zipfile.ZipFile, index: int, entry: dict, signature: dict, parse: bool) -> bytes:
     data = archive.read(_chunk_name(index))
-    if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise _fail(f"chunk {index} is damaged (checksum mismatch)")
-    if parse:
-        try:
+    try:
+        check_integrity(data, entry["size"], entry["sha256"], "its data")
+        if parse:
             parse_chunk(data, signature, entry["start"], entry["end"])
-        except ChunkError as error:
-            raise _fail(f"chunk {index}: {error}") from None
+    except ChunkError as error:
+        raise _fail(f"chunk {index}: {error}") from None
     return data
 
 

@@ -49,16 +49,24 @@ def write_chunk(data_dir: Path, session_id: str, rows: dict[str, torch.Tensor], 
 
 
 def read_chunk(data_dir: Path, record: ChunkRecord, signature: dict[str, str]) -> dict[str, torch.Tensor]:
-    path = data_dir / record.file
+    return parse_chunk(read_chunk_bytes(data_dir, record), signature, record.start, record.end)
+
+
+def read_chunk_bytes(data_dir: Path, record: ChunkRecord) -> bytes:
+    """The chunk file's bytes, checked against the size and checksum on record (not yet decoded)."""
     try:
-        data = path.read_bytes()
+        data = (data_dir / record.file).read_bytes()
     except OSError as error:
         raise ChunkError(f"chunk {record.start}-{record.end} is missing ({error.strerror})") from error
-    if len(data) != record.size:
-        raise ChunkError(f"chunk {record.start}-{record.end} has {len(data)} bytes, expected {record.size}")
-    if hashlib.sha256(data).hexdigest() != record.sha256:
-        raise ChunkError(f"chunk {record.start}-{record.end} is damaged (checksum mismatch)")
-    return parse_chunk(data, signature, record.start, record.end)
+    check_integrity(data, record.size, record.sha256, f"chunk {record.start}-{record.end}")
+    return data
+
+
+def check_integrity(data: bytes, size: int, sha256: str, what: str) -> None:
+    if len(data) != size:
+        raise ChunkError(f"{what} has {len(data)} bytes, expected {size}")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ChunkError(f"{what} is damaged (checksum mismatch)")
 
 
 def chunk_metadata(data: bytes) -> dict[str, str]:
