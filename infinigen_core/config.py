@@ -67,6 +67,7 @@ class EngineConfig:
             )
         if self.min_fetch_tokens < 0 or self.min_fetch_tokens != int(self.min_fetch_tokens):
             raise ConfigError(f"min_fetch_tokens must be a whole number >= 0 (0: no floor), got {self.min_fetch_tokens}")
+        object.__setattr__(self, "min_fetch_tokens", int(self.min_fetch_tokens))  # 256.0 from a form is 256
         if not (0 < self.partial_ratio <= 1):
             raise ConfigError(f"partial ratio must be in (0, 1] (the paper uses 0.2-0.3), got {self.partial_ratio}")
         if self.dense_layers < 1:

@@ -123,7 +123,7 @@ class ChatController:
             limit = pool_limit_tokens(settings.pool_limit.strip(), per_token)
         return EngineConfig(policy=settings.policy, alpha=float(settings.alpha), budget=budget,
                             budget_is_tokens=is_tokens, partial_ratio=float(settings.partial_ratio),
-                            min_fetch_tokens=int(settings.min_fetch_tokens), pool_limit_tokens=limit,
+                            min_fetch_tokens=settings.min_fetch_tokens, pool_limit_tokens=limit,
                             record_recall=settings.inspect)
 
     def apply_settings(self, policy: str, alpha, budget, partial_ratio, pool_limit: str, inspect: bool,
@@ -134,11 +134,10 @@ class ChatController:
             sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                                       repetition_penalty=float(repetition_penalty),
                                       max_new_tokens=int(max_new_tokens))
-            if float(min_fetch_tokens) != int(float(min_fetch_tokens)):
-                raise ConfigError(f"the fetch floor must be a whole number of tokens, got {min_fetch_tokens}")
             candidate = Settings(policy, float(alpha), str(budget).strip(), float(partial_ratio),
-                                 str(pool_limit or ""), bool(inspect), sampling, int(float(min_fetch_tokens)))
-            config = self._engine_config(candidate)
+                                 str(pool_limit or ""), bool(inspect), sampling, float(min_fetch_tokens))
+            config = self._engine_config(candidate)  # validates every engine setting, the floor included
+            candidate.min_fetch_tokens = config.min_fetch_tokens
         except (ConfigError, ValueError, TypeError) as error:
             raise UserError(f"Settings not applied: {error}") from None
         self.settings = candidate
