@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from infinigen_core.config import ConfigError, EngineConfig, SamplingConfig, parse_budget, pool_limit_tokens
@@ -157,12 +157,9 @@ class ChatController:
 
     def _settings_record(self) -> dict:
         """The engine and sampling settings a session's turns ran with, as stored beside it."""
-        s = self.settings
-        return {"policy": s.policy, "alpha": s.alpha, "budget": s.budget, "min_fetch_tokens": s.min_fetch_tokens,
-                "partial_ratio": s.partial_ratio,
-                "pool_limit": s.pool_limit, "temperature": s.sampling.temperature, "top_p": s.sampling.top_p,
-                "top_k": s.sampling.top_k, "repetition_penalty": s.sampling.repetition_penalty,
-                "max_new_tokens": s.sampling.max_new_tokens}
+        record = asdict(self.settings)
+        record.update(record.pop("sampling"))  # one flat record: temperature beside policy
+        return record
 
     # ------------------------------------------------------------------ sessions
     def new_session(self, system_prompt: str = "") -> str:
