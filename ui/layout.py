@@ -23,14 +23,18 @@ footer { display: none !important; }
 """
 
 
-def _session_choices(controller: ChatController) -> list[tuple[str, str]]:
+def _session_choices(summaries) -> list[tuple[str, str]]:
     """Short labels that fit the sidebar: title, tokens, last used (the open session's details sit below)."""
     choices = []
-    for s in controller.store.list():
+    for s in summaries:
         title = s.title if len(s.title) <= 20 else s.title[:19] + "…"
         used = time.strftime("%d %b", time.localtime(s.updated))
         choices.append((f"{title} · {s.token_count:,} tok · {used}", s.id))
     return choices
+
+
+def _find(summaries, session_id: str | None):
+    return next((s for s in summaries if s.id == session_id), None)
 
 
 def _session_details(summary) -> str:
@@ -134,8 +138,9 @@ def build_app(controller: ChatController) -> gr.Blocks:
 
         def refresh_sessions():
             current = controller.chat.id if controller.chat is not None else None
-            summary = controller.store.get(current) if current else None
-            return gr.update(choices=_session_choices(controller), value=current), \
+            summaries = controller.store.list()
+            summary = _find(summaries, current)
+            return gr.update(choices=_session_choices(summaries), value=current), \
                 (summary.title if summary else ""), (summary.system_prompt if summary else ""), \
                 _session_details(summary)
 
@@ -244,9 +249,11 @@ def build_app(controller: ChatController) -> gr.Blocks:
             # the page may have opened before the model and the last session were loaded: show them now
             session_changed = last_seen is None or last_seen[1] != seen[1]
             history = controller.chat_history() if session_changed else gr.skip()
-            picker = gr.update(choices=_session_choices(controller), value=seen[1]) if session_changed else gr.skip()
-            details = (_session_details(controller.store.get(seen[1])) if session_changed and seen[1]
-                       else gr.skip())
+            picker = details = gr.skip()
+            if session_changed:
+                summaries = controller.store.list()
+                picker = gr.update(choices=_session_choices(summaries), value=seen[1])
+                details = _session_details(_find(summaries, seen[1]))
             data = panels.collect(engine, controller.progress.tokens_per_second())
             figures = (panels.memory_plot(data), panels.fetch_ratio_plot(data), panels.sparsity_heatmap(data),
                        panels.timing_plot(data))
