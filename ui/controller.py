@@ -19,6 +19,9 @@ from infinigen_core.engine import ContextOverflowError
 from sessions import ChatSession, SessionError, SessionStore
 
 
+BUSY = "A reply is being generated: press Stop or wait for it to finish."
+
+
 class UserError(Exception):
     """A problem to show the user; nothing was lost."""
 
@@ -264,7 +267,7 @@ class ChatController:
     def _refuse_while_generating(self) -> None:
         """For actions that create something before opening it: refuse up front rather than half-way."""
         if self._turn_lock.locked():
-            raise UserError("A reply is being generated: press Stop or wait for it to finish.")
+            raise UserError(BUSY)
 
     def _turn(self):
         controller = self
@@ -272,7 +275,7 @@ class ChatController:
         class _Guard:
             def __enter__(self):
                 if not controller._turn_lock.acquire(blocking=False):
-                    raise UserError("A reply is being generated: press Stop or wait for it to finish.")
+                    raise UserError(BUSY)
 
             def __exit__(self, *exc):
                 controller._turn_lock.release()
