@@ -207,6 +207,11 @@ class InfiniGenEngine:
             return None
         return self.prefill(token_ids[common:], progress)
 
+    def recent_decode_steps(self) -> list[StepStats]:
+        """The recent decode steps that ran layers, oldest first: a copy, safe to read from another thread
+        while this engine keeps decoding (the UI's panels and inspector do)."""
+        return [step for step in list(self.history) if step.is_decode and step.layers]
+
     def _check_fits(self, n_new: int) -> None:
         if self.pool.total_tokens + n_new > self.max_context:
             raise ContextOverflowError(

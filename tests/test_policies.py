@@ -81,3 +81,17 @@ def test_dense_policies_fetch_everything(tiny_llama):
             engine.close()
         assert all(layer.fetched == layer.context_len for step in steps for layer in step.layers)
         assert all(step.fetched_ratio() == 1.0 for step in steps)
+
+
+def test_recent_decode_steps_is_a_snapshot_of_the_decode_steps(tiny_llama):
+    engine = make_tiny_engine(tiny_llama, policy="infinigen", budget=0.2)
+    try:
+        engine.prefill(random_tokens(60, seed=5))
+        for token in random_tokens(3, seed=6):
+            engine.decode(token)
+        steps = engine.recent_decode_steps()
+        assert [s.is_decode for s in steps] == [True] * 3 and len(engine.history) == 4  # the prefill left out
+        engine.decode(7)
+        assert len(steps) == 3 and len(engine.recent_decode_steps()) == 4  # a copy, not a live view
+    finally:
+        engine.close()

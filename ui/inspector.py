@@ -15,13 +15,9 @@ import torch
 MAX_SHOWN_TOKENS = 1500
 
 
-def decode_steps(engine) -> list:
-    return [step for step in list(engine.history) if step.is_decode and step.layers]  # generation appends meanwhile
-
-
 def step_labels(engine) -> list[str]:
     labels = []
-    for index, step in enumerate(decode_steps(engine)):
+    for index, step in enumerate(engine.recent_decode_steps()):
         following = engine.token_ids[step.position + 1] if step.position + 1 < len(engine.token_ids) else None
         token = engine.tokenizer.decode([following]) if following is not None else "(next)"
         labels.append(f"{index}: token {step.position + 1} {token!r}")
@@ -48,7 +44,7 @@ def _shaded_text(pieces: list[str], first_position: int, weights: dict[int, floa
 
 def render(engine, step_index: int, layer: int) -> str:
     """HTML for one decode step and layer (or a sentence saying why there is nothing to show)."""
-    steps = decode_steps(engine)
+    steps = engine.recent_decode_steps()
     if not steps:
         return "<p>Generate a reply first: the inspector shows the decode steps of the recent replies.</p>"
     step = steps[max(0, min(step_index, len(steps) - 1))]

@@ -49,7 +49,7 @@ def memory_figures(engine) -> dict[str, float]:
 
 
 def collect(engine, tokens_per_second: float = 0.0) -> PanelData:
-    steps = [s for s in list(engine.history) if s.is_decode and s.layers]  # a copy: generation appends meanwhile
+    steps = engine.recent_decode_steps()
     layers = engine.adapter.num_layers
     data = PanelData(memory_mib=memory_figures(engine), tokens_per_second=tokens_per_second,
                      context=engine.num_tokens, window=engine.max_context, policy=engine.config.policy)
