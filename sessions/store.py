@@ -74,7 +74,7 @@ class SessionStore:
         path = self.data_dir / DB_NAME
         connection = None
         try:
-            # one connection shared by the app's threads; writes are serialised by _lock
+            # one connection shared by the app's threads; every use is serialised by _lock
             connection = sqlite3.connect(path, check_same_thread=False, timeout=30)
             self.db = sqlite_utils.Database(connection)
             self._check_before_writing()
@@ -223,11 +223,11 @@ class SessionStore:
             self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
             parent = None
             for position, (role, content) in enumerate(messages):
-                cursor = self.db.execute(
-                    "INSERT INTO messages (session_id, role, content, position, token_start, token_end, created, "
-                    "parent_id) VALUES (?, ?, ?, ?, -1, -1, ?, ?)", [session_id, role, content, position, now, parent])
-                parent = cursor.lastrowid
-            self.db.execute("UPDATE sessions SET updated = ? WHERE id = ?", [now, session_id])
+                parent = self.db["messages"].insert({
+                    "session_id": session_id, "role": role, "content": content, "position": position,
+                    "token_start": -1, "token_end": -1, "created": now, "parent_id": parent,
+                }).last_pk
+            self.db["sessions"].update(session_id, {"updated": now})
 
     @_locked
     def delete_messages_from(self, session_id: str, position: int) -> None:
