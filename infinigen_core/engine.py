@@ -24,12 +24,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .arch import ModelAdapter
 from .config import ConfigError, EngineConfig
-from .fetch import Fetcher, PendingFetch
-from .kv_pool import KVPool
+from .fetch import PendingFetch, make_fetcher
+from .kv_pool import KVPool, release_pinned_memory
 from .policies import POLICIES, PolicyContext, Selection
-from .stats import LayerStats, StepStats
+from .stats import DeferredValues, LayerStats, StepStats
 
 ATTENTION_NAME = "infinigen"
+KEEP_SELECTIONS_STEPS = 16  # decode steps whose selected positions stay inspectable (they stay on the device)
 
 
 class ContextOverflowError(ValueError):
@@ -41,10 +42,20 @@ class _Step:
     engine: "InfiniGenEngine"
     first_position: int
     new_tokens: int
-    slots: list[torch.Tensor]
-    query_positions: torch.Tensor
+    slots: list[torch.Tensor]  # per layer, the pool slots of the new tokens
+    query_positions: torch.Tensor  # on the compute device
     stats: StepStats
-    prefetched: dict[int, tuple[PendingFetch, Selection]] = field(default_factory=dict)
+    prefetched: dict[int, tuple[PendingFetch, Selection | None]] = field(default_factory=dict)
+    device_values: list[tuple[LayerStats, torch.Tensor]] = field(default_factory=list)  # sent to the host once
+
+    @property
+    def is_decode(self) -> bool:
+        return self.new_tokens == 1
+
+    @property
+    def past_len(self) -> int:
+        """Tokens every layer held before this step (the same in every layer)."""
+        return self.engine.pool.size() - self.new_tokens
 
 
 def grouped_attention(
@@ -106,37 +117,50 @@ class InfiniGenEngine:
             for module in self._attention_modules
         ]
         self.pool: KVPool | None = None
+        self._ones: torch.Tensor | None = None
         self.configure(config)
 
     # ------------------------------------------------------------------ settings
     @torch.inference_mode()
     def configure(self, config: EngineConfig) -> None:
-        """Apply new settings; the conversation's cache is kept (and moved or trimmed if needed)."""
+        """Apply new settings; the conversation's cache is kept (and moved or trimmed if needed).
+
+        The pool itself is kept when its device and limits stay the same (no copy, no new pinned memory).
+        """
         policy_class = POLICIES[config.policy]
         if policy_class.needs_skew and self.skew_set is None:
             raise ConfigError(f"the {config.policy} policy needs the model's skew matrices: calibrate it first")
-        pool_device = self.device if policy_class.keeps_pool_on_device else torch.device("cpu")
-        old_pool = self.pool
-        self.pool = KVPool(
-            num_layers=self.adapter.num_layers,
-            num_kv_heads=self.adapter.num_kv_heads,
-            head_dim=self.adapter.head_dim,
-            dtype=self.dtype,
-            device=pool_device,
-            pin_memory=self.device.type == "cuda",
+        layout = dict(
+            device=self.device if policy_class.keeps_pool_on_device else torch.device("cpu"),
+            pin_memory=self.device.type == "cuda" and not policy_class.keeps_pool_on_device,
             limit_tokens=config.pool_limit_tokens,
             sink_tokens=config.sink_tokens,
             recent_window=config.recent_window,
         )
-        if old_pool is not None:
-            self.pool.copy_from(old_pool)
+        old_pool = self.pool
+        if old_pool is None or not old_pool.same_layout(**layout):
+            self.pool = KVPool(
+                num_layers=self.adapter.num_layers,
+                num_kv_heads=self.adapter.num_kv_heads,
+                head_dim=self.adapter.head_dim,
+                dtype=self.dtype,
+                **layout,
+            )
+            if old_pool is not None:
+                self.pool.copy_from(old_pool)
+                release_pinned_memory(old_pool)
         self.config = config
         self.history = deque(self.history, maxlen=config.history_steps)
         context = PolicyContext(self.pool, config, self.adapter, self._attention_modules, self.device, self.skew_set)
         self.policy = policy_class(context)
         if getattr(self, "fetcher", None) is not None:
             self.fetcher.close()
-        self.fetcher = Fetcher(self.pool, self.device)
+        self.fetcher = make_fetcher(self.pool, self.device, max_rows=config.budget_tokens_for(self.max_context) + 1)
+
+    def prepare(self, new_tokens: int) -> None:
+        """Make room now for `new_tokens` more tokens, so no step of the coming reply allocates pool memory."""
+        self.pool.ensure_capacity(min(self.pool.total_tokens + new_tokens, self.max_context))
+        self.policy.ensure_capacity(self.pool.capacity)
 
     def close(self) -> None:
         """Detach from the model (its hooks) and stop the fetch worker; the engine is unusable after."""
@@ -144,6 +168,7 @@ class InfiniGenEngine:
             hook.remove()
         self._hooks = []
         self.fetcher.close()
+        release_pinned_memory(self.pool)
 
     # ------------------------------------------------------------------ conversation
     @property
@@ -181,9 +206,10 @@ class InfiniGenEngine:
     @torch.inference_mode()
     def truncate(self, n_tokens: int) -> None:
         """Keep the first n_tokens of the conversation (edit, regenerate)."""
-        self.pool.truncate(n_tokens)
+        moved = self.pool.truncate(n_tokens)
         del self.token_ids[n_tokens:]
-        self.policy.rebuild()
+        if moved:  # eviction had reordered the slots: per-slot state follows the compacted pool
+            self.policy.rebuild()
 
     @torch.inference_mode()
     def reset(self) -> None:
@@ -273,103 +299,157 @@ class InfiniGenEngine:
             first_position=first,
             new_tokens=n,
             slots=self.pool.reserve(n),
-            query_positions=torch.arange(first, first + n),
+            query_positions=torch.arange(first, first + n, device=self.device),
             stats=stats,
         )
+        self.policy.ensure_capacity(self.pool.capacity)
+        if step.is_decode and not self.policy.keeps_pool_on_device:
+            step.prefetched[0] = self._start_fetch(0, step)  # later layers are started one layer ahead
         started = time.perf_counter()
         try:
             output = self.model(
                 input_ids=torch.tensor([token_ids], device=self.device),
-                position_ids=step.query_positions.unsqueeze(0).to(self.device),
+                position_ids=step.query_positions.unsqueeze(0),
+                # our mask function returns None; passing a mask only spares transformers a look at the
+                # position ids (a host read) for packed sequences
+                attention_mask=self._all_ones(n),
                 use_cache=False,
-                logits_to_keep=1 if n > 1 else 0,
+                logits_to_keep=1,
                 infinigen_step=step,
             )
         except BaseException:
-            self.pool.truncate(first)
-            self.policy.rebuild()
+            if self.pool.truncate(first):
+                self.policy.rebuild()
             raise
         self.token_ids.extend(token_ids)
         self.steps_run += 1
         stats.total_ms = (time.perf_counter() - started) * 1e3
         stats.pool_bytes = self.pool.bytes_allocated()
         stats.device_bytes = self.device_bytes()
+        self._send_device_values_to_host(step)
+        if len(self.history) > KEEP_SELECTIONS_STEPS:
+            self.history[-KEEP_SELECTIONS_STEPS].drop_selections()
         self.history.append(stats)
         return output.logits[0].float()
+
+    def _all_ones(self, n: int) -> torch.Tensor:
+        if self._ones is None or self._ones.shape[1] < n:
+            self._ones = torch.ones(1, max(n, self.config.prefill_chunk), dtype=torch.long, device=self.device)
+        return self._ones[:, :n]
+
+    def _send_device_values_to_host(self, step: "_Step") -> None:
+        """One stacked, non-blocking copy per step of what the layers left on the device (alpha counts)."""
+        if not step.device_values:
+            return
+        values = torch.stack([value for _, value in step.device_values]).double()
+        host, ready = self.fetcher.host.to_host(values)
+        heads = self.adapter.num_heads
+        step.stats.deferred = DeferredValues(host, ready, [(layer, heads) for layer, _ in step.device_values])
 
     def device_bytes(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
-        partial = getattr(self.policy, "device_bytes", lambda: 0)()
+        partial = self.policy.device_bytes()
         on_device = self.pool.bytes_allocated() if self.policy.keeps_pool_on_device else 0
         return partial + on_device
 
     def _before_attention(self, module, args, kwargs):
         step = kwargs.get("infinigen_step")
         # Several engines may wrap one model (tests, the eval tools); each handles only its own steps.
-        if step is None or step.engine is not self or step.new_tokens != 1:
+        if step is None or step.engine is not self or not step.is_decode:
             return None
-        speculated = self.policy.speculate(
-            module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"), step.first_position
-        )
-        if speculated is not None:
-            target, selection = speculated
-            step.prefetched[target] = (self.fetcher.start(target, selection.slots), selection)
+        target = module.layer_idx + 1
+        if target >= self.adapter.num_layers:
+            return None
+        if self.policy.is_sparse(target):
+            selection = self.policy.speculate(
+                module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"), step.past_len
+            )
+            if selection is not None:
+                step.prefetched[target] = (self.fetcher.start_rows(target, selection.slots), selection)
+        elif not self.policy.keeps_pool_on_device:
+            step.prefetched[target] = self._start_fetch(target, step)
         return None
+
+    def _start_fetch(self, layer: int, step: "_Step") -> tuple[PendingFetch, Selection | None]:
+        """Start the fetch of a layer that nothing speculated for: its selected rows, or all of it."""
+        if self.policy.is_sparse(layer):
+            selection = self.policy.select(layer, step.past_len, step.first_position)
+            if selection is not None:
+                return self.fetcher.start_rows(layer, selection.slots), selection
+        return self.fetcher.start_layer(layer), None
 
     def _attend(self, layer: int, query, key, value, scaling: float, step: _Step):
         started = time.perf_counter()
         slots = step.slots[layer]
-        self.pool.write(layer, slots, key[0], value[0])
-        self.policy.on_write(layer, slots, key[0])
-        past_len = self.pool.size(layer) - step.new_tokens
-        stats = LayerStats(layer=layer, context_len=past_len, fetched=past_len, sparse=False)
-        selection = None
-        if step.new_tokens == 1 and self.policy.is_sparse(layer):
-            if layer in step.prefetched:
-                pending, selection = step.prefetched.pop(layer)
-            else:
-                selection = self.policy.select(layer, past_len, step.first_position)
-                pending = self.fetcher.start(layer, selection.slots) if selection is not None else None
-        if selection is None:
-            out = self._attend_dense(layer, query, scaling, step, slots)
+        new_keys, new_values = key[0], value[0]  # [kv_heads, n, dim]
+        self.fetcher.write(layer, slots, new_keys, new_values)
+        self.policy.on_write(layer, slots, new_keys)
+        stats = LayerStats(layer=layer, context_len=step.past_len, fetched=step.past_len, sparse=False)
+        if not step.is_decode:
+            out = self._attend_prefill(layer, query, scaling, step, slots)
         else:
-            out = self._attend_sparse(layer, query, key, value, scaling, pending, selection, stats, slots)
+            pending, selection = step.prefetched.pop(layer, None) or self._start_fetch(layer, step)
+            fetched = pending.wait(new_keys, new_values, slots)
+            stats.fetch_wait_ms = fetched.wait_ms
+            if selection is None:
+                out = self._attend_decode(layer, query, fetched.keys, fetched.values, scaling, None, slots, None)
+            else:
+                out = self._attend_decode(layer, query, fetched.keys, fetched.values, scaling, selection.valid,
+                                          slots, selection.slots)
+                self._record_selection(layer, query, key, scaling, selection, stats, step)
         stats.compute_ms = (time.perf_counter() - started) * 1e3 - stats.fetch_wait_ms
         step.stats.layers.append(stats)
-        return out.transpose(0, 1).unsqueeze(0), None  # [1, n, heads, dim]
+        return out, None
 
-    def _attend_dense(self, layer, query, scaling, step, new_slots) -> torch.Tensor:
-        keys = self.pool.keys(layer).to(self.device, non_blocking=True)
-        values = self.pool.values(layer).to(self.device, non_blocking=True)
-        positions = self.pool.positions(layer).to(self.device)
-        query_positions = step.query_positions.to(self.device)
-        mask = positions.unsqueeze(0) <= query_positions.unsqueeze(1)  # [n, S]
+    def _attend_prefill(self, layer, query, scaling, step, new_slots) -> torch.Tensor:
+        """Several new tokens (prefill): causal attention over the pool, masked by positions."""
+        keys, values = self.pool.keys(layer), self.pool.values(layer)
+        if keys.device != self.device:
+            keys, values = keys.to(self.device), values.to(self.device)
+        mask = self.pool.positions(layer).to(self.device).unsqueeze(0) <= step.query_positions.unsqueeze(1)  # [n, S]
         if self.policy.needs_attention_weights:
             out, probs = grouped_attention(query[0], keys, values, scaling, mask)
             self.policy.on_attention(layer, None, probs, new_slots)
-            return out
-        out = F.scaled_dot_product_attention(
-            query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
-        )
-        return out[0]
+        else:
+            out = F.scaled_dot_product_attention(
+                query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
+            )[0]
+        return out.transpose(0, 1).unsqueeze(0)  # [1, n, heads, dim]
 
-    def _attend_sparse(self, layer, query, key, value, scaling, pending, selection, stats, new_slots):
-        fetched = pending.wait()
-        stats.fetch_wait_ms = fetched.wait_ms
-        keys = torch.cat([fetched.keys, key[0].to(fetched.keys.dtype)], dim=1)
-        values = torch.cat([fetched.values, value[0].to(fetched.values.dtype)], dim=1)
-        out, probs = grouped_attention(query[0], keys, values, scaling)
-        self.policy.on_attention(layer, selection.slots, probs, new_slots)
+    def _attend_decode(self, layer, query, keys, values, scaling, valid, new_slots, selected) -> torch.Tensor:
+        """One new token over rows [kv_heads, S, dim] (the new token's included): [1, 1, heads, dim].
+
+        Each KV head's query group rides as the query length of one batch entry, so grouped-query
+        attention needs no copy of the keys per query head, and at one token no causal mask: `valid`
+        (InfiniGen's alpha mask over ranked rows) is the only mask there is.
+        """
+        kv_heads, dim = keys.shape[0], keys.shape[-1]
+        grouped = query.view(kv_heads, 1, -1, dim)  # [kv, 1, group, dim]
+        if self.policy.needs_attention_weights:
+            out, probs = grouped_attention(query[0], keys, values, scaling)
+            self.policy.on_attention(layer, selected, probs, new_slots)
+        else:
+            out = F.scaled_dot_product_attention(
+                grouped, keys.unsqueeze(1), values.unsqueeze(1), attn_mask=valid, scale=scaling
+            )
+        return out.view(1, 1, -1, dim)
+
+    def _record_selection(self, layer, query, key, scaling, selection, stats, step) -> None:
+        """What a sparse layer fetched, for the panels and the inspector: no host read here."""
         stats.sparse = True
         stats.fetched = selection.slots.shape[1]
-        stats.alpha_count = selection.alpha_count
         stats.speculate_ms = selection.speculate_ms
-        stats.selected_positions = self.pool.positions(layer)[selection.slots.to(self.pool.device)].cpu()
-        stats.selected_scores = selection.scores.cpu() if selection.scores is not None else None
+        if self.pool.slots_are_positions:
+            stats.selected_positions = selection.slots
+        else:
+            stats.selected_positions = self.pool.positions(layer)[selection.slots.to(self.pool.device)]
+        stats.selected_scores = selection.scores
+        if selection.alpha_total is not None:
+            stats.deferred_from = step.stats
+            step.device_values.append((stats, selection.alpha_total))
         if self.config.record_recall:
             self._measure_recall(layer, query, key, scaling, selection, stats)
-        return out
 
     def _measure_recall(self, layer, query, key, scaling, selection, stats) -> None:
         """How much of the true (dense) attention mass the fetched rows carry; costs a dense pass."""
@@ -382,7 +462,8 @@ class InfiniGenEngine:
         chosen = torch.zeros(probs.shape[0], probs.shape[-1], dtype=torch.bool, device=probs.device)
         row_index = torch.full((self.pool.size(layer),), -1, dtype=torch.long, device=probs.device)
         row_index[slot_of_row] = torch.arange(slot_of_row.numel(), device=probs.device)
-        chosen.scatter_(1, row_index[selection.slots.to(probs.device)], True)
+        attended = selection.slots if selection.valid is None else selection.slots[:, selection.valid[0, 1:]]
+        chosen.scatter_(1, row_index[attended.to(probs.device)], True)
         chosen[:, -1] = True  # the new token is always attended
         covered = (probs * chosen.unsqueeze(1)).sum(-1)
         stats.attention_recall = float(covered.mean())

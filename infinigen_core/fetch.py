@@ -1,9 +1,20 @@
-"""Moving selected pool rows to the compute device.
+"""Moving KV rows between the pool and the compute device, without making the decode loop wait.
 
-On the CPU the pool already is on the compute device, so a fetch is one gather. With CUDA the pool sits
-in pinned host memory: a worker thread waits for the selection (an event, never a device-wide sync),
-gathers the rows on the host and copies them on a side stream; the layer that needs them makes the
-compute stream wait for that copy's event, so the transfer overlaps the previous layer's work.
+A fetch is started early (InfiniGen: from the previous layer's pre-hook) and waited for when the layer
+attends. What `wait` returns always holds the token being decoded as well: selected rows come back with
+the new token *first* (so a rank mask over them is the same whether the rows were gathered before or after
+the new token was written), a whole layer with the new token in its reserved slot.
+
+- `DirectFetcher`: the pool lives on the compute device (the CPU; `full` on a GPU). A whole layer is the
+  pool's own view, selected rows are one gather, done at `wait`, after the new token has been written.
+- `StreamFetcher`: the pool lives in pinned host memory and the model on a GPU. One worker thread does all
+  host-side work in order: it copies new K/V into the pool once their device-to-host copy has landed, and
+  gathers selected rows into double-buffered pinned staging (`index_select(..., out=)`) once their indices
+  have reached the host, then copies them up on a side stream of the engine's device. Whole layers (the
+  `offload` baseline and the dense layers under sparse policies) are copied contiguously, one layer ahead.
+  The compute stream waits for a fetch's event, never for the device as a whole.
+
+Every copy towards the host in the decode loop goes through `HostChannel.to_host`, which counts them.
 """
 
 from __future__ import annotations
@@ -19,62 +30,203 @@ from .kv_pool import KVPool
 
 @dataclass
 class FetchedRows:
-    keys: torch.Tensor  # [kv_heads, k, dim] on the compute device
+    keys: torch.Tensor  # [kv_heads, rows, dim] on the compute device, the new token included
     values: torch.Tensor
     wait_ms: float
 
 
-class PendingFetch:
-    def __init__(self, future: Future | None = None, ready: tuple | None = None, event=None) -> None:
-        self._future, self._ready, self._event = future, ready, event
+class HostChannel:
+    """The one way device values travel to the host during decoding: a non-blocking copy into pinned memory.
 
-    def wait(self) -> FetchedRows:
+    Returns the host tensor and an event to wait on before reading it (None where the copy was immediate).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copies = 0
+
+    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        self.copies += 1
+        if tensor.device.type == "cpu":
+            return tensor, None
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))
+        return host, ready
+
+
+class PendingFetch:
+    """A fetch in flight; `wait` returns the rows with the new token's K/V included."""
+
+    def wait(self, new_keys: torch.Tensor, new_values: torch.Tensor, new_slots: torch.Tensor) -> FetchedRows:
         started = time.perf_counter()
-        if self._future is not None:
-            keys, values, event = self._future.result()
-            compute = torch.cuda.current_stream()
-            compute.wait_event(event)
-            # allocated on the copy stream, read on the compute stream: tell the caching allocator, or it
-            # may hand the memory back to the copy stream while attention still reads it
-            keys.record_stream(compute)
-            values.record_stream(compute)
-        else:
-            keys, values = self._ready
+        keys, values = self._rows(new_keys, new_values, new_slots)
         return FetchedRows(keys, values, (time.perf_counter() - started) * 1e3)
 
+    def _rows(self, new_keys, new_values, new_slots) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
 
-class Fetcher:
-    def __init__(self, pool: KVPool, compute_device: torch.device) -> None:
-        self.pool = pool
-        self.device = compute_device
-        self.asynchronous = compute_device.type == "cuda" and pool.device.type == "cpu"
-        if self.asynchronous:
-            self._stream = torch.cuda.Stream(device=compute_device)
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
+
+class _PoolView(PendingFetch):
+    """The whole layer, read in place (the new token is already written to its slot)."""
+
+    def __init__(self, pool: KVPool, layer: int) -> None:
+        self.pool, self.layer = pool, layer
+
+    def _rows(self, new_keys, new_values, new_slots):
+        return self.pool.keys(self.layer), self.pool.values(self.layer)
+
+
+class _GatherAtWait(PendingFetch):
+    """Selected rows gathered when the layer attends: its new token is in the pool by then."""
+
+    def __init__(self, pool: KVPool, layer: int, slots: torch.Tensor, on_gather, new_slot_columns) -> None:
+        self.pool, self.layer, self.slots = pool, layer, slots
+        self.on_gather, self.new_slot_columns = on_gather, new_slot_columns
+
+    def _rows(self, new_keys, new_values, new_slots):
+        index = torch.cat([self.new_slot_columns(new_slots), self.slots], dim=1)
+        self.on_gather(index.numel())
+        return self.pool.gather(self.layer, index)
+
+
+class DirectFetcher:
+    """The pool is on the compute device: nothing moves between devices."""
+
+    def __init__(self, pool: KVPool, device: torch.device) -> None:
+        self.pool, self.device = pool, device
+        self.host = HostChannel(device)
         self.bytes_fetched = 0
+        self._row_bytes = 2 * pool.head_dim * torch.empty(0, dtype=pool.dtype).element_size()
+        self._columns_source: torch.Tensor | None = None
+        self._columns: torch.Tensor | None = None
 
-    def start(self, layer: int, slots: torch.Tensor) -> PendingFetch:
-        row_bytes = 2 * self.pool.head_dim * torch.empty(0, dtype=self.pool.dtype).element_size()
-        self.bytes_fetched += slots.numel() * row_bytes
-        if not self.asynchronous:
-            keys, values = self.pool.gather(layer, slots)
-            return PendingFetch(ready=(keys.to(self.device), values.to(self.device)))
-        host_slots = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
-        host_slots.copy_(slots, non_blocking=True)
-        selected = torch.cuda.Event()
-        selected.record()
-        return PendingFetch(future=self._worker.submit(self._copy_rows, layer, host_slots, selected))
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.pool.write(layer, slots, keys, values)
 
-    def _copy_rows(self, layer: int, host_slots: torch.Tensor, selected: "torch.cuda.Event"):
-        selected.synchronize()  # only this event: the selection's indices have reached the host
-        keys, values = self.pool.gather(layer, host_slots)
+    def start_rows(self, layer: int, slots: torch.Tensor) -> PendingFetch:
+        return _GatherAtWait(self.pool, layer, slots, self._count, self._new_slot_columns)
+
+    def start_layer(self, layer: int) -> PendingFetch:
+        return _PoolView(self.pool, layer)
+
+    def _count(self, rows: int) -> None:
+        self.bytes_fetched += rows * self._row_bytes
+
+    def _new_slot_columns(self, new_slots: torch.Tensor) -> torch.Tensor:
+        """[kv_heads, n] copies of the new tokens' slots; every layer of a step shares them (no eviction)."""
+        if new_slots is not self._columns_source:
+            self._columns_source = new_slots
+            self._columns = new_slots.view(1, -1).expand(self.pool.num_kv_heads, -1)
+        return self._columns
+
+    def close(self) -> None:
+        pass
+
+
+class _Streamed(PendingFetch):
+    def __init__(self, future: Future, whole_layer: bool, contiguous_new: int | None) -> None:
+        self.future, self.whole_layer, self.contiguous_new = future, whole_layer, contiguous_new
+
+    def _rows(self, new_keys, new_values, new_slots):
+        keys, values, copied = self.future.result()
+        compute = torch.cuda.current_stream(keys.device)
+        compute.wait_event(copied)
+        # allocated on the copy stream, read on the compute stream: tell the caching allocator
+        keys.record_stream(compute)
+        values.record_stream(compute)
+        if not self.whole_layer:
+            return torch.cat([new_keys, keys], dim=1), torch.cat([new_values, values], dim=1)
+        # the layer was copied before this step's token was written: put it in its slot on the device
+        if self.contiguous_new is not None:
+            keys[:, self.contiguous_new : self.contiguous_new + new_keys.shape[1]].copy_(new_keys)
+            values[:, self.contiguous_new : self.contiguous_new + new_keys.shape[1]].copy_(new_values)
+        else:
+            device_slots = new_slots.to(keys.device, non_blocking=True)
+            keys.index_copy_(1, device_slots, new_keys)
+            values.index_copy_(1, device_slots, new_values)
+        return keys, values
+
+
+class StreamFetcher:
+    """The pool is in pinned host memory, the model on a GPU (see the module docstring)."""
+
+    def __init__(self, pool: KVPool, device: torch.device, max_rows: int) -> None:
+        self.pool, self.device = pool, device
+        self.host = HostChannel(device)
+        self.bytes_fetched = 0
+        self._row_bytes = 2 * pool.head_dim * torch.empty(0, dtype=pool.dtype).element_size()
+        self._stream = torch.cuda.Stream(device=device)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
+        shape = (2, pool.num_kv_heads, max_rows, pool.head_dim)  # two buffers: one fills while one uploads
+        self._staging_keys = torch.empty(shape, dtype=pool.dtype, pin_memory=True)
+        self._staging_values = torch.empty(shape, dtype=pool.dtype, pin_memory=True)
+        self._staging_free: list[torch.cuda.Event | None] = [None, None]
+        self._next_staging = 0
+
+    # -- writes: device -> pinned staging (non-blocking) -> pool, in the worker once the copy has landed
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        host_keys, ready = self.host.to_host(keys)
+        host_values, _ = self.host.to_host(values)
+        self._worker.submit(self._write_rows, layer, slots, host_keys, host_values, ready)
+
+    def _write_rows(self, layer, slots, host_keys, host_values, ready) -> None:
+        ready.synchronize()  # only these copies, in the worker: the decode loop goes on
+        self.pool.write(layer, slots, host_keys, host_values)
+
+    # -- selected rows: indices -> host, gather into staging, upload on the side stream
+    def start_rows(self, layer: int, slots: torch.Tensor) -> PendingFetch:
+        host_slots, ready = self.host.to_host(slots)
+        self.bytes_fetched += slots.numel() * self._row_bytes
+        return _Streamed(self._worker.submit(self._upload_rows, layer, host_slots, ready), False, None)
+
+    def _upload_rows(self, layer, host_slots, ready):
+        ready.synchronize()
+        index, self._next_staging = self._next_staging, 1 - self._next_staging
+        if self._staging_free[index] is not None:
+            self._staging_free[index].synchronize()  # the upload that last read this buffer is done
+        k = host_slots.shape[1]
+        staged_keys = self._staging_keys[index, :, :k]
+        staged_values = self._staging_values[index, :, :k]
+        if k < self._staging_keys.shape[2]:  # out= needs a contiguous buffer: use the front of this one
+            staged_keys = self._staging_keys[index].view(-1)[: staged_keys.numel()].view(staged_keys.shape)
+            staged_values = self._staging_values[index].view(-1)[: staged_values.numel()].view(staged_values.shape)
+        self.pool.gather(layer, host_slots, out=(staged_keys, staged_values))
         with torch.cuda.stream(self._stream):
-            keys = keys.pin_memory().to(self.device, non_blocking=True)
-            values = values.pin_memory().to(self.device, non_blocking=True)
+            keys = staged_keys.to(self.device, non_blocking=True)
+            values = staged_values.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        self._staging_free[index] = copied
+        return keys, values, copied
+
+    # -- whole layers: contiguous per KV head, one layer ahead
+    def start_layer(self, layer: int) -> PendingFetch:
+        size = self.pool.size()
+        self.bytes_fetched += size * self.pool.num_kv_heads * self._row_bytes
+        reserved = self.pool.last_reserved[layer]
+        contiguous_new = size - reserved.numel() if self.pool.last_reserved_contiguous else None
+        return _Streamed(self._worker.submit(self._upload_layer, layer, size), True, contiguous_new)
+
+    def _upload_layer(self, layer, size):
+        with torch.cuda.stream(self._stream):
+            shape = (self.pool.num_kv_heads, size, self.pool.head_dim)
+            keys = torch.empty(shape, dtype=self.pool.dtype, device=self.device)
+            values = torch.empty(shape, dtype=self.pool.dtype, device=self.device)
+            host_keys, host_values = self.pool.keys(layer), self.pool.values(layer)
+            for head in range(shape[0]):  # each head's rows are contiguous in the pool: a true async copy
+                keys[head].copy_(host_keys[head], non_blocking=True)
+                values[head].copy_(host_values[head], non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self._stream)
         return keys, values, copied
 
     def close(self) -> None:
-        if self.asynchronous:
-            self._worker.shutdown(wait=True)
+        self._worker.shutdown(wait=True)
+
+
+def make_fetcher(pool: KVPool, device: torch.device, max_rows: int):
+    if device.type == "cuda" and pool.device.type == "cpu":
+        return StreamFetcher(pool, device, max_rows)
+    return DirectFetcher(pool, device)

@@ -6,6 +6,12 @@ the token position and how often the slot was fetched; eviction removes the slot
 *rate* (fetches per token of age), sparing attention sinks and a recent window. A new occupant starts
 with a count of zero, so it never inherits the popularity of the token it replaced.
 
+Built for a decode loop that never waits: capacity grows in large steps (`ensure_capacity`, called before
+a reply starts, so no allocation of pinned memory happens inside a token), every layer holds the same
+number of slots, and without a limit the slots of a new token are known on the host (the next free one),
+so reserving them is one write for all layers. Fetches are counted only when a limit makes eviction
+read the counts.
+
 >>> pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
 >>> slots = pool.reserve(3)
 >>> pool.write(0, slots[0], torch.ones(1, 3, 2), torch.zeros(1, 3, 2))
@@ -24,9 +30,11 @@ import torch
 class _LayerStore:
     keys: torch.Tensor  # [kv_heads, capacity, head_dim]
     values: torch.Tensor
-    positions: torch.Tensor  # [capacity] int64, -1 for a free slot
-    fetch_counts: torch.Tensor  # [capacity] int64
-    size: int = 0  # slots in use are [0, size)
+
+    def __post_init__(self) -> None:
+        # [kv_heads * capacity, head_dim] views, made once: a gather is then one index_select per tensor
+        self.flat_keys = self.keys.view(-1, self.keys.shape[-1])
+        self.flat_values = self.values.view(-1, self.values.shape[-1])
 
 
 class PoolCapacityError(RuntimeError):
@@ -52,6 +60,7 @@ class KVPool:
         sink_tokens: int = 4,
         recent_window: int = 64,
         initial_capacity: int = 256,
+        growth_tokens: int = 1024,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -62,37 +71,70 @@ class KVPool:
         self.limit_tokens = limit_tokens
         self.sink_tokens = sink_tokens
         self.recent_window = recent_window
+        self.growth_tokens = growth_tokens
         self.total_tokens = 0  # positions handed out so far: the next token gets this position
         self.evicted_tokens = 0
         self.last_reserved: list[torch.Tensor] = []  # per layer, the slots of the newest reserve() call
-        capacity = initial_capacity if limit_tokens is None else min(initial_capacity, limit_tokens)
-        self._layers = [self._new_store(capacity) for _ in range(num_layers)]
+        self.last_reserved_contiguous = True  # those slots are [size - n, size) in every layer
+        self._size = 0  # slots in use are [0, size) in every layer
+        self._slots_are_positions = True  # no eviction or limited restore has reordered the slots
+        self._append_start = 0
+        self._layers: list[_LayerStore] = []
+        self._positions = torch.empty(num_layers, 0, dtype=torch.int64, device=self.device)  # -1: free
+        self._fetch_counts = torch.empty(num_layers, 0, dtype=torch.int64, device=self.device)
+        self._allocate(initial_capacity if limit_tokens is None else min(initial_capacity, limit_tokens))
+
+    @property
+    def counts_fetches(self) -> bool:
+        """Fetch counts feed eviction only, so an unlimited pool does not keep them."""
+        return self.limit_tokens is not None
+
+    @property
+    def slots_are_positions(self) -> bool:
+        """Slot i holds position i in every layer (no eviction or limited restore has reordered them)."""
+        return self._slots_are_positions
+
+    @property
+    def capacity(self) -> int:
+        return self._positions.shape[1]
 
     # ------------------------------------------------------------------ storage
-    def _empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(*shape, dtype=dtype, device=self.device, pin_memory=self.pin_memory)
-
-    def _new_store(self, capacity: int) -> _LayerStore:
+    def _allocate(self, capacity: int) -> None:
+        """(Re)allocate every layer for `capacity` slots, keeping the rows in use."""
+        n = self._size
         shape = (self.num_kv_heads, capacity, self.head_dim)
-        positions = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
-        counts = torch.zeros(capacity, dtype=torch.int64, device=self.device)
-        return _LayerStore(self._empty(*shape, dtype=self.dtype), self._empty(*shape, dtype=self.dtype), positions, counts)
+        stores = []
+        for layer in range(self.num_layers):
+            keys = torch.empty(shape, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory)
+            values = torch.empty(shape, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory)
+            if n:
+                keys[:, :n].copy_(self._layers[layer].keys[:, :n])
+                values[:, :n].copy_(self._layers[layer].values[:, :n])
+            stores.append(_LayerStore(keys, values))
+        positions = torch.full((self.num_layers, capacity), -1, dtype=torch.int64, device=self.device)
+        counts = torch.zeros(self.num_layers, capacity, dtype=torch.int64, device=self.device)
+        positions[:, :n] = self._positions[:, :n]
+        counts[:, :n] = self._fetch_counts[:, :n]
+        self._layers, self._positions, self._fetch_counts = stores, positions, counts
+        # per KV head, the offset of its first row in a layer's flat [kv_heads * capacity, dim] view
+        self._head_offsets = (torch.arange(self.num_kv_heads, device=self.device) * capacity).unsqueeze(1)
 
-    def _grow(self, store: _LayerStore, needed: int) -> None:
-        capacity = store.keys.shape[1]
-        if needed <= capacity:
-            return
-        new_capacity = max(needed, 2 * capacity)
+    @torch.inference_mode()
+    def ensure_capacity(self, tokens: int) -> None:
+        """Make room for `tokens` slots per layer now (in steps of `growth_tokens`, never past the limit).
+
+        Call it before a reply starts: growing allocates (pinned) memory and copies the pool, which must not
+        happen in the middle of a token.
+        """
         if self.limit_tokens is not None:
-            new_capacity = min(max(needed, new_capacity), self.limit_tokens)
-        bigger = self._new_store(new_capacity)
-        n = store.size
-        bigger.keys[:, :n].copy_(store.keys[:, :n])
-        bigger.values[:, :n].copy_(store.values[:, :n])
-        bigger.positions[:n].copy_(store.positions[:n])
-        bigger.fetch_counts[:n].copy_(store.fetch_counts[:n])
-        store.keys, store.values = bigger.keys, bigger.values
-        store.positions, store.fetch_counts = bigger.positions, bigger.fetch_counts
+            tokens = min(tokens, self.limit_tokens)
+        if tokens <= self.capacity:
+            return
+        step = self.growth_tokens
+        capacity = max(tokens, -(-tokens // step) * step, 2 * self.capacity)
+        if self.limit_tokens is not None:
+            capacity = min(capacity, self.limit_tokens)
+        self._allocate(capacity)
 
     # ------------------------------------------------------------------ writing
     @torch.inference_mode()
@@ -105,39 +147,44 @@ class KVPool:
         if n < 1:
             raise ValueError("reserve needs n >= 1")
         first = self.total_tokens
-        new_positions = torch.arange(first, first + n, dtype=torch.int64, device=self.device)
-        slots_per_layer = []
-        for store in self._layers:
-            slots = self._slots_for(store, n, first + n)
-            store.positions[slots] = new_positions
-            store.fetch_counts[slots] = 0
-            slots_per_layer.append(slots)
-        self.total_tokens += n
-        self.last_reserved = slots_per_layer
-        return slots_per_layer
-
-    def _slots_for(self, store: _LayerStore, n: int, total_after: int) -> torch.Tensor:
         limit = self.limit_tokens
-        if limit is None or store.size + n <= limit:
-            self._grow(store, store.size + n)
-            slots = torch.arange(store.size, store.size + n, device=self.device)
-            store.size += n
-            return slots
+        if limit is None or self._size + n <= limit:
+            self.ensure_capacity(self._size + n)
+            slots = torch.arange(self._size, self._size + n, device=self.device)
+            self._positions[:, self._size : self._size + n] = slots + (first - self._size)
+            if self.counts_fetches:
+                self._fetch_counts[:, self._size : self._size + n] = 0
+            self._size += n
+            self.total_tokens += n
+            self.last_reserved = [slots] * self.num_layers
+            self.last_reserved_contiguous = True
+            return self.last_reserved
         if n > limit - self.sink_tokens - self.recent_window:
             raise PoolCapacityError(
                 f"cannot add {n} tokens at once to a pool limited to {limit} tokens with "
                 f"{self.sink_tokens} sink and {self.recent_window} recent tokens protected"
             )
-        free = limit - store.size
-        appended = torch.arange(store.size, store.size + free, device=self.device)
-        self._grow(store, store.size + free)
-        store.size += free
-        victims = self._choose_victims(store, n - free, total_after)
-        return torch.cat([appended, victims])
+        self.ensure_capacity(limit)
+        free = limit - self._size
+        appended = torch.arange(self._size, limit, device=self.device)
+        self._size = limit
+        new_positions = torch.arange(first, first + n, dtype=torch.int64, device=self.device)
+        slots_per_layer = []
+        for layer in range(self.num_layers):
+            slots = torch.cat([appended, self._choose_victims(layer, n - free, first + n)])
+            self._positions[layer, slots] = new_positions
+            self._fetch_counts[layer, slots] = 0
+            slots_per_layer.append(slots)
+        self.evicted_tokens += n - free
+        self._slots_are_positions = False
+        self.total_tokens += n
+        self.last_reserved = slots_per_layer
+        self.last_reserved_contiguous = False
+        return slots_per_layer
 
-    def _choose_victims(self, store: _LayerStore, count: int, total_after: int) -> torch.Tensor:
-        positions = store.positions[: store.size]
-        counts = store.fetch_counts[: store.size]
+    def _choose_victims(self, layer: int, count: int, total_after: int) -> torch.Tensor:
+        positions = self._positions[layer, : self._size]
+        counts = self._fetch_counts[layer, : self._size]
         protected = (positions < self.sink_tokens) | (positions >= total_after - self.recent_window) | (positions < 0)
         age = (self.total_tokens - positions).clamp(min=1).to(torch.float64)
         rate = counts.to(torch.float64) / age
@@ -148,66 +195,86 @@ class KVPool:
         victims = order[:count]
         if torch.isinf(rate[victims]).any():
             raise PoolCapacityError("every slot is protected: raise the pool limit or shrink the protected window")
-        self.evicted_tokens += count if store is self._layers[0] else 0
         return victims
 
     @torch.inference_mode()
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store keys/values [kv_heads, n, head_dim] of the reserved slots."""
+        """Store keys/values [kv_heads, n, head_dim] of the reserved slots (same device as the pool)."""
         store = self._layers[layer]
-        store.keys[:, slots] = keys.to(device=self.device, dtype=self.dtype)
-        store.values[:, slots] = values.to(device=self.device, dtype=self.dtype)
+        if keys.dtype != self.dtype or keys.device != self.device:
+            keys, values = keys.to(self.device, self.dtype), values.to(self.device, self.dtype)
+        store.keys.index_copy_(1, slots, keys)
+        store.values.index_copy_(1, slots, values)
 
     # ------------------------------------------------------------------ reading
-    def size(self, layer: int) -> int:
-        return self._layers[layer].size
+    def size(self, layer: int | None = None) -> int:
+        """Slots in use; every layer holds the same number."""
+        return self._size
 
     def keys(self, layer: int) -> torch.Tensor:
-        store = self._layers[layer]
-        return store.keys[:, : store.size]
+        return self._layers[layer].keys[:, : self._size]
 
     def values(self, layer: int) -> torch.Tensor:
-        store = self._layers[layer]
-        return store.values[:, : store.size]
+        return self._layers[layer].values[:, : self._size]
 
     def positions(self, layer: int) -> torch.Tensor:
-        store = self._layers[layer]
-        return store.positions[: store.size]
+        return self._positions[layer, : self._size]
 
     def fetch_counts(self, layer: int) -> torch.Tensor:
-        store = self._layers[layer]
-        return store.fetch_counts[: store.size]
+        return self._fetch_counts[layer, : self._size]
+
+    def flat_rows(self, slot_index: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer's flat [kv_heads * capacity, dim] view for slots [kv_heads, k], flattened."""
+        return (slot_index + self._head_offsets).view(-1)
 
     @torch.inference_mode()
-    def gather(self, layer: int, slot_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the rows `slot_index` [kv_heads, k] out of the pool and count the fetch."""
+    def gather(self, layer: int, slot_index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the rows `slot_index` [kv_heads, k] (on the pool's device) out of the pool, into `out` if given.
+
+        One flat index_select per tensor: much cheaper than 2-D advanced indexing. Counts the fetch when
+        eviction needs the counts.
+        """
         store = self._layers[layer]
-        index = slot_index.to(self.device)
-        capacity = store.keys.shape[1]
-        # one flat index_select per tensor is much cheaper than 2-D advanced indexing
-        flat = (index + torch.arange(self.num_kv_heads, device=self.device).unsqueeze(1) * capacity).reshape(-1)
-        shape = (*index.shape, self.head_dim)
-        keys = store.keys.view(-1, self.head_dim).index_select(0, flat).view(shape)
-        values = store.values.view(-1, self.head_dim).index_select(0, flat).view(shape)
-        store.fetch_counts.index_add_(0, index.reshape(-1), torch.ones(index.numel(), dtype=torch.int64, device=self.device))
-        return keys, values
+        rows = self.flat_rows(slot_index)
+        shape = (*slot_index.shape, self.head_dim)
+        if out is None:
+            keys = store.flat_keys.index_select(0, rows)
+            values = store.flat_values.index_select(0, rows)
+        else:
+            keys = torch.index_select(store.flat_keys, 0, rows, out=out[0].view(-1, self.head_dim))
+            values = torch.index_select(store.flat_values, 0, rows, out=out[1].view(-1, self.head_dim))
+        if self.counts_fetches:
+            self._fetch_counts[layer].index_add_(0, slot_index.reshape(-1), torch.ones_like(slot_index).view(-1))
+        return keys.view(shape), values.view(shape)
 
     # ------------------------------------------------------------------ whole-pool operations
     @torch.inference_mode()
-    def truncate(self, n_tokens: int) -> None:
-        """Forget every token at position >= n_tokens (an edited or regenerated turn)."""
+    def truncate(self, n_tokens: int) -> bool:
+        """Forget every token at position >= n_tokens (an edited or regenerated turn).
+
+        Returns whether kept rows moved to other slots (only after eviction reordered them).
+        """
         if n_tokens >= self.total_tokens:
-            return
-        for store in self._layers:
-            keep = (store.positions[: store.size] < n_tokens).nonzero().squeeze(1)
-            kept = keep.numel()
-            store.keys[:, :kept] = store.keys[:, keep]
-            store.values[:, :kept] = store.values[:, keep]
-            store.positions[:kept] = store.positions[keep]
-            store.fetch_counts[:kept] = store.fetch_counts[keep]
-            store.positions[kept:] = -1
-            store.size = kept
+            return False
+        moved = not self._slots_are_positions
+        if not moved:
+            kept = min(n_tokens, self._size)
+        else:
+            for layer, store in enumerate(self._layers):
+                keep = (self._positions[layer, : self._size] < n_tokens).nonzero().squeeze(1)
+                kept = keep.numel()
+                store.keys[:, :kept] = store.keys[:, keep]
+                store.values[:, :kept] = store.values[:, keep]
+                self._positions[layer, :kept] = self._positions[layer, keep]
+                self._fetch_counts[layer, :kept] = self._fetch_counts[layer, keep]
+        self._positions[:, kept:] = -1
+        self._fetch_counts[:, kept:] = 0
+        self._size = kept
         self.total_tokens = n_tokens
+        if n_tokens == 0:
+            self._slots_are_positions = True
+        return moved
 
     @torch.inference_mode()
     def clear(self) -> None:
@@ -218,30 +285,50 @@ class KVPool:
     def append_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Restore rows of one layer (e.g. from a saved session) without running the model.
 
-        Call `set_total_tokens` afterwards. Under a limit, the newest rows are kept (sinks always).
+        Call it for every layer with rows of the same positions, then `set_total_tokens`. Under a limit,
+        the newest rows are kept (sinks always).
         """
-        store = self._layers[layer]
         n = positions.numel()
         if n == 0:
             return
         keys, values = keys.to(self.device, self.dtype), values.to(self.device, self.dtype)
         positions = positions.to(self.device)
-        if self.limit_tokens is not None and store.size + n > self.limit_tokens:
-            keys = torch.cat([store.keys[:, : store.size], keys], dim=1)
-            values = torch.cat([store.values[:, : store.size], values], dim=1)
-            positions = torch.cat([store.positions[: store.size], positions])
-            sinks = (positions < self.sink_tokens).nonzero().squeeze(1)
-            rest = (positions >= self.sink_tokens).nonzero().squeeze(1)
-            keep = torch.cat([sinks, rest[rest.numel() - (self.limit_tokens - sinks.numel()) :]])
-            keys, values, positions = keys[:, keep], values[:, keep], positions[keep]
-            store.size, n = 0, keep.numel()
-        self._grow(store, store.size + n)
-        window = slice(store.size, store.size + n)
+        if layer == 0:  # layer 0 claims the slots for every layer
+            self._append_start = self._size
+        start = self._append_start
+        if self.limit_tokens is not None and start + n > self.limit_tokens:
+            self._append_limited(layer, keys, values, positions, start)
+            return
+        if layer == 0:
+            self.ensure_capacity(start + n)
+            self._size = start + n
+        store = self._layers[layer]
+        window = slice(start, start + n)
         store.keys[:, window] = keys
         store.values[:, window] = values
-        store.positions[window] = positions
-        store.fetch_counts[window] = 0
-        store.size += n
+        self._positions[layer, window] = positions
+        self._fetch_counts[layer, window] = 0
+        if int(positions[0]) != start or int(positions[-1]) != start + n - 1:
+            self._slots_are_positions = False
+
+    def _append_limited(self, layer, keys, values, positions, start) -> None:
+        """append_rows past the limit: keep the sinks and the newest rows of the old and the new together."""
+        limit = self.limit_tokens
+        self.ensure_capacity(limit)
+        store = self._layers[layer]
+        keys = torch.cat([store.keys[:, :start], keys], dim=1)
+        values = torch.cat([store.values[:, :start], values], dim=1)
+        positions = torch.cat([self._positions[layer, :start], positions])
+        sinks = (positions < self.sink_tokens).nonzero().squeeze(1)
+        rest = (positions >= self.sink_tokens).nonzero().squeeze(1)
+        keep = torch.cat([sinks, rest[rest.numel() - (limit - sinks.numel()) :]])
+        kept = keep.numel()
+        store.keys[:, :kept] = keys[:, keep]
+        store.values[:, :kept] = values[:, keep]
+        self._positions[layer, :kept] = positions[keep]
+        self._fetch_counts[layer, :kept] = 0
+        self._size = kept
+        self._slots_are_positions = False
 
     def set_total_tokens(self, total: int) -> None:
         self.total_tokens = total
@@ -249,24 +336,36 @@ class KVPool:
     @torch.inference_mode()
     def copy_from(self, other: "KVPool") -> None:
         """Take over another pool's rows (a settings change that moves the pool or changes its limit)."""
+        self.ensure_capacity(other.size())
         for layer in range(self.num_layers):
             order = torch.argsort(other.positions(layer))
             self.append_rows(layer, other.keys(layer)[:, order], other.values(layer)[:, order], other.positions(layer)[order])
         self.total_tokens = other.total_tokens
 
+    def same_layout(self, **settings) -> bool:
+        """Whether a pool built with these settings would be this one (so a settings change can keep it)."""
+        return all(getattr(self, name) == value for name, value in settings.items())
+
     # ------------------------------------------------------------------ accounting
     def bytes_allocated(self) -> int:
         """Bytes of host (or device) memory this pool holds, capacity included."""
-        total = 0
+        total = self._positions.numel() * 8 + self._fetch_counts.numel() * 8
         for store in self._layers:
-            for tensor in (store.keys, store.values, store.positions, store.fetch_counts):
-                total += tensor.numel() * tensor.element_size()
+            total += 2 * store.keys.numel() * store.keys.element_size()
         return total
 
     def bytes_used(self) -> int:
         """Bytes of the K/V rows in use."""
-        per_row = 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
-        return sum(store.size for store in self._layers) * per_row
+        return self._size * self.bytes_per_token()
 
     def bytes_per_token(self) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+
+def release_pinned_memory(pool: KVPool) -> None:
+    """Give a discarded pinned pool's memory back to the system (PyTorch's host allocator keeps it cached)."""
+    if pool.pin_memory:
+        pool._layers = []
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()

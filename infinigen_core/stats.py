@@ -1,10 +1,14 @@
 """Per-step statistics: what each layer fetched, how long it took, and what the pool holds.
 
-The engine produces one `StepStats` per forward step; the UI panels and the benchmarks read them.
+The engine produces one `StepStats` per forward step; the UI panels and the benchmarks read them. Values
+that live on the compute device (InfiniGen's alpha counts) are not read per layer: the engine stacks them
+once per step and starts one non-blocking copy to the host (`DeferredValues`); they are filled in when
+someone reads the step, normally a step later, when the copy has long finished.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -16,21 +20,46 @@ class LayerStats:
     context_len: int  # past tokens this layer could attend to
     fetched: int  # past tokens it did attend to (per KV head)
     sparse: bool  # False for dense layers and dense policies
-    alpha_count: float | None = None  # InfiniGen: mean tokens within alpha of the max rehearsed logit
     speculate_ms: float = 0.0
     fetch_wait_ms: float = 0.0
     compute_ms: float = 0.0
     attention_recall: float | None = None  # true attention mass covered by the fetched set
     tokens_for_90: int | None = None  # tokens the true attention needs for 90% of its mass
-    selected_positions: torch.Tensor | None = None  # [kv_heads, k] token positions
-    selected_scores: torch.Tensor | None = None  # [kv_heads, k] rehearsed score of each
+    selected_positions: torch.Tensor | None = None  # [kv_heads, k] token positions (compute device)
+    selected_scores: torch.Tensor | None = None  # [kv_heads, k] rehearsed score of each (compute device)
     # Only with record_recall: the dense attention over past tokens (mean over heads) and their positions.
     true_attention: torch.Tensor | None = None  # [past]
     true_attention_positions: torch.Tensor | None = None  # [past]
+    # InfiniGen's alpha count arrives from the device a step later (see DeferredValues): read it through
+    # the properties below, which fill it in when it is first asked for.
+    deferred_from: "StepStats | None" = field(default=None, repr=False, compare=False)
+    resolved_alpha_count: float | None = field(default=None, repr=False)
+
+    @property
+    def alpha_count(self) -> float | None:
+        """InfiniGen: mean over query heads of the past tokens within alpha of the top rehearsed logit."""
+        if self.deferred_from is not None:
+            self.deferred_from.resolve()
+        return self.resolved_alpha_count
+
+    @property
+    def attended(self) -> int:
+        """Fetched tokens that attention used: InfiniGen masks those past its alpha count."""
+        count = self.alpha_count
+        return self.fetched if count is None else min(self.fetched, max(1, math.ceil(count - 1e-9)))
 
     @property
     def fetched_ratio(self) -> float:
         return self.fetched / self.context_len if self.context_len else 1.0
+
+
+@dataclass
+class DeferredValues:
+    """Device scalars of one step on their way to the host: `host` fills once `ready` (an event) is done."""
+
+    host: torch.Tensor  # [n] float64, filled by a non-blocking copy
+    ready: object | None  # a torch.cuda.Event, or None when the copy was synchronous (CPU)
+    targets: list[tuple[LayerStats, int]]  # who gets each value: (layer stats, query heads to average over)
 
 
 @dataclass
@@ -42,6 +71,23 @@ class StepStats:
     pool_bytes: int = 0
     device_bytes: int = 0
     total_ms: float = 0.0
+    deferred: DeferredValues | None = None
+
+    def resolve(self) -> "StepStats":
+        """Fill in the values that were still on the device (waits only if their copy is still running)."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is not None:
+            if deferred.ready is not None:
+                deferred.ready.synchronize()
+            for (layer, heads), total in zip(deferred.targets, deferred.host.tolist()):
+                layer.resolved_alpha_count = total / heads
+                layer.deferred_from = None
+        return self
+
+    def drop_selections(self) -> None:
+        """Forget the per-layer selected positions (they stay on the device and are large at long contexts)."""
+        for layer in self.layers:
+            layer.selected_positions = layer.selected_scores = None
 
     @property
     def is_decode(self) -> bool:

@@ -17,9 +17,13 @@ def filled_pool(n, limit=None, sink=2, recent=4):
 
 
 def append_token(pool):
+    return append_token_to(pool, heads=2, dim=4)
+
+
+def append_token_to(pool, heads, dim):
     position = pool.total_tokens
     for layer, slots in enumerate(pool.reserve(1)):
-        rows = torch.full((2, 1, 4), float(position))
+        rows = torch.full((heads, 1, dim), float(position))
         pool.write(layer, slots, rows, -rows)
     return position
 
@@ -35,12 +39,40 @@ def test_growth_keeps_rows_and_bytes_are_exact():
     assert pool.bytes_per_token() == 2 * 2 * 2 * 4 * 4
 
 
-def test_gather_returns_rows_and_counts_fetches():
-    pool = filled_pool(10)
+def test_gather_returns_rows_and_counts_fetches_when_eviction_needs_them():
+    pool = filled_pool(10, limit=64)
     keys, values = pool.gather(0, torch.tensor([[1, 5], [5, 9]]))
     assert keys[0, :, 0].tolist() == [1.0, 5.0] and keys[1, :, 0].tolist() == [5.0, 9.0]
     torch.testing.assert_close(values, -keys)
     assert pool.fetch_counts(0)[[1, 5, 9, 0]].tolist() == [1, 2, 1, 0]
+    unlimited = filled_pool(10)
+    unlimited.gather(0, torch.tensor([[1, 5], [5, 9]]))
+    assert unlimited.fetch_counts(0).sum() == 0  # nothing reads the counts: no work spent on them
+
+
+def test_gather_fills_a_given_buffer():
+    pool = filled_pool(10)
+    out = (torch.empty(2, 2, 4), torch.empty(2, 2, 4))
+    keys, values = pool.gather(1, torch.tensor([[3, 4], [0, 8]]), out=out)
+    assert keys.data_ptr() == out[0].data_ptr() and values.data_ptr() == out[1].data_ptr()
+    assert out[0][:, :, 0].tolist() == [[3.0, 4.0], [0.0, 8.0]]
+
+
+def test_capacity_grows_in_large_steps_ahead_of_the_tokens():
+    pool = KVPool(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, initial_capacity=4, growth_tokens=64)
+    pool.ensure_capacity(70)
+    assert pool.capacity == 128  # rounded up to the growth step
+    keys = pool._layers[0].keys
+    for _ in range(100):
+        append_token_to(pool, heads=1, dim=2)
+    assert pool._layers[0].keys is keys  # no reallocation inside the token loop
+
+
+def test_truncate_without_eviction_moves_nothing():
+    pool = filled_pool(12)
+    assert pool.truncate(5) is False and pool.slots_are_positions
+    evicting = filled_pool(30, limit=12, sink=2, recent=4)
+    assert evicting.truncate(20) is True
 
 
 def test_truncate_forgets_later_tokens():

@@ -9,32 +9,48 @@ from conftest import make_tiny_engine, random_tokens
 from infinigen_core.policies.infinigen import InfiniGenPolicy
 
 
-def test_choose_takes_the_planted_tokens_and_counts_alpha():
-    policy = InfiniGenPolicy.__new__(InfiniGenPolicy)  # choose() needs only the config
+def _chooser(**settings):
     from infinigen_core.config import EngineConfig
 
-    policy.ctx = type("Ctx", (), {"config": EngineConfig(alpha=2.0, budget=1.0)})()
+    policy = InfiniGenPolicy.__new__(InfiniGenPolicy)  # choose() needs only the config and the rank buffer
+    policy.ctx = type("Ctx", (), {"config": EngineConfig(**settings), "compute_device": torch.device("cpu"),
+                                  "adapter": type("Adapter", (), {"num_heads": 4, "num_layers": 0})(), "pool": None})()
+    policy._rank_thresholds = torch.empty(1, 0, dtype=torch.int64)
+    policy.partial_keys_t = []
+    policy.is_sparse = lambda layer: False
+    return policy
+
+
+def test_choose_ranks_the_planted_tokens_and_masks_past_the_alpha_count():
+    policy = _chooser(alpha=2.0, budget=1.0)
     logits = torch.zeros(2, 2, 20)
     logits[0, 0, 7], logits[0, 1, 3] = 10.0, 9.5  # KV head 0: its two query heads like 7 and 3
     logits[1, :, 15] = 10.0  # KV head 1: both like 15
     logits[1, 0, 11] = 9.0
     logits[:, :, 19] = float("-inf")  # a future slot is never chosen
-    selection = policy.choose(logits, past_len=19)
-    # per query head within alpha=2 of its max: 1 token, except head (1,0) with 2 -> mean 1.25 -> k=2
-    assert selection.alpha_count == 1.25
-    assert selection.slots.shape == (2, 2)
-    assert set(selection.slots[0].tolist()) == {7, 3}
-    assert set(selection.slots[1].tolist()) == {15, 11}
+    selection = policy.choose(logits, k=19)
+    # per query head within alpha=2 of its max: 1 token, except head (1,0) with 2 -> 5 over 4 heads -> mean 1.25
+    assert int(selection.alpha_total) == 5
+    assert selection.slots.shape == (2, 19) and 19 not in selection.slots.tolist()
+    assert set(selection.slots[0, :2].tolist()) == {7, 3}  # ranked: the planted tokens come first
+    assert set(selection.slots[1, :2].tolist()) == {15, 11}
+    # the new token (column 0) and ceil(1.25) = 2 ranked rows stay; the rest are masked in attention
+    assert selection.valid.tolist() == [[True, True, True] + [False] * 17]
 
 
 def test_choose_respects_the_budget_cap():
-    from infinigen_core.config import EngineConfig
+    policy = _chooser(alpha=100.0, budget=0.1, min_fetch_tokens=0)
+    selection = policy.choose(torch.randn(2, 3, 100), k=10)
+    assert int(selection.alpha_total) == 600  # every token is within alpha ...
+    assert selection.slots.shape[1] == 10 and bool(selection.valid.all())  # ... but the budget caps k at 10
 
-    policy = InfiniGenPolicy.__new__(InfiniGenPolicy)
-    policy.ctx = type("Ctx", (), {"config": EngineConfig(alpha=100.0, budget=0.1, min_fetch_tokens=0)})()
-    selection = policy.choose(torch.randn(2, 3, 100), past_len=100)
-    assert selection.alpha_count == 100  # every token is within alpha ...
-    assert selection.slots.shape[1] == 10  # ... but the budget caps k at 10% of the context
+
+def test_the_slot_being_written_is_never_chosen_even_when_weights_underflow():
+    policy = _chooser(alpha=1.0, budget=1.0)
+    logits = torch.full((1, 4, 8), -1e4)
+    logits[:, :, 0] = 1e4  # every other weight underflows to exactly 0
+    selection = policy.choose(logits, k=7, new_slots=torch.tensor([5]))
+    assert 5 not in selection.slots.tolist()
 
 
 @torch.inference_mode()
@@ -56,9 +72,8 @@ def test_full_channel_rehearsal_finds_the_true_top_k(tiny_llama):
     finally:
         hook.remove()
     position = engine.num_tokens - 1
-    speculated_layer, selection = engine.policy.speculate(target - 1, captured["hidden"], captured["rope"], position)
+    selection = engine.policy.speculate(target - 1, captured["hidden"], captured["rope"], position)
     engine.close()
-    assert speculated_layer == target
 
     hidden, (cos, sin) = captured["hidden"], captured["rope"]
     heads, kv_heads, dim = 4, 2, 16

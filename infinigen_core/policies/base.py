@@ -19,9 +19,12 @@ from ..kv_pool import KVPool
 
 @dataclass
 class Selection:
-    slots: torch.Tensor  # [kv_heads, k] pool slots
+    slots: torch.Tensor  # [kv_heads, k] pool slots; k is known on the host (the budget), never read back
     scores: torch.Tensor | None = None  # [kv_heads, k] the policy's score for each slot
-    alpha_count: float | None = None
+    # [1, k + 1] bool over the new token then the slots in rank order: which rows attention may use. InfiniGen
+    # fetches k rows and masks those past its alpha count, so no shape depends on a device value.
+    valid: torch.Tensor | None = None
+    alpha_total: torch.Tensor | None = None  # device scalar: query heads x mean tokens within alpha
     speculate_ms: float = 0.0
 
 
@@ -51,8 +54,9 @@ class KVPolicy:
     def is_sparse(self, layer: int) -> bool:
         return layer >= self.config.dense_layers
 
-    def speculate(self, layer: int, hidden_states, position_embeddings, first_position: int) -> tuple[int, Selection] | None:
-        """Called before `layer` attends, during decoding; may return a selection for a later layer."""
+    def speculate(self, layer: int, hidden_states, position_embeddings, past_len: int) -> Selection | None:
+        """Called before `layer` attends, during decoding, when layer + 1 is sparse: may choose its slots now
+        (from this layer's input), so that their fetch overlaps this layer's work."""
         return None
 
     def select(self, layer: int, past_len: int, first_position: int) -> Selection | None:
@@ -66,9 +70,13 @@ class KVPolicy:
         """Attention probabilities [kv_heads, group, n, k(+n)] over `slots` (None: all rows) then the new tokens."""
 
     def rebuild(self) -> None:
-        """The pool was truncated or restored: recompute any per-slot state from it."""
+        """The pool's slots were reordered or restored: recompute any per-slot state from it."""
+
+    def ensure_capacity(self, capacity: int) -> None:
+        """The pool holds up to `capacity` slots per layer now: grow per-slot state to match (before a step)."""
+
+    def device_bytes(self) -> int:
+        """Bytes this policy keeps on the compute device besides the pool."""
+        return 0
 
 
-def eligible_slots(pool: KVPool, layer: int, first_position: int) -> torch.Tensor:
-    """Pool slots holding tokens before `first_position` (the past of this step)."""
-    return (pool.positions(layer) < first_position).nonzero().squeeze(1)

@@ -18,39 +18,42 @@ class H2OPolicy(KVPolicy):
         self.rebuild()
 
     def rebuild(self) -> None:
-        pool, heads = self.ctx.pool, self.ctx.adapter.num_kv_heads
-        self.scores = [torch.zeros(heads, max(pool.size(l), 1), dtype=torch.float32) for l in range(pool.num_layers)]
+        self.scores: list[torch.Tensor | None] = [None] * self.ctx.pool.num_layers
+        self.ensure_capacity(self.ctx.pool.capacity)
 
-    def _scores(self, layer: int, needed: int) -> torch.Tensor:
-        scores = self.scores[layer]
-        if scores.shape[1] < needed:
-            bigger = torch.zeros(scores.shape[0], max(needed, 2 * scores.shape[1]), dtype=scores.dtype)
-            bigger[:, : scores.shape[1]] = scores
-            self.scores[layer] = scores = bigger
-        return scores
+    def ensure_capacity(self, capacity: int) -> None:
+        """Scores live on the compute device, one per slot of the pool's capacity."""
+        heads, device = self.ctx.adapter.num_kv_heads, self.ctx.compute_device
+        for layer, scores in enumerate(self.scores):
+            if scores is None or scores.shape[1] < capacity:
+                bigger = torch.zeros(heads, capacity, dtype=torch.float32, device=device)
+                if scores is not None:
+                    bigger[:, : scores.shape[1]] = scores
+                self.scores[layer] = bigger
 
     def on_write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        scores = self._scores(layer, int(slots.max()) + 1)
-        scores[:, slots.cpu()] = 0.0  # a reused slot starts afresh
+        self.scores[layer].index_fill_(1, slots.to(self.ctx.compute_device), 0.0)  # a reused slot starts afresh
 
     def on_attention(self, layer, slots, probs, new_slots) -> None:
-        mass = probs.float().sum(dim=(1, 2)).cpu()  # [kv_heads, rows]
-        scores = self._scores(layer, self.ctx.pool.size(layer))
-        n_new = new_slots.numel()
-        if slots is None:  # dense: rows are the pool's slots in order
+        """probs [kv, group, n, rows]: rows are the pool's slots in order (slots None), or the new tokens
+        first and then `slots` (a decode step over selected rows)."""
+        mass = probs.float().sum(dim=(1, 2))  # [kv_heads, rows]
+        scores = self.scores[layer]
+        if slots is None:
             scores[:, : mass.shape[1]] += mass
             return
-        scores.scatter_add_(1, slots.cpu(), mass[:, :-n_new])
-        scores[:, new_slots.cpu()] += mass[:, -n_new:]
+        n_new = new_slots.numel()
+        scores.scatter_add_(1, slots, mass[:, n_new:])
+        scores.index_add_(1, new_slots.to(scores.device), mass[:, :n_new])
 
     def select(self, layer: int, past_len: int, first_position: int) -> Selection:
-        pool, heads = self.ctx.pool, self.ctx.adapter.num_kv_heads
-        positions = pool.positions(layer).cpu()
+        pool = self.ctx.pool
+        positions = pool.positions(layer).to(self.ctx.compute_device)
         k = self.config.budget_tokens_for(past_len)
         recent = k // 2
         is_recent = (positions >= first_position - recent) & (positions < first_position)
-        scores = self._scores(layer, positions.numel())[:, : positions.numel()].clone()
+        scores = self.scores[layer][:, : positions.numel()]
         scores = scores.masked_fill(positions >= first_position, float("-inf"))
         scores = scores.masked_fill(is_recent, float("inf"))
         top = scores.topk(k, dim=-1)
-        return Selection(top.indices.to(pool.device), scores=top.values)
+        return Selection(top.indices, scores=top.values)

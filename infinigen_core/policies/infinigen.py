@@ -1,22 +1,27 @@
 """InfiniGen: rehearse layer i+1's attention from layer i's input, fetch only the tokens it will need.
 
-Per sparse layer a partial key cache [kv_heads, slots, r] stays on the compute device: the keys through
+Per sparse layer a partial key cache [kv_heads, r, slots] stays on the compute device: the keys through
 the layer's skew, keeping its r strongest channels. During decoding, the pre-hook of layer i projects
 layer i's attention input with layer i+1's query weights (and RoPE at the current position), skews it,
-and scores every past token against the partial keys. Per query head it counts the tokens whose logit is
-within alpha of that head's maximum; the mean count, capped by the budget, is k. Each KV head then takes
-the top-k slots by the *sum of its query group's rehearsed softmax weights*, so a token that any head of
-the group cares about strongly is kept, and fetching stays one uniform [kv_heads, k] gather.
+and scores every past token against the partial keys. Each KV head takes the top-k slots by the *sum of
+its query group's rehearsed softmax weights*, so a token that any head of the group cares about strongly
+is kept, and fetching stays one uniform [kv_heads, k] gather.
+
+Nothing is read back to the host: k is the budget (a length the host knows), the slots come out ranked,
+and the paper's alpha rule (keep as many tokens as lie, on average over query heads, within alpha of a
+head's top rehearsed logit) becomes a mask over the ranks that attention applies on the device.
 """
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
 
 from .base import KVPolicy, Selection
+
+# families whose query is q_proj followed by the standard rotate-half RoPE (see `_init_rotary_rehearsal`)
+PLAIN_ROTARY_QUERY = ("llama", "mistral", "qwen2")
 
 
 class InfiniGenPolicy(KVPolicy):
@@ -27,78 +32,136 @@ class InfiniGenPolicy(KVPolicy):
         super().__init__(ctx)
         if ctx.skew_set is None:
             raise ValueError("the infinigen policy needs a skew set (calibrate the model first)")
-        device = ctx.compute_device
+        device, adapter = ctx.compute_device, ctx.adapter
+        # float32 where the CPU computes; the model's own dtype on a GPU (half the memory and bandwidth)
+        self.partial_dtype = torch.float32 if device.type == "cpu" else ctx.pool.dtype
         self.projections = [
             ctx.skew_set.partial_projection(layer, self.config.partial_ratio).to(device=device, dtype=torch.float32)
-            for layer in range(ctx.adapter.num_layers)
+            for layer in range(adapter.num_layers)
         ]
+        # the query side also carries the attention scale, so rehearsed logits come out of one product
+        self.query_projections = [(p * adapter.logit_scale).to(self.partial_dtype) for p in self.projections]
+        self.key_projections = [p.to(self.partial_dtype) for p in self.projections]
+        self.rotary = adapter.model_type in PLAIN_ROTARY_QUERY
+        if self.rotary:
+            self._init_rotary_rehearsal(device)
+        self.partial_keys_t: list[torch.Tensor | None] = [None] * adapter.num_layers
+        self._rank_thresholds = torch.empty(1, 0, dtype=torch.int64, device=device)
         self.rebuild()
 
     # ---------------------------------------------------------------- partial key cache
     # Stored channel-major, [kv_heads, r, capacity]: the score product then reads a plain strided slice
     # [:, :, :size] without copying it, which at 8k tokens saves tens of MB of copies per decode step.
+    def ensure_capacity(self, capacity: int) -> None:
+        for layer in range(self.ctx.adapter.num_layers):
+            cache = self.partial_keys_t[layer]
+            if not self.is_sparse(layer) or (cache is not None and cache.shape[2] >= capacity):
+                continue
+            projection = self.key_projections[layer]
+            bigger = torch.zeros(projection.shape[0], projection.shape[2], capacity, device=projection.device,
+                                 dtype=self.partial_dtype)
+            if cache is not None:
+                bigger[:, :, : cache.shape[2]] = cache
+            self.partial_keys_t[layer] = bigger
+        if self._rank_thresholds.shape[1] < capacity + 1:
+            # rank r of the selected rows (the new token is rank -1) is kept while r * heads < heads' total
+            # count within alpha, i.e. r < the mean count: a compare against one device scalar
+            heads = self.ctx.adapter.num_heads
+            self._rank_thresholds = (torch.arange(-1, capacity, device=self.ctx.compute_device) * heads).view(1, -1)
+
     def rebuild(self) -> None:
         pool = self.ctx.pool
-        self.partial_keys_t: list[torch.Tensor | None] = [None] * pool.num_layers
-        for layer in range(pool.num_layers):
-            if self.is_sparse(layer) and pool.size(layer):
-                slots = torch.arange(pool.size(layer), device=pool.device)
-                self.on_write(layer, slots, pool.keys(layer))
+        self.ensure_capacity(pool.capacity)
+        if pool.size():
+            slots = torch.arange(pool.size(), device=pool.device)
+            for layer in range(pool.num_layers):
+                if self.is_sparse(layer):
+                    self.on_write(layer, slots, pool.keys(layer))
 
     def on_write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         if not self.is_sparse(layer):
             return
         device = self.ctx.compute_device
-        partial = keys.to(device=device, dtype=torch.float32) @ self.projections[layer]  # [kv_heads, n, r]
-        self._partial_cache(layer, int(slots.max()) + 1)[:, :, slots.to(device)] = partial.transpose(1, 2)
+        if keys.dtype != self.partial_dtype or keys.device != device:
+            keys = keys.to(device=device, dtype=self.partial_dtype)
+        if slots.device != device:
+            slots = slots.to(device)
+        partial = torch.bmm(keys, self.key_projections[layer])
+        self.partial_keys_t[layer].index_copy_(2, slots, partial.transpose(1, 2))
 
     def partial_keys(self, layer: int) -> torch.Tensor:
         """[kv_heads, slots, r]: the layer's skewed partial keys, slot by slot (a view)."""
-        return self._partial_cache(layer, self.ctx.pool.size(layer))[:, :, : self.ctx.pool.size(layer)].transpose(1, 2)
-
-    def _partial_cache(self, layer: int, needed: int) -> torch.Tensor:
-        """The layer's [kv_heads, r, capacity] cache, grown (by doubling) to hold at least `needed` slots."""
-        cache = self.partial_keys_t[layer]
-        if cache is None or cache.shape[2] < needed:
-            capacity = max(needed, 2 * (cache.shape[2] if cache is not None else 128))
-            projection = self.projections[layer]
-            bigger = torch.zeros(projection.shape[0], projection.shape[2], capacity, device=projection.device)
-            if cache is not None:
-                bigger[:, :, : cache.shape[2]] = cache
-            self.partial_keys_t[layer] = cache = bigger
-        return cache
+        return self.partial_keys_t[layer][:, :, : self.ctx.pool.size()].transpose(1, 2)
 
     def device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.partial_keys_t if t is not None)
 
     # ---------------------------------------------------------------- speculation
-    def speculate(self, layer, hidden_states, position_embeddings, first_position):
-        target = layer + 1
-        if target >= self.ctx.adapter.num_layers or not self.is_sparse(target) or hidden_states.shape[1] != 1:
-            return None
-        started = time.perf_counter()
-        adapter, pool = self.ctx.adapter, self.ctx.pool
-        query = adapter.rehearse_query(self.ctx.attention_modules[target], hidden_states, position_embeddings)
-        query = query.float().view(adapter.num_kv_heads, adapter.group_size, adapter.head_dim)
-        partial_query = query @ self.projections[target]  # [kv_heads, group, r]
-        size = pool.size(target)
-        # the slot of the token being decoded is reserved but not written yet (it is masked as future below)
-        partial_keys_t = self._partial_cache(target, size)[:, :, :size]
-        logits = torch.bmm(partial_query * adapter.logit_scale, partial_keys_t)  # [kv_heads, group, size]
-        # the only slots at or after first_position are the ones reserved for this step's tokens
-        new_slots = pool.last_reserved[target].to(logits.device)
-        logits[:, :, new_slots] = float("-inf")
-        past_len = size - new_slots.numel()
-        selection = self.choose(logits, past_len)
-        selection.speculate_ms = (time.perf_counter() - started) * 1e3
-        return target, selection
+    def _init_rotary_rehearsal(self, device) -> None:
+        """RoPE and the skew in two small products instead of a dozen ops per layer.
 
-    def choose(self, logits: torch.Tensor, past_len: int) -> Selection:
-        """Top-k slots per KV head from rehearsed logits [kv_heads, group, slots] (future slots at -inf)."""
+        RoPE is q * cos + rotate_half(q) * sin, and rotate_half is a signed permutation R. So with
+        q2 = q @ [I | R] and c = [cos | sin], the rotated, skewed query is (q2 * c) @ [A; A]: one product
+        with a [dim, 2 dim] matrix, one multiply by this step's c, one product with the stacked skew.
+        """
+        dim, half = self.ctx.adapter.head_dim, self.ctx.adapter.head_dim // 2
+        rotate = torch.zeros(dim, dim)
+        rotate[torch.arange(half) + half, torch.arange(half)] = -1.0  # out[c] = -q[c + half]   (c < half)
+        rotate[torch.arange(half), torch.arange(half) + half] = 1.0  # out[c] = q[c - half]    (c >= half)
+        self._rotate_pairs = torch.cat([torch.eye(dim), rotate], dim=1).to(device=device, dtype=self.partial_dtype)
+        self.query_projections = [torch.cat([p, p], dim=1) for p in self.query_projections]  # [kv, 2 dim, r]
+        self._rope_source: torch.Tensor | None = None
+        self._rope_factors: torch.Tensor | None = None
+
+    def _rehearse(self, target: int, hidden_states, position_embeddings) -> torch.Tensor:
+        """Layer `target`'s partial, skewed, scaled query [kv_heads, group, r] from an attention input."""
+        adapter = self.ctx.adapter
+        attention = self.ctx.attention_modules[target]
+        if not self.rotary:
+            query = adapter.rehearse_query(attention, hidden_states, position_embeddings)
+            query = query.view(adapter.num_kv_heads, adapter.group_size, adapter.head_dim)
+            if query.dtype != self.partial_dtype:
+                query = query.to(self.partial_dtype)
+            return torch.bmm(query, self.query_projections[target])
+        cos, sin = position_embeddings
+        if cos is not self._rope_source:  # the same for every layer of a step: build it once per step
+            self._rope_source = cos
+            self._rope_factors = torch.cat([cos[0], sin[0]], dim=-1).to(self.partial_dtype)  # [1, 2 dim]
+        # the module itself, not its weight: a bitsandbytes 8/4-bit layer stores packed weights
+        query = attention.q_proj(hidden_states[0]).view(adapter.num_kv_heads, adapter.group_size, adapter.head_dim)
+        if query.dtype != self.partial_dtype:
+            query = query.to(self.partial_dtype)
+        rotated = torch.matmul(query, self._rotate_pairs).mul_(self._rope_factors)
+        return torch.bmm(rotated, self.query_projections[target])
+
+    def speculate(self, layer, hidden_states, position_embeddings, past_len):
+        started = time.perf_counter()
+        target = layer + 1
+        pool = self.ctx.pool
+        partial_query = self._rehearse(target, hidden_states, position_embeddings)  # [kv_heads, group, r]
+        new_slots = None
+        if pool.last_reserved_contiguous:
+            # the new token's slot is the last one: the past is the slots before it
+            logits = torch.bmm(partial_query, self.partial_keys_t[target][:, :, :past_len])
+        else:  # after eviction the new token took a victim's slot, still holding the victim's partial key
+            logits = torch.bmm(partial_query, self.partial_keys_t[target][:, :, : pool.size()])
+            new_slots = pool.last_reserved[target].to(logits.device)
+            logits.index_fill_(2, new_slots, float("-inf"))
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        selection = self.choose(logits, self.config.budget_tokens_for(past_len), new_slots)
+        selection.speculate_ms = (time.perf_counter() - started) * 1e3
+        return selection
+
+    def choose(self, logits: torch.Tensor, k: int, new_slots: torch.Tensor | None = None) -> Selection:
+        """Top-k slots per KV head, ranked, from rehearsed logits [kv_heads, group, slots] and a rank mask."""
         peak = logits.amax(dim=-1, keepdim=True)
-        within_alpha = (logits > peak - self.config.alpha).sum(dim=-1).float()
-        alpha_count = float(within_alpha.mean())
-        k = min(max(1, math.ceil(alpha_count)), self.config.budget_tokens_for(past_len))
-        group_weight = torch.softmax(logits, dim=-1).sum(dim=1)  # [kv_heads, slots]
-        top = group_weight.topk(k, dim=-1, sorted=False)  # order is irrelevant; unsorted is much faster
-        return Selection(top.indices, scores=top.values, alpha_count=alpha_count)
+        alpha_total = (logits > peak - self.config.alpha).sum()  # over every query head
+        weights = torch.softmax(logits, dim=-1).sum(dim=1)  # [kv_heads, slots]
+        if new_slots is not None:  # weights that underflow to 0 must still never pick the slot being written
+            weights.index_fill_(1, new_slots, -1.0)
+        top = weights.topk(k, dim=-1, sorted=True)
+        if self._rank_thresholds.shape[1] < k + 1:
+            self.ensure_capacity(k)
+        valid = self._rank_thresholds[:, : k + 1] < alpha_total  # [1, k + 1]
+        return Selection(top.indices, scores=top.values, valid=valid, alpha_total=alpha_total)
