@@ -308,7 +308,7 @@ class InfiniGenEngine:
         started = time.perf_counter()
         try:
             output = self.model(
-                input_ids=torch.tensor([token_ids], device=self.device),
+                input_ids=self._to_device(torch.tensor([token_ids])),
                 position_ids=step.query_positions.unsqueeze(0),
                 # our mask function returns None; passing a mask only spares transformers a look at the
                 # position ids (a host read) for packed sequences
@@ -331,6 +331,12 @@ class InfiniGenEngine:
             self.history[-KEEP_SELECTIONS_STEPS].drop_selections()
         self.history.append(stats)
         return output.logits[0].float()
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor to the compute device without waiting (pinned, non-blocking) on a GPU."""
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _all_ones(self, n: int) -> torch.Tensor:
         if self._ones is None or self._ones.shape[1] < n:

@@ -87,6 +87,7 @@ def generate(
         # everything is cached, but the logits after the last token are needed: run it again
         engine.truncate(len(prompt_ids) - 1)
     logits = engine.sync_to(list(prompt_ids), on_prefill_progress)
+    engine.prepare(sampling.max_new_tokens + 1)  # room for the whole reply now, not in the middle of a token
     generated: list[int] = []
     text = ""
     finish = "length"

@@ -98,7 +98,7 @@ def test_recall_is_complete_when_everything_is_fetched_and_partial_otherwise(tin
 def test_speed_rows_compare_every_policy_with_full_in_the_same_run(tiny_engine):
     ids = random_tokens(PREFILL + 12, seed=8)
     rows = decode_speed(tiny_engine, ids, PREFILL, configs("full", "offload", "infinigen"), decode_tokens_n=6, rounds=2)
-    assert [row["policy"] for row in rows] == ["full", "offload", "infinigen", "transformers"]
+    assert [row["policy"] for row in rows] == ["full", "offload", "infinigen", "transformers"]  # hf-offload: GPU only
     by_policy = {row["policy"]: row for row in rows}
     assert by_policy["full"]["ratio_to_full"] == 1.0
     for row in rows:
@@ -108,6 +108,11 @@ def test_speed_rows_compare_every_policy_with_full_in_the_same_run(tiny_engine):
     assert by_policy["infinigen"]["fetched_ratio"] < 1.0
     assert by_policy["infinigen"]["speculate_ms"] > 0 and by_policy["full"]["speculate_ms"] == 0
     assert by_policy["full"]["prefill_s"] > 0
+    for row in rows:  # every row says what one step launches and how often it would stall a GPU
+        assert row["ops_per_step"] > 0
+        if row["policy"] != "transformers":
+            assert row["syncs_per_step"] == 0, row
+    assert by_policy["infinigen"]["host_copies_per_step"] == 1 and by_policy["full"]["host_copies_per_step"] == 0
     with pytest.raises(EvalError, match="tokens are needed"):
         decode_speed(tiny_engine, ids[:PREFILL], PREFILL, configs("full"), decode_tokens_n=6)
     with pytest.raises(EvalError, match="exceeds the model's window"):
@@ -241,3 +246,16 @@ def test_random_llama_from_meta_is_fully_initialised():
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
     assert torch.isfinite(logits).all()
+
+
+def test_gpu_rows_get_their_ratios_within_the_same_model_and_context():
+    from infinigen_core.eval.gpu import _add_ratios
+
+    rows = [{"model": "m", "context": 4096, "policy": p, "tokens_per_s": t}
+            for p, t in (("full", 40.0), ("offload", 4.0), ("hf-offload", 5.0), ("infinigen", 20.0))]
+    rows.append({"model": "m", "context": 8192, "policy": "infinigen", "tokens_per_s": 10.0})
+    _add_ratios(rows)
+    infinigen = rows[3]
+    assert infinigen["speedup_vs_offload"] == 5.0 and infinigen["speedup_vs_hf_offload"] == 4.0
+    assert infinigen["ratio_to_full"] == 0.5
+    assert rows[4]["speedup_vs_offload"] is None  # nothing to compare with at 8k

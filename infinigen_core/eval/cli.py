@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     gpu = commands.add_parser("gpu", help="random-weight Llama-2-7B/Llama-3-8B shapes on a CUDA device")
     gpu.add_argument("--models", default="llama2-7b,llama3-8b")
     gpu.add_argument("--context", default="4096,8192,16384,32768")
-    gpu.add_argument("--policies", default="full,offload,infinigen")
-    gpu.add_argument("--budget", type=float, default=0.2, help="fixed fraction InfiniGen fetches")
+    gpu.add_argument("--policies", default="full,offload,hf-offload,infinigen")
+    gpu.add_argument("--budgets", default="0.15,0.1", help="fixed fractions InfiniGen fetches (one row each)")
     gpu.add_argument("--decode-tokens", type=int, default=8)
     gpu.add_argument("--json", action="store_true")
     gpu.add_argument("--save", type=Path)
@@ -181,8 +181,8 @@ def run_speed(args) -> tuple[str, dict]:
         rows += decode_speed(engine, ids, context, configs, args.decode_tokens, args.rounds,
                              reference=not args.no_reference, progress=_log)
     table = format_table(rows, ["context", "policy", "ms_per_token", "ratio_to_full", "mean_ms", "speculate_ms",
-                                "fetch_wait_ms", "attention_ms", "prefill_s", "fetched_ratio", "pool_bytes",
-                                "device_bytes"])
+                                "fetch_wait_ms", "attention_ms", "prefill_s", "fetched_ratio", "ops_per_step",
+                                "syncs_per_step", "host_copies_per_step", "pool_bytes", "device_bytes"])
     return table, {"rows": rows}
 
 
@@ -224,12 +224,18 @@ def run_resume(args) -> tuple[str, dict]:
 def run_gpu(args) -> tuple[str, dict]:
     from .gpu import NO_CUDA_MESSAGE, gpu_benchmark, parse_shapes
 
-    result = gpu_benchmark(parse_shapes(args.models), parse_numbers(args.context, int), parse_policies(args.policies),
-                           args.budget, args.decode_tokens, _log)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    engine_policies = [p for p in policies if p != "hf-offload"]
+    if engine_policies:
+        parse_policies(",".join(engine_policies))
+    result = gpu_benchmark(parse_shapes(args.models), parse_numbers(args.context, int), policies,
+                           parse_numbers(args.budgets), args.decode_tokens, _log)
     if not result["cuda"]:
         return NO_CUDA_MESSAGE, result
-    table = format_table(result["rows"], ["model", "context", "policy", "tokens_per_s", "speedup_vs_offload",
-                                          "ms_per_token", "bytes_fetched_per_token", "h2d_gbps", "peak_h2d_gbps"])
+    table = format_table(result["rows"], ["model", "context", "policy", "budget", "tokens_per_s", "speedup_vs_offload",
+                                          "speedup_vs_hf_offload", "ratio_to_full", "ms_per_token",
+                                          "bytes_fetched_per_token", "fetch_wait_ms_per_step", "h2d_gbps",
+                                          "peak_h2d_gbps", "peak_gpu_bytes"])
     return f"device: {result['device']}\n{table}", result
 
 

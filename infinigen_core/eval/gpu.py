@@ -1,6 +1,12 @@
-"""GPU decode speed of full / offload / InfiniGen on Llama-2-7B- and Llama-3-8B-shaped models.
+"""GPU decode speed of full / offload / hf-offload / InfiniGen on Llama-2-7B- and Llama-3-8B-shaped models.
 
-    python -m infinigen_core.eval gpu --models llama2-7b,llama3-8b --context 4096,8192,16384,32768
+    python -m infinigen_core.eval gpu --models llama2-7b,llama3-8b --context 4096,8192,16384,32768 \
+        --budgets 0.15,0.1 --save docs/results/gpu-h100.json
+
+`hf-offload` is plain transformers with `DynamicCache(offloading=True)`: what a transformers user picks to
+keep the cache off the GPU. Every row carries tokens_per_s, the speed-up over `offload` and `hf-offload`,
+the ratio to `full`, bytes fetched per token, the fetch wait per step, the achieved host-to-device rate
+against the pinned peak, and the peak GPU memory.
 
 Weights are random (fp16, allocated straight on the GPU from a meta-device skeleton): speed does not
 depend on their values, and InfiniGen's budget is fixed (alpha so large that the budget cap always
@@ -68,6 +74,7 @@ def peak_h2d_gbps(megabytes: int = 1024, repeats: int = 5) -> float:
 
 
 def random_llama(shape: ModelShape, max_context: int, device: str = "cuda", dtype: torch.dtype = torch.float16):
+    # max_context is the window the model is built with: every context plus its decode steps must fit
     """A Llama of this shape with random weights, allocated on `device` without a CPU copy first."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -75,7 +82,7 @@ def random_llama(shape: ModelShape, max_context: int, device: str = "cuda", dtyp
     config = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                          num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                          num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
-                         max_position_embeddings=max_context + 64, rope_theta=shape.rope_theta)
+                         max_position_embeddings=max_context, rope_theta=shape.rope_theta)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(dtype)
     model.to_empty(device=device)
@@ -90,65 +97,114 @@ def random_llama(shape: ModelShape, max_context: int, device: str = "cuda", dtyp
     return model.eval().requires_grad_(False)
 
 
-def _decode_ms(engine, tokens: Sequence[int]) -> tuple[list[float], int]:
+def _decode_ms(engine, tokens: Sequence[int]) -> tuple[list[float], int, float]:
     fetched_before = engine.fetcher.bytes_fetched
-    step_ms = []
+    step_ms, wait_ms = [], []
     for token in tokens:
         torch.cuda.synchronize()
         started = time.perf_counter()
         engine.decode(int(token))
         torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - started) * 1e3)
-    return step_ms, engine.fetcher.bytes_fetched - fetched_before
+        wait_ms.append(sum(layer.fetch_wait_ms for layer in engine.history[-1].layers))
+    return step_ms, engine.fetcher.bytes_fetched - fetched_before, statistics.median(wait_ms)
 
 
-def gpu_benchmark(shape_names: Sequence[str], contexts: Sequence[int], policies: Sequence[str], budget: float,
-                  decode_steps: int, progress=print) -> dict:
-    """Rows per (model, context, policy): tokens_per_s, ms_per_token, ratio_to_offload, bytes per token, bandwidth."""
+@torch.inference_mode()
+def _hf_offload_ms(model, ids: Sequence[int], context: int, steps: int) -> list[float]:
+    """Plain transformers, DynamicCache(offloading=True): prefill `context` tokens, time `steps` decode steps."""
+    from transformers import DynamicCache
+
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        cache = DynamicCache(config=model.config, offloading=True)
+        for start in range(0, context, 1024):
+            piece = torch.tensor([list(ids[start : min(start + 1024, context)])], device="cuda")
+            model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        step_ms = []
+        for token in ids[context : context + steps + 1]:
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            model(input_ids=torch.tensor([[int(token)]], device="cuda"), past_key_values=cache, use_cache=True)
+            torch.cuda.synchronize()
+            step_ms.append((time.perf_counter() - started) * 1e3)
+        del cache
+    finally:
+        model.set_attn_implementation(previous)
+    return step_ms[1:]  # the first step is a warm-up
+
+
+def gpu_benchmark(shape_names: Sequence[str], contexts: Sequence[int], policies: Sequence[str],
+                  budgets: Sequence[float], decode_steps: int, progress=print, quantize: str | None = None) -> dict:
+    """Rows per (model, context, policy, budget): tokens_per_s, speed-ups, ratio to full, bytes, waits, memory."""
     from ..calibration import calibrate
     from ..engine import InfiniGenEngine
 
     if not torch.cuda.is_available():
         return {"cuda": False, "message": NO_CUDA_MESSAGE, "rows": []}
+    device_name = torch.cuda.get_device_name(0)
     peak = peak_h2d_gbps()
     progress(f"peak pinned host-to-device copy: {peak:.1f} GB/s")
     rows = []
+    window = max(contexts) + decode_steps + 2
     for shape_name in shape_names:
         shape = SHAPES[shape_name]
-        progress(f"building {shape.name} with random fp16 weights on {torch.cuda.get_device_name(0)}")
-        model = random_llama(shape, max(contexts))
+        progress(f"building {shape.name} with random fp16 weights on {device_name}")
+        model = random_llama(shape, window)
         generator = torch.Generator().manual_seed(0)
         skew = calibrate(model, torch.randint(0, shape.vocab, (256,), generator=generator).tolist(), "cuda")
-        fixed = EngineConfig(policy="full", alpha=1e6, budget=budget, prefill_chunk=1024, history_steps=8)
+        fixed = EngineConfig(policy="full", alpha=1e6, budget=budgets[0], prefill_chunk=1024, history_steps=8)
         engine = InfiniGenEngine(model, None, fixed, skew_set=skew, device="cuda", fingerprint=shape_name)
         try:
             for context in contexts:
-                ids = torch.randint(0, shape.vocab, (context + decode_steps + 1,), generator=generator).tolist()
+                ids = torch.randint(0, shape.vocab, (context + decode_steps + 2,), generator=generator).tolist()
                 progress(f"{shape.name}: prefill {context} tokens (full cache on the GPU)")
                 engine.reset()
                 engine.configure(fixed)
                 engine.prefill(ids[:context])
-                for policy in policies:
-                    engine.configure(fixed.with_changes(policy=policy))  # moves the pool to pinned host memory
-                    torch.cuda.reset_peak_memory_stats()
+                runs = [(p, b) for p in policies if p != "hf-offload" for b in (budgets if p == "infinigen" else budgets[:1])]
+                for policy, budget in runs:
+                    engine.configure(fixed.with_changes(policy=policy, budget=budget))  # pinned host pool if not full
                     engine.truncate(context)
+                    engine.prepare(decode_steps + 1)
                     engine.decode(ids[context])  # warm-up step, not timed
                     engine.truncate(context)
-                    step_ms, fetched = _decode_ms(engine, ids[context : context + decode_steps])
-                    ms = statistics.median(step_ms)
-                    per_token = fetched / decode_steps
-                    rows.append({"model": shape.name, "context": context, "policy": policy, "ms_per_token": ms,
-                                 "tokens_per_s": 1e3 / ms, "bytes_fetched_per_token": per_token,
-                                 "h2d_gbps": per_token / (ms / 1e3) / 1e9 if policy != "full" else None,
-                                 "peak_h2d_gbps": peak, "peak_gpu_bytes": torch.cuda.max_memory_allocated()})
-                    progress(f"  {policy}: {ms:.1f} ms/token, {per_token / 2**20:.1f} MiB fetched per token")
+                    torch.cuda.reset_peak_memory_stats()
+                    step_ms, fetched, wait_ms = _decode_ms(engine, ids[context : context + decode_steps])
+                    rows.append(_row(shape.name, context, policy, budget, step_ms, fetched / decode_steps, wait_ms, peak))
+                    progress(f"  {policy} (budget {budget}): {rows[-1]['ms_per_token']:.1f} ms/token")
                 engine.truncate(0)
+                if "hf-offload" in policies:
+                    engine.configure(fixed)
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                    step_ms = _hf_offload_ms(model, ids, context, decode_steps)
+                    rows.append(_row(shape.name, context, "hf-offload", None, step_ms, None, None, peak))
+                    progress(f"  hf-offload: {rows[-1]['ms_per_token']:.1f} ms/token")
         finally:
             engine.close()
             del engine, model
             torch.cuda.empty_cache()
+    _add_ratios(rows)
+    return {"cuda": True, "device": device_name, "peak_h2d_gbps": peak, "quantize": quantize, "rows": rows}
+
+
+def _row(model: str, context: int, policy: str, budget, step_ms, bytes_per_token, wait_ms, peak) -> dict:
+    ms = statistics.median(step_ms)
+    return {"model": model, "context": context, "policy": policy, "budget": budget if policy == "infinigen" else None,
+            "ms_per_token": ms, "tokens_per_s": 1e3 / ms, "bytes_fetched_per_token": bytes_per_token,
+            "fetch_wait_ms_per_step": wait_ms,
+            "h2d_gbps": bytes_per_token / (ms / 1e3) / 1e9 if bytes_per_token and policy != "full" else None,
+            "peak_h2d_gbps": peak, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """speedup_vs_offload, speedup_vs_hf_offload and ratio_to_full, each within the same model and context."""
     for row in rows:
-        offload = next((r for r in rows if r["model"] == row["model"] and r["context"] == row["context"]
-                        and r["policy"] == "offload"), None)
-        row["speedup_vs_offload"] = row["tokens_per_s"] / offload["tokens_per_s"] if offload else None
-    return {"cuda": True, "device": torch.cuda.get_device_name(0), "peak_h2d_gbps": peak, "rows": rows}
+        same = {r["policy"]: r for r in rows if r["model"] == row["model"] and r["context"] == row["context"]
+                and r["policy"] != "infinigen"}
+        for key, policy in (("speedup_vs_offload", "offload"), ("speedup_vs_hf_offload", "hf-offload"),
+                            ("ratio_to_full", "full")):
+            other = same.get(policy)
+            row[key] = row["tokens_per_s"] / other["tokens_per_s"] if other else None

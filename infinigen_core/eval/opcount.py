@@ -15,14 +15,21 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # aten ops whose result the host must read before it can go on: a GPU stall each
 SYNCING_OPS = frozenset({
     "_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "unique", "_unique",
     "_unique2", "unique_consecutive", "unique_dim", "equal", "is_nonzero", "allclose", "repeat_interleave",
-    "bincount", "histc", "_assert_async", "index_put_with_bool_mask",
+    "bincount", "histc", "_assert_async", "index_with_bool_mask",
 })
+_INDEXING = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
+
+
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
 
 
 class OpCounter(TorchDispatchMode):
@@ -33,7 +40,10 @@ class OpCounter(TorchDispatchMode):
         self.counts: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
+        name = func.overloadpacket.__name__
+        if name in _INDEXING and _has_bool_index(args):
+            name = "index_with_bool_mask"  # a boolean mask's true count decides the shape: a host read
+        self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 
     @property

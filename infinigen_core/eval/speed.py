@@ -5,8 +5,11 @@
 Per context: one prefill (dense, timed), then rounds in which every policy in turn decodes a few of the
 text's next tokens from the same prefix. Interleaving the policies means a burst of load from another
 process slows them alike; the first step after each switch is a warm-up and is not timed. The median
-step time is reported (robust to such bursts) and its ratio to `full`'s. A reference row runs plain
-transformers (its own DynamicCache, no engine) over the same tokens.
+step time is reported (robust to such bursts) and its ratio to `full`'s. Two reference rows run plain
+transformers over the same tokens: `transformers` (its own DynamicCache, no engine) and `hf-offload`
+(`DynamicCache(offloading=True)`, what a transformers user picks to keep the cache off the GPU).
+Every row also gives the aten operations of one decode step (kernel launches on a GPU), how many of them
+read a device value back to the host (a stall each on a GPU) and the engine's copies to the host.
 """
 
 from __future__ import annotations
@@ -20,20 +23,23 @@ import torch
 from ..config import EngineConfig
 from .common import EvalError, decode_tokens, load_prefix
 
+from .opcount import OpCounter
+
 REFERENCE = "transformers"
+HF_OFFLOAD = "hf-offload"
 
 
 def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, EngineConfig], decode_tokens_n: int,
                  rounds: int = 2, reference: bool = True, progress=None) -> list[dict]:
     """Rows for one context: policy, ms_per_token (median), mean_ms, ratio_to_full, prefill_s, pool/device bytes."""
-    if len(ids) < context + decode_tokens_n + rounds:
-        raise EvalError(f"{context + decode_tokens_n + rounds} tokens are needed for context {context}, the text has {len(ids)}")
+    if len(ids) < context + decode_tokens_n + rounds + 2:
+        raise EvalError(f"{context + decode_tokens_n + rounds + 2} tokens are needed for context {context}, the text has {len(ids)}")
     if decode_tokens_n < rounds:
         raise EvalError(f"--decode-tokens ({decode_tokens_n}) must be at least --rounds ({rounds})")
     per_round = decode_tokens_n // rounds
-    if context + per_round + 1 > engine.max_context:
-        raise EvalError(f"context {context} plus {per_round + 1} decode steps per round exceeds the model's window of "
-                        f"{engine.max_context}: use a context of at most {engine.max_context - per_round - 1}")
+    if context + per_round + 2 > engine.max_context:
+        raise EvalError(f"context {context} plus {per_round + 2} decode steps per round exceeds the model's window of "
+                        f"{engine.max_context}: use a context of at most {engine.max_context - per_round - 2}")
     prefix = list(ids[:context])
     first = next(iter(configs.values()))
     if progress:
@@ -54,7 +60,7 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
             splits[name] += [step.time_split_ms() for step in list(engine.history)[-per_round:]]
             step = engine.history[-1]
             facts[name] = {"fetched_ratio": run.fetched_ratio, "pool_bytes": step.pool_bytes,
-                           "device_bytes": step.device_bytes}
+                           "device_bytes": step.device_bytes, **count_decode_step(engine, ids[context + per_round + 1])}
     engine.reset()
     rows = []
     for name in configs:
@@ -64,24 +70,37 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
                      **{f"{part}_ms": statistics.median(s[part] for s in splits[name])
                         for part in ("speculate", "fetch_wait", "attention")}})
     if reference:
-        if progress:
-            progress(f"context {context}: plain transformers reference")
-        rows.append(transformers_reference(engine.model, ids, context, rounds * per_round))
+        # DynamicCache(offloading=True) moves the cache between a GPU and the host; on the CPU there is no row
+        for offloading in (False, True) if engine.device.type == "cuda" else (False,):
+            if progress:
+                progress(f"context {context}: plain transformers reference{' (offloading)' if offloading else ''}")
+            rows.append(transformers_reference(engine.model, ids, context, rounds * per_round, offloading=offloading))
     base = next((row["ms_per_token"] for row in rows if row["policy"] == "full"), None)
     for row in rows:
         row["ratio_to_full"] = row["ms_per_token"] / base if base else None
     return rows
 
 
+def count_decode_step(engine, token: int) -> dict:
+    """Aten ops, host reads of device values and copies to the host in one decode step of the engine."""
+    copies = engine.fetcher.host.copies
+    with OpCounter() as ops:
+        engine.decode(int(token))
+    engine.truncate(engine.num_tokens - 1)
+    return {"ops_per_step": ops.total, "syncs_per_step": ops.syncs, "host_copies_per_step": engine.fetcher.host.copies - copies}
+
+
 @torch.inference_mode()
-def transformers_reference(model, ids: Sequence[int], context: int, steps: int, chunk: int = 512) -> dict:
-    """Prefill and decode with the model's own attention and DynamicCache: what the engine is measured against."""
+def transformers_reference(model, ids: Sequence[int], context: int, steps: int, chunk: int = 512,
+                           offloading: bool = False) -> dict:
+    """Prefill and decode with the model's own attention and DynamicCache (offloaded to the host if asked):
+    what the engine is measured against."""
     from transformers import DynamicCache
 
     previous = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache(config=model.config, offloading=offloading)
         started = time.perf_counter()
         for start in range(0, context, chunk):
             piece = torch.tensor([list(ids[start : min(start + chunk, context)])], device=model.device)
@@ -92,11 +111,15 @@ def transformers_reference(model, ids: Sequence[int], context: int, steps: int, 
             started = time.perf_counter()
             model(input_ids=torch.tensor([[int(token)]], device=model.device), past_key_values=cache, use_cache=True)
             step_ms.append((time.perf_counter() - started) * 1e3)
+        with OpCounter() as ops:
+            model(input_ids=torch.tensor([[int(ids[context + steps + 1])]], device=model.device),
+                  past_key_values=cache, use_cache=True)
         cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         del cache
     finally:
         model.set_attn_implementation(previous)
     timed = step_ms[1:]
-    return {"policy": REFERENCE, "context": context, "ms_per_token": statistics.median(timed),
-            "mean_ms": statistics.fmean(timed), "decode_steps": len(timed), "prefill_s": prefill_s,
-            "fetched_ratio": 1.0, "pool_bytes": cache_bytes, "device_bytes": cache_bytes}
+    return {"policy": HF_OFFLOAD if offloading else REFERENCE, "context": context,
+            "ms_per_token": statistics.median(timed), "mean_ms": statistics.fmean(timed), "decode_steps": len(timed),
+            "prefill_s": prefill_s, "fetched_ratio": 1.0, "pool_bytes": cache_bytes, "device_bytes": cache_bytes,
+            "ops_per_step": ops.total, "syncs_per_step": ops.syncs, "host_copies_per_step": None}
