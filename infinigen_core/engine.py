@@ -42,7 +42,8 @@ class _Step:
     engine: "InfiniGenEngine"
     first_position: int
     new_tokens: int
-    slots: list[torch.Tensor]  # per layer, the pool slots of the new tokens
+    slots: list[torch.Tensor]  # per layer, the pool slots of the new tokens (on the pool's device)
+    device_slots: list[torch.Tensor]  # the same on the compute device (one copy per step without eviction)
     query_positions: torch.Tensor  # on the compute device
     stats: StepStats
     prefetched: dict[int, tuple[PendingFetch, Selection | None]] = field(default_factory=dict)
@@ -138,6 +139,8 @@ class InfiniGenEngine:
             recent_window=config.recent_window,
         )
         old_pool = self.pool
+        if getattr(self, "fetcher", None) is not None:
+            self.fetcher.flush()
         if old_pool is None or not old_pool.same_layout(**layout):
             self.pool = KVPool(
                 num_layers=self.adapter.num_layers,
@@ -206,6 +209,7 @@ class InfiniGenEngine:
     @torch.inference_mode()
     def truncate(self, n_tokens: int) -> None:
         """Keep the first n_tokens of the conversation (edit, regenerate)."""
+        self.fetcher.flush()
         moved = self.pool.truncate(n_tokens)
         del self.token_ids[n_tokens:]
         if moved:  # eviction had reordered the slots: per-slot state follows the compacted pool
@@ -249,6 +253,7 @@ class InfiniGenEngine:
     @torch.inference_mode()
     def export_rows(self, start: int, end: int) -> dict[str, torch.Tensor]:
         """K/V rows of positions [start, end) per layer, plus their token ids, as CPU tensors."""
+        self.fetcher.flush()
         tensors = {"token_ids": torch.tensor(self.token_ids[start:end], dtype=torch.int64)}
         for layer in range(self.adapter.num_layers):
             positions = self.pool.positions(layer)
@@ -262,6 +267,7 @@ class InfiniGenEngine:
     @torch.inference_mode()
     def import_rows(self, chunks: Iterable[dict[str, torch.Tensor]]) -> int:
         """Restore exported chunks (in order) after the current tokens, rebuilding partial keys; no model run."""
+        self.fetcher.flush()
         restored = 0
         for chunk in chunks:
             ids = chunk["token_ids"].tolist()
@@ -293,12 +299,16 @@ class InfiniGenEngine:
     @torch.inference_mode()
     def _forward(self, token_ids: list[int]) -> torch.Tensor:
         n, first = len(token_ids), self.pool.total_tokens
+        if n > 1:
+            self.fetcher.flush()  # prefill reads the pool from this thread: pending writes land first
         stats = StepStats(step=self.steps_run, position=first, new_tokens=n)
+        slots = self.pool.reserve(n)
         step = _Step(
             engine=self,
             first_position=first,
             new_tokens=n,
-            slots=self.pool.reserve(n),
+            slots=slots,
+            device_slots=self._slots_on_device(slots),
             query_positions=torch.arange(first, first + n, device=self.device),
             stats=stats,
         )
@@ -331,6 +341,13 @@ class InfiniGenEngine:
             self.history[-KEEP_SELECTIONS_STEPS].drop_selections()
         self.history.append(stats)
         return output.logits[0].float()
+
+    def _slots_on_device(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.pool.device == self.device:
+            return slots
+        if self.pool.last_reserved_contiguous:  # every layer shares one tensor: one copy
+            return [self._to_device(slots[0])] * len(slots)
+        return [self._to_device(layer_slots) for layer_slots in slots]
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor to the compute device without waiting (pinned, non-blocking) on a GPU."""
@@ -368,8 +385,9 @@ class InfiniGenEngine:
         if target >= self.adapter.num_layers:
             return None
         if self.policy.is_sparse(target):
+            new_slots = None if self.pool.last_reserved_contiguous else step.device_slots[target]
             selection = self.policy.speculate(
-                module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"), step.past_len
+                module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"), step.past_len, new_slots
             )
             if selection is not None:
                 step.prefetched[target] = (self.fetcher.start_rows(target, selection.slots), selection)
@@ -387,13 +405,13 @@ class InfiniGenEngine:
 
     def _attend(self, layer: int, query, key, value, scaling: float, step: _Step):
         started = time.perf_counter()
-        slots = step.slots[layer]
         new_keys, new_values = key[0], value[0]  # [kv_heads, n, dim]
-        self.fetcher.write(layer, slots, new_keys, new_values)
+        self.fetcher.write(layer, step.slots[layer], new_keys, new_values)
+        slots = step.device_slots[layer]
         self.policy.on_write(layer, slots, new_keys)
         stats = LayerStats(layer=layer, context_len=step.past_len, fetched=step.past_len, sparse=False)
         if not step.is_decode:
-            out = self._attend_prefill(layer, query, scaling, step, slots)
+            out = self._attend_prefill(layer, query, new_keys, new_values, scaling, step, slots)
         else:
             pending, selection = step.prefetched.pop(layer, None) or self._start_fetch(layer, step)
             fetched = pending.wait(new_keys, new_values, slots)
@@ -408,11 +426,13 @@ class InfiniGenEngine:
         step.stats.layers.append(stats)
         return out, None
 
-    def _attend_prefill(self, layer, query, scaling, step, new_slots) -> torch.Tensor:
+    def _attend_prefill(self, layer, query, new_keys, new_values, scaling, step, new_slots) -> torch.Tensor:
         """Several new tokens (prefill): causal attention over the pool, masked by positions."""
         keys, values = self.pool.keys(layer), self.pool.values(layer)
-        if keys.device != self.device:
+        if keys.device != self.device:  # the new rows are still on their way to the pool: use the device's
             keys, values = keys.to(self.device), values.to(self.device)
+            keys.index_copy_(1, new_slots, new_keys)
+            values.index_copy_(1, new_slots, new_values)
         mask = self.pool.positions(layer).to(self.device).unsqueeze(0) <= step.query_positions.unsqueeze(1)  # [n, S]
         if self.policy.needs_attention_weights:
             out, probs = grouped_attention(query[0], keys, values, scaling, mask)

@@ -60,6 +60,7 @@ class PendingFetch:
     """A fetch in flight; `wait` returns the rows with the new token's K/V included."""
 
     def wait(self, new_keys: torch.Tensor, new_values: torch.Tensor, new_slots: torch.Tensor) -> FetchedRows:
+        """new_keys/new_values [kv_heads, n, dim] and new_slots [n] are on the compute device."""
         started = time.perf_counter()
         keys, values = self._rows(new_keys, new_values, new_slots)
         return FetchedRows(keys, values, (time.perf_counter() - started) * 1e3)
@@ -114,6 +115,9 @@ class DirectFetcher:
     def _count(self, rows: int) -> None:
         self.bytes_fetched += rows * self._row_bytes
 
+    def flush(self) -> None:
+        pass
+
     def _new_slot_columns(self, new_slots: torch.Tensor) -> torch.Tensor:
         """[kv_heads, n] copies of the new tokens' slots; every layer of a step shares them (no eviction)."""
         if new_slots is not self._columns_source:
@@ -143,9 +147,8 @@ class _Streamed(PendingFetch):
             keys[:, self.contiguous_new : self.contiguous_new + new_keys.shape[1]].copy_(new_keys)
             values[:, self.contiguous_new : self.contiguous_new + new_keys.shape[1]].copy_(new_values)
         else:
-            device_slots = new_slots.to(keys.device, non_blocking=True)
-            keys.index_copy_(1, device_slots, new_keys)
-            values.index_copy_(1, device_slots, new_values)
+            keys.index_copy_(1, new_slots, new_keys)
+            values.index_copy_(1, new_slots, new_values)
         return keys, values
 
 
@@ -221,6 +224,10 @@ class StreamFetcher:
             copied = torch.cuda.Event()
             copied.record(self._stream)
         return keys, values, copied
+
+    def flush(self) -> None:
+        """Wait until every write and fetch started so far has been done on the host side."""
+        self._worker.submit(lambda: None).result()
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

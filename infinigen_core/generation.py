@@ -42,7 +42,7 @@ def chat_token_ids(tokenizer, messages: list[dict[str, str]], add_generation_pro
 def sample_next(logits: torch.Tensor, sampling: SamplingConfig, previous: list[int], generator: torch.Generator | None) -> int:
     logits = logits.float().clone()
     if sampling.repetition_penalty != 1.0 and previous:
-        seen = torch.tensor(sorted(set(previous)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(previous)), dtype=torch.long, device=logits.device)
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / sampling.repetition_penalty, values * sampling.repetition_penalty)
     if sampling.temperature == 0:

@@ -54,9 +54,11 @@ class KVPolicy:
     def is_sparse(self, layer: int) -> bool:
         return layer >= self.config.dense_layers
 
-    def speculate(self, layer: int, hidden_states, position_embeddings, past_len: int) -> Selection | None:
+    def speculate(self, layer: int, hidden_states, position_embeddings, past_len: int,
+                  new_slots: torch.Tensor | None) -> Selection | None:
         """Called before `layer` attends, during decoding, when layer + 1 is sparse: may choose its slots now
-        (from this layer's input), so that their fetch overlaps this layer's work."""
+        (from this layer's input), so that their fetch overlaps this layer's work. `new_slots` (compute
+        device) are the slots reserved for the token being decoded, or None when that is slot `past_len`."""
         return None
 
     def select(self, layer: int, past_len: int, first_position: int) -> Selection | None:

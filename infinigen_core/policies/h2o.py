@@ -32,7 +32,7 @@ class H2OPolicy(KVPolicy):
                 self.scores[layer] = bigger
 
     def on_write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        self.scores[layer].index_fill_(1, slots.to(self.ctx.compute_device), 0.0)  # a reused slot starts afresh
+        self.scores[layer].index_fill_(1, slots, 0.0)  # a reused slot starts afresh
 
     def on_attention(self, layer, slots, probs, new_slots) -> None:
         """probs [kv, group, n, rows]: rows are the pool's slots in order (slots None), or the new tokens
@@ -44,7 +44,7 @@ class H2OPolicy(KVPolicy):
             return
         n_new = new_slots.numel()
         scores.scatter_add_(1, slots, mass[:, n_new:])
-        scores.index_add_(1, new_slots.to(scores.device), mass[:, :n_new])
+        scores.index_add_(1, new_slots, mass[:, :n_new])
 
     def select(self, layer: int, past_len: int, first_position: int) -> Selection:
         pool = self.ctx.pool

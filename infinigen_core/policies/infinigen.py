@@ -84,8 +84,6 @@ class InfiniGenPolicy(KVPolicy):
         device = self.ctx.compute_device
         if keys.dtype != self.partial_dtype or keys.device != device:
             keys = keys.to(device=device, dtype=self.partial_dtype)
-        if slots.device != device:
-            slots = slots.to(device)
         partial = torch.bmm(keys, self.key_projections[layer])
         self.partial_keys_t[layer].index_copy_(2, slots, partial.transpose(1, 2))
 
@@ -134,18 +132,15 @@ class InfiniGenPolicy(KVPolicy):
         rotated = torch.matmul(query, self._rotate_pairs).mul_(self._rope_factors)
         return torch.bmm(rotated, self.query_projections[target])
 
-    def speculate(self, layer, hidden_states, position_embeddings, past_len):
+    def speculate(self, layer, hidden_states, position_embeddings, past_len, new_slots=None):
         started = time.perf_counter()
         target = layer + 1
-        pool = self.ctx.pool
         partial_query = self._rehearse(target, hidden_states, position_embeddings)  # [kv_heads, group, r]
-        new_slots = None
-        if pool.last_reserved_contiguous:
+        if new_slots is None:
             # the new token's slot is the last one: the past is the slots before it
             logits = torch.bmm(partial_query, self.partial_keys_t[target][:, :, :past_len])
         else:  # after eviction the new token took a victim's slot, still holding the victim's partial key
-            logits = torch.bmm(partial_query, self.partial_keys_t[target][:, :, : pool.size()])
-            new_slots = pool.last_reserved[target].to(logits.device)
+            logits = torch.bmm(partial_query, self.partial_keys_t[target][:, :, : past_len + 1])
             logits.index_fill_(2, new_slots, float("-inf"))
         if logits.dtype != torch.float32:
             logits = logits.float()
