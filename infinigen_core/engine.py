@@ -48,14 +48,20 @@ class _Step:
 
 
 def grouped_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """query [heads, n, dim] over keys/values [kv_heads, S, dim]; returns (out [heads, n, dim], probs [kv, group, n, S])."""
+    """query [heads, n, dim] over keys/values [kv_heads, S, dim]; returns (out [heads, n, dim], probs [kv, group, n, S]).
+
+    `softcap` (Gemma 2) bounds the logits to (-softcap, softcap) through tanh, as the family's attention does.
+    """
     kv_heads, n, dim = keys.shape[0], query.shape[1], query.shape[-1]
     # Fold each KV head's query group into rows of one batched product: keys are read in place, never
     # expanded per query head (a broadcast matmul would materialise a copy of them for every head).
     grouped = query.reshape(kv_heads, -1, dim)  # [kv, group*n, dim]
     logits = torch.bmm(grouped, keys.transpose(1, 2)).float().mul_(scale).view(kv_heads, -1, n, keys.shape[1])
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -345,9 +351,14 @@ class InfiniGenEngine:
         positions = self.pool.positions(layer).to(self.device)
         query_positions = step.query_positions.to(self.device)
         mask = positions.unsqueeze(0) <= query_positions.unsqueeze(1)  # [n, S]
-        if self.policy.needs_attention_weights:
-            out, probs = grouped_attention(query[0], keys, values, scaling, mask)
-            self.policy.on_attention(layer, None, probs, new_slots)
+        window = self.adapter.sliding_window(layer)
+        if window is not None:  # a sliding layer sees its last `window` positions, itself included
+            mask &= positions.unsqueeze(0) > query_positions.unsqueeze(1) - window
+        softcap = self.adapter.softcap
+        if self.policy.needs_attention_weights or softcap is not None:  # SDPA cannot soft-cap
+            out, probs = grouped_attention(query[0], keys, values, scaling, mask, softcap)
+            if self.policy.needs_attention_weights:
+                self.policy.on_attention(layer, None, probs, new_slots)
             return out
         out = F.scaled_dot_product_attention(
             query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
@@ -359,7 +370,7 @@ class InfiniGenEngine:
         stats.fetch_wait_ms = fetched.wait_ms
         keys = torch.cat([fetched.keys, key[0].to(fetched.keys.dtype)], dim=1)
         values = torch.cat([fetched.values, value[0].to(fetched.values.dtype)], dim=1)
-        out, probs = grouped_attention(query[0], keys, values, scaling)
+        out, probs = grouped_attention(query[0], keys, values, scaling, softcap=self.adapter.softcap)
         self.policy.on_attention(layer, selection.slots, probs, new_slots)
         stats.sparse = True
         stats.fetched = selection.slots.shape[1]
@@ -377,7 +388,8 @@ class InfiniGenEngine:
         is_past = self.pool.positions(layer).to(self.device) < stats_position(self.pool, layer)
         keys = past[:, is_past]
         slot_of_row = is_past.nonzero().squeeze(1)
-        _, probs = grouped_attention(query[0], torch.cat([keys, key[0]], dim=1), torch.cat([keys, key[0]], dim=1), scaling)
+        _, probs = grouped_attention(query[0], torch.cat([keys, key[0]], dim=1), torch.cat([keys, key[0]], dim=1), scaling,
+                                     softcap=self.adapter.softcap)
         probs = probs[:, :, 0, :]  # [kv, group, rows+1]
         chosen = torch.zeros(probs.shape[0], probs.shape[-1], dtype=torch.bool, device=probs.device)
         row_index = torch.full((self.pool.size(layer),), -1, dtype=torch.long, device=probs.device)

@@ -49,7 +49,8 @@ class KVPolicy:
         return self.ctx.config
 
     def is_sparse(self, layer: int) -> bool:
-        return layer >= self.config.dense_layers
+        # a sliding-window layer already reads only its window: selection is for global layers
+        return layer >= self.config.dense_layers and self.ctx.adapter.is_global(layer)
 
     def speculate(self, layer: int, hidden_states, position_embeddings, first_position: int) -> tuple[int, Selection] | None:
         """Called before `layer` attends, during decoding; may return a selection for a later layer."""

@@ -78,13 +78,16 @@ class InfiniGenPolicy(KVPolicy):
             return None
         started = time.perf_counter()
         adapter, pool = self.ctx.adapter, self.ctx.pool
-        query = adapter.rehearse_query(self.ctx.attention_modules[target], hidden_states, position_embeddings)
+        positions = torch.arange(first_position, first_position + hidden_states.shape[1])
+        query = adapter.rehearse_query(self.ctx.attention_modules[target], hidden_states, position_embeddings, positions)
         query = query.float().view(adapter.num_kv_heads, adapter.group_size, adapter.head_dim)
         partial_query = query @ self.projections[target]  # [kv_heads, group, r]
         size = pool.size(target)
         # the slot of the token being decoded is reserved but not written yet (it is masked as future below)
         partial_keys_t = self._partial_cache(target, size)[:, :, :size]
         logits = torch.bmm(partial_query * adapter.logit_scale, partial_keys_t)  # [kv_heads, group, size]
+        if adapter.softcap is not None:  # rehearse the family's soft-capping too (Gemma 2)
+            logits = torch.tanh(logits / adapter.softcap) * adapter.softcap
         # the only slots at or after first_position are the ones reserved for this step's tokens
         new_slots = pool.last_reserved[target].to(logits.device)
         logits[:, :, new_slots] = float("-inf")
