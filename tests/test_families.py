@@ -1,0 +1,258 @@
+"""Every supported model family, as a tiny random-weight model built here from its transformers config.
+
+Each family's own modeling code is the reference: the rehearsed query must be the query its attention
+receives, the engine's dense attention must give the model's own logits (sliding windows and soft-capping
+included), InfiniGen at a 100% budget must equal `full`, and at the defaults it must really leave tokens out,
+on global layers only. A CLI run loads one from a directory, and a hub id resolves from a fake hub cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import eager_mask
+
+from conftest import random_tokens
+from infinigen_core.arch import FAMILIES, ModelAdapter, UnsupportedModelError
+from infinigen_core.calibration import calibrate
+from infinigen_core.config import EngineConfig
+from infinigen_core.engine import InfiniGenEngine
+from infinigen_core.skew import is_orthogonal
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 128
+WINDOW = 24  # shorter than the test prompts, so a sliding layer that ignored it would give other logits
+SLIDING, GLOBAL = "sliding_attention", "full_attention"
+PROMPT, CONTINUATION = random_tokens(80, seed=3), random_tokens(10, seed=4)
+
+
+def family_config(model_type: str):
+    """A 6-layer config of the family with GQA (4 query heads, 2 KV heads) and its distinctive features."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    interleaved = dict(sliding_window=WINDOW, layer_types=[SLIDING, SLIDING, GLOBAL] * 2)
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common),
+        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None),
+        "ministral": lambda: transformers.MinistralConfig(**common, head_dim=16, **interleaved),
+        "qwen2": lambda: transformers.Qwen2Config(**common),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16),
+        "olmo2": lambda: transformers.Olmo2Config(**common),
+        "olmo3": lambda: transformers.Olmo3Config(**common, **interleaved),
+        # Phi-4-mini rotates only part of each head
+        "phi3": lambda: transformers.Phi3Config(**common, partial_rotary_factor=0.5),
+        "gemma2": lambda: transformers.Gemma2Config(**common, head_dim=16, sliding_window=WINDOW,
+                                                     query_pre_attn_scalar=24, attn_logit_softcapping=5.0),
+        "gemma3_text": lambda: transformers.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=24,
+                                                             **interleaved),
+        "smollm3": lambda: transformers.SmolLM3Config(**common, no_rope_layers=[1, 1, 1, 0, 1, 0]),
+        "granite": lambda: transformers.GraniteConfig(**common, attention_multiplier=0.3, residual_multiplier=0.5,
+                                                      embedding_multiplier=2.0, logits_scaling=4.0),
+        "opt": lambda: transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=6,
+                                              num_attention_heads=4, max_position_embeddings=1024,
+                                              word_embed_proj_dim=64, pad_token_id=0),
+    }
+    return configs[model_type]()
+
+
+def build(model_type: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(family_config(model_type)).eval()
+    # random weights are small; larger q/k make attention peaked like a trained model's, so selection matters
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                parameter.mul_(4.0)
+    return model
+
+
+def test_every_supported_family_is_tested_here():
+    families = {"llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "olmo3", "phi3", "gemma2",
+                "gemma3_text", "smollm3", "granite", "opt"}
+    assert set(FAMILIES) == families
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    """(model_type, model, skew_set) with the skew calibrated on 200 random tokens."""
+    model = build(request.param)
+    return request.param, model, calibrate(model, random_tokens(200, seed=1, vocab=VOCAB))
+
+
+# ------------------------------------------------------------------------------------ what the model does
+_seen: dict[int, dict] = {}
+
+
+def _recording(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    _seen[module.layer_idx] = {"query": query[0].clone(), "scaling": scaling, "sliding_window":
+                               kwargs.get("sliding_window"), "softcap": kwargs.get("softcap")}
+    attention = sdpa_attention_forward
+    if kwargs.get("softcap") is not None:
+        attention = sys.modules[type(module).__module__].eager_attention_forward
+    return attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+AttentionInterface.register("test_recording", _recording)
+AttentionMaskInterface.register("test_recording", eager_mask)
+
+
+@torch.inference_mode()
+def run_recorded(model, token_ids, first_position=0):
+    """The model's own forward (transformers' masks); returns (logits, per-layer inputs, per-layer calls)."""
+    adapter = ModelAdapter.for_model(model)
+    inputs = {}
+    hooks = [module.register_forward_pre_hook(
+        lambda module, args, kwargs: inputs.__setitem__(module.layer_idx, kwargs), with_kwargs=True)
+        for module in adapter.attention_modules(model)]
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("test_recording")
+    _seen.clear()
+    try:
+        positions = torch.arange(first_position, first_position + len(token_ids)).unsqueeze(0)
+        logits = model(input_ids=torch.tensor([token_ids]), position_ids=positions, use_cache=False).logits[0]
+    finally:
+        model.set_attn_implementation(previous)
+        for hook in hooks:
+            hook.remove()
+    return logits, inputs, dict(_seen)
+
+
+def test_rehearsal_is_the_next_layers_own_query(family):
+    """Speculation's query for layer i+1, made from layer i+1's input and the position embeddings that layer i
+    received (all the pre-hook of layer i has), is exactly the query layer i+1's attention is called with."""
+    model_type, model, _ = family
+    adapter = ModelAdapter.for_model(model)
+    positions = torch.arange(30, 45)
+    _, inputs, calls = run_recorded(model, random_tokens(15, seed=7), first_position=30)
+    for layer in range(1, adapter.num_layers):
+        source = inputs[layer - 1].get("position_embeddings")
+        with torch.inference_mode():
+            query = adapter.rehearse_query(adapter.attention_modules(model)[layer], inputs[layer]["hidden_states"],
+                                           source, positions)
+        torch.testing.assert_close(query, calls[layer]["query"], rtol=0, atol=1e-6, msg=f"{model_type} layer {layer}")
+
+
+def test_the_adapters_layer_facts_are_what_the_family_passes_to_attention(family):
+    model_type, model, _ = family
+    adapter = ModelAdapter.for_model(model)
+    _, _, calls = run_recorded(model, random_tokens(8, seed=2))
+    for layer, call in calls.items():
+        assert adapter.logit_scale == pytest.approx(call["scaling"])
+        assert adapter.softcap == call["softcap"]
+        passed = call["sliding_window"]
+        assert adapter.sliding_window(layer) == (passed if passed and passed < adapter.max_context else None)
+    kinds = [adapter.layer_kind(layer) for layer in range(adapter.num_layers)]
+    if model_type in ("ministral", "olmo3", "gemma3_text"):
+        assert kinds[:3] == [f"sliding {WINDOW}", f"sliding {WINDOW}", "global"]
+    elif model_type == "gemma2":
+        assert kinds[:2] == [f"sliding {WINDOW}", "global"]
+    elif model_type == "smollm3":
+        assert kinds[3] == kinds[5] == "global, no RoPE" and kinds[2] == "global"
+    else:
+        assert set(kinds) == {"global"}
+
+
+# ------------------------------------------------------------------------------------ the engine
+def engine_for(family, **settings) -> InfiniGenEngine:
+    _, model, skew = family
+    return InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny")
+
+
+def teacher_forced(engine) -> torch.Tensor:
+    first = engine.prefill(PROMPT)
+    return torch.cat([first.unsqueeze(0), engine.score(CONTINUATION)])
+
+
+def test_the_full_policy_gives_the_models_own_logits(family):
+    """Sliding windows, soft-capping, NoPE layers and scalings as the family's own attention applies them."""
+    _, model, _ = family
+    expected, _, _ = run_recorded(model, PROMPT + CONTINUATION)
+    engine = engine_for(family, policy="full", prefill_chunk=32)
+    try:
+        actual = teacher_forced(engine)
+    finally:
+        engine.close()
+    torch.testing.assert_close(actual, expected[len(PROMPT) - 1 :].float(), rtol=0, atol=2e-4)
+
+
+def test_infinigen_at_full_budget_equals_full(family):
+    model_type, model, _ = family
+    adapter = ModelAdapter.for_model(model)
+    dense = engine_for(family, policy="full", prefill_chunk=32)
+    sparse = engine_for(family, policy="infinigen", budget=1.0, alpha=1e9, min_fetch_tokens=0, prefill_chunk=32)
+    try:
+        expected, actual = teacher_forced(dense), teacher_forced(sparse)
+        step = [s for s in sparse.history if s.is_decode][-1]
+    finally:
+        dense.close(), sparse.close()
+    sparse_layers = {layer.layer for layer in step.layers if layer.sparse}
+    assert sparse_layers == {l for l in range(2, adapter.num_layers) if adapter.is_global(l)}, model_type
+    assert all(layer.fetched == layer.context_len for layer in step.layers if layer.sparse)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def test_at_the_defaults_infinigen_really_selects_on_global_layers(family):
+    """Default settings, except the fetch floor (256 tokens would cover this short context whole)."""
+    model_type, model, _ = family
+    adapter = ModelAdapter.for_model(model)
+    engine = engine_for(family, min_fetch_tokens=0)
+    try:
+        teacher_forced(engine)
+        steps = [s for s in engine.history if s.is_decode]
+    finally:
+        engine.close()
+    sparse = [layer for s in steps for layer in s.layers if layer.sparse]
+    assert sparse and all(adapter.is_global(layer.layer) for layer in sparse)
+    assert all(layer.fetched < layer.context_len for layer in sparse), model_type
+    # the speculation, not chance, chose them: the rehearsed scores are those of the chosen tokens
+    assert all(layer.selected_positions is not None and layer.alpha_count is not None for layer in sparse)
+
+
+def test_calibration_completes_with_orthogonal_skews(family):
+    model_type, model, skew = family
+    adapter = ModelAdapter.for_model(model)
+    assert len(skew.skews) == adapter.num_layers
+    for matrix in skew.skews:
+        assert matrix.shape == (adapter.num_kv_heads, adapter.head_dim, adapter.head_dim)
+        assert torch.isfinite(matrix).all() and is_orthogonal(matrix), model_type
+
+
+def test_a_nope_layer_is_calibrated_without_rope():
+    """SmolLM3's layer 3 has no RoPE: the same tokens at other positions give the same skew there, while a
+    RoPE layer's changes."""
+    model = build("smollm3")
+    tokens = random_tokens(64, seed=5, vocab=VOCAB)
+    at_zero = calibrate(model, tokens)
+    shifted = _calibrate_at(model, tokens, first_position=300)
+    torch.testing.assert_close(shifted.skews[3].abs(), at_zero.skews[3].abs(), atol=1e-3, rtol=0)
+    assert not torch.allclose(shifted.skews[2].abs(), at_zero.skews[2].abs(), atol=1e-3)
+
+
+def _calibrate_at(model, tokens, first_position):
+    from infinigen_core import calibration
+
+    original = torch.arange
+    try:  # calibration numbers positions from 0: shift them for this one call
+        calibration.torch.arange = lambda n, **kw: original(first_position, first_position + n, **kw)
+        return calibrate(model, tokens)
+    finally:
+        calibration.torch.arange = original
+
+
+def test_an_unknown_family_is_refused_with_the_supported_list():
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError) as error:
+        ModelAdapter.for_model(model)
+    assert "'gpt2'" in str(error.value)
+    for name in ("qwen3 (Qwen3)", "phi3 (Phi-3/Phi-4)", "gemma3_text (Gemma 3 (text))", "smollm3", "granite"):
+        assert name in str(error.value)
