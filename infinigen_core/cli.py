@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--model", help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--model", help="checkpoint directory, .gguf file or hub id such as Qwen/Qwen3-8B "
+                     "(default: SmolLM2-135M-Instruct)")
     gen.add_argument("--policy", default="infinigen", choices=POLICY_NAMES)
     gen.add_argument("--alpha", type=float, default=EngineConfig.alpha)
     gen.add_argument("--budget", default=str(EngineConfig.budget),

@@ -256,3 +256,84 @@ def test_an_unknown_family_is_refused_with_the_supported_list():
     assert "'gpt2'" in str(error.value)
     for name in ("qwen3 (Qwen3)", "phi3 (Phi-3/Phi-4)", "gemma3_text (Gemma 3 (text))", "smollm3", "granite"):
         assert name in str(error.value)
+
+
+# ------------------------------------------------------------------------------------ loading by name
+def save_tiny_checkpoint(model_type: str, directory: Path) -> Path:
+    """A tiny random model of the family plus a word-level tokenizer built here (nothing from a hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 4)]
+    core = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
+                                        bos_token="<s>", eos_token="</s>")
+    build(model_type).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "infinigen_core", "generate", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+PROMPT_TEXT = " ".join(f"w{i % 90}" for i in range(60))
+
+
+def test_the_cli_runs_a_gemma3_checkpoint_directory(tmp_path):
+    checkpoint = save_tiny_checkpoint("gemma3_text", tmp_path / "tiny-gemma3")
+    result = run_cli("--model", str(checkpoint), "--prompt", PROMPT_TEXT, "--max-new-tokens", "6", "--device", "cpu",
+                     "--min-fetch-tokens", "0", "--json", "--cache-dir", str(tmp_path / "cache"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["model"] == "tiny-gemma3" and report["new_tokens"] == 6 and report["prompt_tokens"] == 60
+    assert 0 < report["fetched_ratio"] < 1  # global layers 2 and 5 selected, the sliding ones did not count
+    assert "Calibrating" in result.stderr
+
+
+def fake_hub_cache(root: Path, repo_id: str, model_type: str) -> Path:
+    """huggingface_hub's cache layout: models--ORG--NAME/{refs/main, snapshots/REV/...}."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    save_tiny_checkpoint(model_type, repo / "snapshots" / revision)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    return root
+
+
+def test_a_hub_id_resolves_from_the_local_hub_cache_offline(tmp_path):
+    hub = fake_hub_cache(tmp_path / "hub", "tiny-org/Tiny-Qwen3", "qwen3")
+    env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    result = run_cli("--model", "tiny-org/Tiny-Qwen3", "--prompt", PROMPT_TEXT, "--max-new-tokens", "3",
+                     "--device", "cpu", "--json", "--cache-dir", str(tmp_path / "cache"), env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["model"] == "tiny-org/Tiny-Qwen3"
+    missing = run_cli("--model", "Qwen/Qwen3-8B", "--prompt", "hi", "--device", "cpu", env=env)
+    assert missing.returncode == 2
+    assert "Qwen/Qwen3-8B is neither a local path nor in the local Hugging Face cache" in missing.stderr
+    assert "hf download Qwen/Qwen3-8B" in missing.stderr and str(hub) in missing.stderr
+
+
+def test_the_model_picker_lists_supported_models_in_the_hub_cache(tmp_path, monkeypatch):
+    from infinigen_core.loading import cached_hub_models
+
+    hub = fake_hub_cache(tmp_path / "hub", "tiny-org/Tiny-Phi", "phi3")
+    fake_hub_cache(hub, "tiny-org/Tiny-Olmo2", "olmo2")
+    (hub / "models--someone--gpt2-thing" / "refs").mkdir(parents=True)  # an incomplete download: not listed
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    assert cached_hub_models() == ["tiny-org/Tiny-Olmo2", "tiny-org/Tiny-Phi"]
+
+
+@pytest.mark.parametrize("stored,device,expected", [
+    ("bfloat16", "cuda", torch.bfloat16), (torch.bfloat16, "cuda", torch.bfloat16), ("float16", "cuda", torch.float16),
+    ("float32", "cuda", torch.float16), ("bfloat16", "cpu", torch.float32), ("float16", "cpu", torch.float32),
+])
+def test_precision_follows_the_checkpoint(monkeypatch, stored, device, expected):
+    from infinigen_core.loading import compute_dtype, quantization_settings
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    dtype = compute_dtype(stored, torch.device(device))
+    assert dtype == expected
+    assert quantization_settings("4bit", dtype).bnb_4bit_compute_dtype == dtype
