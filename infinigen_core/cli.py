@@ -123,6 +123,8 @@ def run_generate(args) -> dict:
         "wall_s": wall_s,
         "model": engine.model_name,
         "device": str(engine.device),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "layer_kinds": [engine.adapter.layer_kind(layer) for layer in range(engine.adapter.num_layers)],
         "settings": {"alpha": engine_config.alpha, "budget": engine_config.budget,
                      "budget_is_tokens": engine_config.budget_is_tokens,
                      "min_fetch_tokens": engine_config.min_fetch_tokens,

@@ -258,6 +258,24 @@ def test_an_unknown_family_is_refused_with_the_supported_list():
         assert name in str(error.value)
 
 
+def test_the_panels_and_the_inspector_say_which_layers_slide():
+    from ui import inspector, panels
+
+    model = build("gemma3_text")
+    engine = InfiniGenEngine(model, None, EngineConfig(min_fetch_tokens=0),
+                             skew_set=calibrate(model, random_tokens(100, seed=1, vocab=VOCAB)), fingerprint="tiny")
+    try:
+        teacher_forced(engine)
+        data = panels.collect(engine)
+        assert data.sliding_layers() == [0, 1, 3, 4]
+        assert data.latest_ratio[2] < 1 and data.latest_ratio[5] < 1  # the global layers selected
+        panels.close_all(panels.fetch_ratio_plot(data), panels.sparsity_heatmap(data))
+        page = inspector.render(engine, 0, 3)
+        assert "sliding-window layer" in page and f"last {WINDOW} tokens" in page and "global layer: 2, 5" in page
+    finally:
+        engine.close()
+
+
 # ------------------------------------------------------------------------------------ loading by name
 def save_tiny_checkpoint(model_type: str, directory: Path) -> Path:
     """A tiny random model of the family plus a word-level tokenizer built here (nothing from a hub)."""
@@ -290,6 +308,8 @@ def test_the_cli_runs_a_gemma3_checkpoint_directory(tmp_path):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["model"] == "tiny-gemma3" and report["new_tokens"] == 6 and report["prompt_tokens"] == 60
     assert 0 < report["fetched_ratio"] < 1  # global layers 2 and 5 selected, the sliding ones did not count
+    assert report["layer_kinds"] == [f"sliding {WINDOW}", f"sliding {WINDOW}", "global"] * 2
+    assert report["dtype"] == "float32"
     assert "Calibrating" in result.stderr
 
 
