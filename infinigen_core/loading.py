@@ -206,15 +206,37 @@ def resolve_hub_id(repo_id: str, progress: Progress = print) -> Path:
     if hub_offline():
         raise ModelLoadError(f"{repo_id} is neither a local path nor in the local Hugging Face cache ({cache}), and "
                              f"HF_HUB_OFFLINE is set, so nothing is downloaded: {how}")
-    progress(f"Downloading {repo_id} from the Hugging Face Hub into {cache} (once; progress on the terminal)...")
+    progress(f"Downloading {repo_id} from the Hugging Face Hub into {cache} (once)...")
     try:
-        snapshot = Path(snapshot_download(repo_id, cache_dir=str(cache), allow_patterns=HUB_FILES))
+        snapshot = Path(snapshot_download(repo_id, cache_dir=str(cache), allow_patterns=HUB_FILES,
+                                          tqdm_class=reporting_tqdm(repo_id, progress)))
     except Exception as error:  # network, unknown id, gated model: huggingface_hub raises many kinds
         raise ModelLoadError(f"could not download {repo_id}: {error}; check the id and the network, or {how}") from error
     if not _has_weights(snapshot):
         raise ModelLoadError(f"{repo_id} has no config.json and safetensors weights to load: pick a "
                              "transformers checkpoint (or pass a .gguf file with --model)")
     return snapshot
+
+
+def reporting_tqdm(repo_id: str, progress: Progress, every_s: float = 1.0):
+    """huggingface_hub's progress bar (still drawn on the terminal) that also reports the bytes downloaded
+    through `progress` at most once a second, so the app's status line shows the download too."""
+    import time
+
+    from huggingface_hub.utils import tqdm as hub_tqdm
+
+    last_report = [0.0]
+
+    class ReportingTqdm(hub_tqdm):
+        def update(self, n=1):
+            result = super().update(n)
+            now = time.monotonic()
+            if self.unit == "B" and self.total and now - last_report[0] >= every_s:
+                last_report[0] = now
+                progress(f"Downloading {repo_id}: {self.n / 1e9:.2f} of {self.total / 1e9:.2f} GB")
+            return result
+
+    return ReportingTqdm
 
 
 def cached_hub_models() -> list[str]:

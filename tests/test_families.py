@@ -357,3 +357,15 @@ def test_precision_follows_the_checkpoint(monkeypatch, stored, device, expected)
     dtype = compute_dtype(stored, torch.device(device))
     assert dtype == expected
     assert quantization_settings("4bit", dtype).bnb_4bit_compute_dtype == dtype
+
+
+def test_a_download_reports_its_bytes_to_the_status_line():
+    from infinigen_core.loading import reporting_tqdm
+
+    messages = []
+    bar_class = reporting_tqdm("Qwen/Qwen3-8B", messages.append, every_s=0.0)
+    with bar_class(total=2_000_000_000, unit="B", disable=False) as bar:
+        bar.update(500_000_000)
+    with bar_class(total=3, desc="Fetching 3 files") as files:  # not a byte count: not reported
+        files.update(1)
+    assert messages == ["Downloading Qwen/Qwen3-8B: 0.50 of 2.00 GB"]
