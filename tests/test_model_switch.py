@@ -122,3 +122,14 @@ def test_the_app_controller_switches_models_and_back(tmp_path, real_engine_share
         if controller.chat is not None:
             controller.chat.close()
         controller.engine.close()
+
+    # a model that failed at start: the picker is the way out
+    stuck = ChatController(tmp_path / "data", model="/no/such/model", loader=loader)
+    stuck.load(progress=lambda message: None)
+    assert stuck.engine is None and "does not exist" in stuck.load_error
+    try:
+        assert stuck.switch_model(stuck.DEFAULT_CHOICE).startswith("Switched to SmolLM2-135M-Instruct")
+        assert stuck.load_error is None and len(stuck.chat_history()) == 2  # the latest session, reopened
+    finally:
+        stuck.chat.close()
+        stuck.engine.close()

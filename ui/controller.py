@@ -157,43 +157,56 @@ class ChatController:
         from infinigen_core.loading import load_engine
 
         wanted = None if not choice or choice == self.DEFAULT_CHOICE else str(choice).strip()
-        self._require_engine_loaded()
-        if wanted == self.model_path:
+        if not self.ready.is_set():
+            raise UserError(f"Still starting: {self.status}")
+        if self.engine is not None and wanted == self.model_path:
             return f"{self.engine.model_name} is already loaded."
 
         def report(message: str) -> None:
             self.status = message
             progress(message)
 
+        def load(model: str | None):
+            return loader(model, device=self.device, config=self._engine_config(self.settings),
+                          quantize=self.quantize, progress=report)
+
         loader = self._loader or load_engine
+        failure = None
         with self._turn():
             session_id = self.chat.id if self.chat is not None else None
             if self.chat is not None:
                 self.chat.close()
                 self.chat = None
-            previous, previous_name = self.model_path, self.engine.model_name
-            self.engine.close()
-            self.engine = None
-            _free_memory()
-            failure = None
+            previous = self.model_path
+            previous_name = self.engine.model_name if self.engine is not None else None
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
+                _free_memory()
             try:
                 report(f"Loading {wanted or 'the default model'}...")
-                self.engine = loader(wanted, device=self.device, config=self._engine_config(self.settings),
-                                     quantize=self.quantize, progress=report)
-                self.model_path = wanted
+                self.engine = load(wanted)
+                self.model_path, self.load_error = wanted, None
             except Exception as error:  # a bad path, an unsupported family, no memory: go back
+                if previous_name is None:  # the model given at start failed too: nothing to go back to
+                    self.load_error = f"Could not load {wanted or 'the default model'}: {error}"
+                    report(self.load_error)
+                    raise UserError(self.load_error) from None
                 failure = f"Could not load {wanted}: {error}. Back on {previous_name}."
                 report(f"Loading {previous_name} again...")
-                self.engine = loader(previous, device=self.device, config=self._engine_config(self.settings),
-                                     quantize=self.quantize, progress=report)
+                try:
+                    self.engine = load(previous)
+                except Exception as again:
+                    self.load_error = f"Could not load {wanted} ({error}) nor {previous_name} again ({again})"
+                    report(self.load_error)
+                    raise UserError(self.load_error) from None
         if session_id is not None:
             self.open_session(session_id)
         else:
             self._open_latest_free_session()
-        if failure:
-            self.status = f"Ready: {self.engine.model_name} on {self.engine.device}"
-            raise UserError(failure)
         self.status = f"Ready: {self.engine.model_name} on {self.engine.device}"
+        if failure:
+            raise UserError(failure)
         return f"Switched to {self.model_summary()}. {self.restore_message}"
 
     def _require_engine(self) -> None:
