@@ -186,7 +186,17 @@ def hub_offline() -> bool:
 
 
 def _has_weights(snapshot: Path) -> bool:
-    return (snapshot / "config.json").exists() and any(snapshot.glob("*.safetensors"))
+    """config.json and every safetensors shard (an interrupted download leaves some out)."""
+    if not (snapshot / "config.json").exists():
+        return False
+    index = snapshot / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError):
+            return False
+        return all((snapshot / shard).exists() for shard in shards)
+    return any(snapshot.glob("*.safetensors"))
 
 
 def resolve_hub_id(repo_id: str, progress: Progress = print) -> Path:

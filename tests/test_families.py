@@ -342,6 +342,10 @@ def test_the_model_picker_lists_supported_models_in_the_hub_cache(tmp_path, monk
     hub = fake_hub_cache(tmp_path / "hub", "tiny-org/Tiny-Phi", "phi3")
     fake_hub_cache(hub, "tiny-org/Tiny-Olmo2", "olmo2")
     (hub / "models--someone--gpt2-thing" / "refs").mkdir(parents=True)  # an incomplete download: not listed
+    sharded = fake_hub_cache(hub, "tiny-org/Tiny-Sharded", "llama") / "models--tiny-org--Tiny-Sharded"
+    snapshot = next((sharded / "snapshots").iterdir())
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))  # a shard is missing
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     assert cached_hub_models() == ["tiny-org/Tiny-Olmo2", "tiny-org/Tiny-Phi"]
 
