@@ -337,7 +337,7 @@ def test_a_hub_id_resolves_from_the_local_hub_cache_offline(tmp_path):
 
 
 def test_the_model_picker_lists_supported_models_in_the_hub_cache(tmp_path, monkeypatch):
-    from infinigen_core.loading import cached_hub_models
+    from infinigen_core.hub import cached_hub_models
 
     hub = fake_hub_cache(tmp_path / "hub", "tiny-org/Tiny-Phi", "phi3")
     fake_hub_cache(hub, "tiny-org/Tiny-Olmo2", "olmo2")
@@ -364,7 +364,7 @@ def test_precision_follows_the_checkpoint(monkeypatch, stored, device, expected)
 
 
 def test_a_download_reports_its_bytes_to_the_status_line():
-    from infinigen_core.loading import reporting_tqdm
+    from infinigen_core.hub import reporting_tqdm
 
     messages = []
     bar_class = reporting_tqdm("Qwen/Qwen3-8B", messages.append, every_s=0.0)

@@ -128,7 +128,8 @@ class ChatController:
     def model_choices(self) -> list[tuple[str, str]]:
         """(label, value) for the model picker: the default, the supported models in the local hub cache,
         and the model now loaded when it is a local path."""
-        from infinigen_core.loading import DEFAULT_MODEL_NAME, cached_hub_models
+        from infinigen_core.hub import cached_hub_models
+        from infinigen_core.loading import DEFAULT_MODEL_NAME
 
         choices = [(f"{DEFAULT_MODEL_NAME} (default)", self.DEFAULT_CHOICE)]
         choices += [(repo_id, repo_id) for repo_id in cached_hub_models()]
