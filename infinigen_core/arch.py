@@ -41,6 +41,9 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family("Phi-3/Phi-4", fused_qkv=True, window_from="config"),
     "gemma2": Family("Gemma 2", window_from="module", softcap=True),
     "gemma3_text": Family("Gemma 3 (text)", query_norm="per_head", window_from="module"),
+    # the 4B-27B checkpoints carry a vision tower: their language model is used, on text only
+    "gemma3": Family("Gemma 3 (language model of the multimodal checkpoints)", query_norm="per_head",
+                     window_from="module"),
     "smollm3": Family("SmolLM3", window_from="module"),
     "granite": Family("Granite"),
     "opt": Family("OPT", rope=False),
@@ -55,7 +58,7 @@ class UnsupportedModelError(ValueError):
 def unsupported_message(model_type: str, where: str = "") -> str:
     families = ", ".join(f"{name} ({family.label})" for name, family in FAMILIES.items())
     return (f"model type {model_type!r}{where} is not supported; supported model types: {families}. "
-            "Multimodal checkpoints (e.g. model type 'gemma3') are not: use the text-only model")
+            "Other multimodal checkpoints are not")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -110,11 +113,11 @@ class ModelAdapter:
     # ---------------------------------------------------------------- construction
     @staticmethod
     def for_model(model: torch.nn.Module) -> "ModelAdapter":
-        config = model.config
-        model_type = getattr(config, "model_type", "?")
+        model_type = getattr(model.config, "model_type", "?")
         if model_type not in FAMILIES:
             raise UnsupportedModelError(unsupported_message(model_type))
         family = FAMILIES[model_type]
+        config = model.config.get_text_config()  # the model's own config, or a multimodal one's language part
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -127,7 +130,7 @@ class ModelAdapter:
         windows = tuple(_window(family, config, module, max_context) for module in modules)
         rope_layers = tuple(bool(getattr(module, "use_rope", family.rope)) for module in modules)
         softcap = getattr(config, "attn_logit_softcapping", None) if family.softcap else None
-        rotary = getattr(model.model, "rotary_emb", None)
+        rotary = getattr(_language_model(model, model_type), "rotary_emb", None)
         per_type = rotary is not None and hasattr(rotary, "layer_types") and getattr(config, "layer_types", None)
         return ModelAdapter(
             model_type=model_type,
@@ -196,10 +199,15 @@ class ModelAdapter:
         return apply_rope(query, cos[0].unsqueeze(0), sin[0].unsqueeze(0))  # cos [1, n, rotary]
 
 
+def _language_model(model: torch.nn.Module, model_type: str) -> torch.nn.Module:
+    """The module holding the decoder layers and the rotary embedding."""
+    return getattr(model.model, "language_model", model.model)
+
+
 def _decoder_layers(model: torch.nn.Module, model_type: str) -> list[torch.nn.Module]:
     if model_type == "opt":
         return list(model.model.decoder.layers)
-    return list(model.model.layers)
+    return list(_language_model(model, model_type).layers)
 
 
 def _window(family: Family, config, attention: torch.nn.Module, max_context: int) -> int | None:

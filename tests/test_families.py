@@ -55,6 +55,14 @@ def family_config(model_type: str):
                                                      query_pre_attn_scalar=24, attn_logit_softcapping=5.0),
         "gemma3_text": lambda: transformers.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=24,
                                                              **interleaved),
+        "gemma3": lambda: transformers.Gemma3Config(  # a multimodal checkpoint: its language model, on text
+            text_config=transformers.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=24,
+                                                      **interleaved).to_dict(),
+            vision_config=transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                          num_attention_heads=2, image_size=32,
+                                                          patch_size=8).to_dict(),
+            mm_tokens_per_image=4, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+            image_token_index=VOCAB - 1),
         "smollm3": lambda: transformers.SmolLM3Config(**common, no_rope_layers=[1, 1, 1, 0, 1, 0]),
         "granite": lambda: transformers.GraniteConfig(**common, attention_multiplier=0.3, residual_multiplier=0.5,
                                                       embedding_multiplier=2.0, logits_scaling=4.0),
@@ -81,7 +89,7 @@ def build(model_type: str) -> torch.nn.Module:
 
 def test_every_supported_family_is_tested_here():
     families = {"llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "olmo3", "phi3", "gemma2",
-                "gemma3_text", "smollm3", "granite", "opt"}
+                "gemma3_text", "gemma3", "smollm3", "granite", "opt"}
     assert set(FAMILIES) == families
 
 
@@ -155,7 +163,7 @@ def test_the_adapters_layer_facts_are_what_the_family_passes_to_attention(family
         passed = call["sliding_window"]
         assert adapter.sliding_window(layer) == (passed if passed and passed < adapter.max_context else None)
     kinds = [adapter.layer_kind(layer) for layer in range(adapter.num_layers)]
-    if model_type in ("ministral", "olmo3", "gemma3_text"):
+    if model_type in ("ministral", "olmo3", "gemma3_text", "gemma3"):
         assert kinds[:3] == [f"sliding {WINDOW}", f"sliding {WINDOW}", "global"]
     elif model_type == "gemma2":
         assert kinds[:2] == [f"sliding {WINDOW}", "global"]
