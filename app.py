@@ -10,13 +10,18 @@ import os
 import sys
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline: no telemetry, before gradio loads
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from infinigen_core.hub import names_a_hub_model
     from ui.cli import parse_args
 
     args = parse_args(argv)
+    if not names_a_hub_model(args.model):
+        # Nothing to fetch, so nothing is fetched: set before transformers or huggingface_hub read it. A hub
+        # id on the command line may download (unless the user set HF_HUB_OFFLINE=1 themselves).
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from sessions import SessionError
     from ui.controller import ChatController
     from ui.layout import CSS, build_app

@@ -1,16 +1,20 @@
 """Record the post-RoPE queries and keys of a calibration text and turn them into a skew set.
 
-Runs the model once, densely, with a recording attention function swapped in for the duration.
+Runs the model once, densely, with a recording attention function swapped in for the duration. What is
+recorded is what each layer's attention receives, so every family's own projection, norms and positional
+encoding are in it: a layer without RoPE (SmolLM3's NoPE layers) is skewed without it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 from importlib import resources
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import eager_mask
 
 from .arch import ModelAdapter
 from .skew import SkewSet, skew_from_states
@@ -20,12 +24,18 @@ RECORDING_ATTENTION = "infinigen_calibration"
 
 def _recording_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     recorder = kwargs.pop("calibration_recorder")
+    # float32 for the eigen-decomposition, whatever the model computes in (bf16/fp16 on a GPU)
     recorder[module.layer_idx] = (query[0].detach().float().cpu(), key[0].detach().float().cpu())
-    return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout, is_causal=True)
+    if kwargs.get("softcap") is not None:  # SDPA cannot soft-cap: the family's own eager attention can (Gemma 2)
+        family_attention = sys.modules[type(module).__module__].eager_attention_forward
+        return family_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 AttentionInterface.register(RECORDING_ATTENTION, _recording_attention)
-AttentionMaskInterface.register(RECORDING_ATTENTION, lambda *args, **kwargs: None)
+# transformers' own masks (additive, which both SDPA and eager take), so sliding-window layers see only their
+# window while the model is calibrated
+AttentionMaskInterface.register(RECORDING_ATTENTION, eager_mask)
 
 
 def calibration_text() -> str:

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--model", help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--model", help="checkpoint directory, .gguf file or hub id such as Qwen/Qwen3-8B "
+                     "(default: SmolLM2-135M-Instruct)")
     gen.add_argument("--policy", default="infinigen", choices=POLICY_NAMES)
     gen.add_argument("--alpha", type=float, default=EngineConfig.alpha)
     gen.add_argument("--budget", default=str(EngineConfig.budget),
@@ -122,6 +123,8 @@ def run_generate(args) -> dict:
         "wall_s": wall_s,
         "model": engine.model_name,
         "device": str(engine.device),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "layer_kinds": [engine.adapter.layer_kind(layer) for layer in range(engine.adapter.num_layers)],
         "settings": {"alpha": engine_config.alpha, "budget": engine_config.budget,
                      "budget_is_tokens": engine_config.budget_is_tokens,
                      "min_fetch_tokens": engine_config.min_fetch_tokens,

@@ -60,14 +60,20 @@ class _Step:
 
 
 def grouped_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """query [heads, n, dim] over keys/values [kv_heads, S, dim]; returns (out [heads, n, dim], probs [kv, group, n, S])."""
+    """query [heads, n, dim] over keys/values [kv_heads, S, dim]; returns (out [heads, n, dim], probs [kv, group, n, S]).
+
+    `softcap` (Gemma 2) bounds the logits to (-softcap, softcap) through tanh, as the family's attention does.
+    """
     kv_heads, n, dim = keys.shape[0], query.shape[1], query.shape[-1]
     # Fold each KV head's query group into rows of one batched product: keys are read in place, never
     # expanded per query head (a broadcast matmul would materialise a copy of them for every head).
     grouped = query.reshape(kv_heads, -1, dim)  # [kv, group*n, dim]
     logits = torch.bmm(grouped, keys.transpose(1, 2)).float().mul_(scale).view(kv_heads, -1, n, keys.shape[1])
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -386,9 +392,8 @@ class InfiniGenEngine:
             return None
         if self.policy.is_sparse(target):
             new_slots = None if self.pool.last_reserved_contiguous else step.device_slots[target]
-            selection = self.policy.speculate(
-                module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"), step.past_len, new_slots
-            )
+            selection = self.policy.speculate(module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"),
+                                              step.query_positions, step.past_len, new_slots)
             if selection is not None:
                 step.prefetched[target] = (self.fetcher.start_rows(target, selection.slots), selection)
         elif not self.policy.keeps_pool_on_device:
@@ -433,10 +438,16 @@ class InfiniGenEngine:
             keys, values = keys.to(self.device), values.to(self.device)
             keys.index_copy_(1, new_slots, new_keys)
             values.index_copy_(1, new_slots, new_values)
-        mask = self.pool.positions(layer).to(self.device).unsqueeze(0) <= step.query_positions.unsqueeze(1)  # [n, S]
-        if self.policy.needs_attention_weights:
-            out, probs = grouped_attention(query[0], keys, values, scaling, mask)
-            self.policy.on_attention(layer, None, probs, new_slots)
+        positions = self.pool.positions(layer).to(self.device).unsqueeze(0)
+        mask = positions <= step.query_positions.unsqueeze(1)  # [n, S]
+        window = self.adapter.sliding_window(layer)
+        if window is not None:  # a sliding layer sees its last `window` positions, itself included
+            mask &= positions > step.query_positions.unsqueeze(1) - window
+        softcap = self.adapter.softcap
+        if self.policy.needs_attention_weights or softcap is not None:  # SDPA cannot soft-cap
+            out, probs = grouped_attention(query[0], keys, values, scaling, mask, softcap)
+            if self.policy.needs_attention_weights:
+                self.policy.on_attention(layer, None, probs, new_slots)
         else:
             out = F.scaled_dot_product_attention(
                 query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
@@ -452,9 +463,19 @@ class InfiniGenEngine:
         """
         kv_heads, dim = keys.shape[0], keys.shape[-1]
         grouped = query.view(kv_heads, 1, -1, dim)  # [kv, 1, group, dim]
-        if self.policy.needs_attention_weights:
-            out, probs = grouped_attention(query[0], keys, values, scaling)
-            self.policy.on_attention(layer, selected, probs, new_slots)
+        window = self.adapter.sliding_window(layer)
+        if window is not None and selected is None:  # a sliding layer reads its last `window` positions only
+            if self.pool.slots_are_positions:
+                keys, values = keys[:, -window:], values[:, -window:]  # slot i holds position i: a slice
+            else:
+                positions = self.pool.positions(layer).to(self.device).view(1, -1)
+                valid = positions > self.pool.total_tokens - 1 - window
+        softcap = self.adapter.softcap
+        if self.policy.needs_attention_weights or softcap is not None:  # SDPA cannot soft-cap
+            mask = None if valid is None else valid.view(1, 1, 1, -1)
+            out, probs = grouped_attention(query[0], keys, values, scaling, mask, softcap)
+            if self.policy.needs_attention_weights:
+                self.policy.on_attention(layer, selected, probs, new_slots)
         else:
             out = F.scaled_dot_product_attention(
                 grouped, keys.unsqueeze(1), values.unsqueeze(1), attn_mask=valid, scale=scaling
@@ -483,7 +504,8 @@ class InfiniGenEngine:
         is_past = self.pool.positions(layer).to(self.device) < stats_position(self.pool, layer)
         keys = past[:, is_past]
         slot_of_row = is_past.nonzero().squeeze(1)
-        _, probs = grouped_attention(query[0], torch.cat([keys, key[0]], dim=1), torch.cat([keys, key[0]], dim=1), scaling)
+        _, probs = grouped_attention(query[0], torch.cat([keys, key[0]], dim=1), torch.cat([keys, key[0]], dim=1), scaling,
+                                     softcap=self.adapter.softcap)
         probs = probs[:, :, 0, :]  # [kv, group, rows+1]
         chosen = torch.zeros(probs.shape[0], probs.shape[-1], dtype=torch.bool, device=probs.device)
         row_index = torch.full((self.pool.size(layer),), -1, dtype=torch.long, device=probs.device)

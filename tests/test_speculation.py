@@ -72,7 +72,8 @@ def test_full_channel_rehearsal_finds_the_true_top_k(tiny_llama):
     finally:
         hook.remove()
     position = engine.num_tokens - 1
-    selection = engine.policy.speculate(target - 1, captured["hidden"], captured["rope"], position)
+    selection = engine.policy.speculate(target - 1, captured["hidden"], captured["rope"], torch.tensor([position]),
+                                        past_len=position)
     engine.close()
 
     hidden, (cos, sin) = captured["hidden"], captured["rope"]

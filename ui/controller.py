@@ -22,6 +22,17 @@ from sessions import ChatSession, SessionError, SessionStore
 BUSY = "A reply is being generated: press Stop or wait for it to finish."
 
 
+def _free_memory() -> None:
+    """Let an unloaded model's weights go before the next one loads (on a GPU, give the memory back too)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class UserError(Exception):
     """A problem to show the user; nothing was lost."""
 
@@ -110,6 +121,94 @@ class ChatController:
             except UserError:  # open in another app process: leave it to that one
                 continue
         self.new_session()
+
+    # ------------------------------------------------------------------ models
+    DEFAULT_CHOICE = "default"
+
+    def model_choices(self) -> list[tuple[str, str]]:
+        """(label, value) for the model picker: the default, the supported models in the local hub cache,
+        and the model now loaded when it is a local path."""
+        from infinigen_core.hub import cached_hub_models
+        from infinigen_core.loading import DEFAULT_MODEL_NAME
+
+        choices = [(f"{DEFAULT_MODEL_NAME} (default)", self.DEFAULT_CHOICE)]
+        choices += [(repo_id, repo_id) for repo_id in cached_hub_models()]
+        if self.model_path and all(value != self.model_path for _, value in choices):
+            choices.append((self.model_path, self.model_path))
+        return choices
+
+    def model_summary(self) -> str:
+        engine = self.engine
+        if engine is None:
+            return ""
+        adapter = engine.adapter
+        sliding = sum(1 for layer in range(adapter.num_layers) if not adapter.is_global(layer))
+        nope = sum(1 for layer in range(adapter.num_layers) if not adapter.uses_rope(layer))
+        kinds = f"{adapter.num_layers - sliding} global" + (f", {sliding} sliding-window" if sliding else "")
+        kinds += f" ({nope} without RoPE)" if nope and adapter.family.rope else ""
+        dtype = str(engine.dtype).replace("torch.", "")
+        return f"{engine.model_name} · {adapter.family.label} · {kinds} layers · {dtype} on {engine.device}"
+
+    def switch_model(self, choice: str | None, progress: Callable[[str], None] = print) -> str:
+        """Load another model (default, hub id or path) and reopen the open session under it.
+
+        The old model is unloaded first (two 8B models rarely fit one GPU); if the new one fails to load, the
+        old one is loaded again and the error says why. Each model's KV chunks of a session are kept, so
+        switching back restores the session from disk. Raises UserError."""
+        from infinigen_core.loading import load_engine
+
+        wanted = None if not choice or choice == self.DEFAULT_CHOICE else str(choice).strip()
+        if not self.ready.is_set():
+            raise UserError(f"Still starting: {self.status}")
+        if self.engine is not None and wanted == self.model_path:
+            return f"{self.engine.model_name} is already loaded."
+
+        def report(message: str) -> None:
+            self.status = message
+            progress(message)
+
+        def load(model: str | None):
+            return loader(model, device=self.device, config=self._engine_config(self.settings),
+                          quantize=self.quantize, progress=report)
+
+        loader = self._loader or load_engine
+        failure = None
+        with self._turn():
+            session_id = self.chat.id if self.chat is not None else None
+            if self.chat is not None:
+                self.chat.close()
+                self.chat = None
+            previous = self.model_path
+            previous_name = self.engine.model_name if self.engine is not None else None
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
+                _free_memory()
+            try:
+                report(f"Loading {wanted or 'the default model'}...")
+                self.engine = load(wanted)
+                self.model_path, self.load_error = wanted, None
+            except Exception as error:  # a bad path, an unsupported family, no memory: go back
+                if previous_name is None:  # the model given at start failed too: nothing to go back to
+                    self.load_error = f"Could not load {wanted or 'the default model'}: {error}"
+                    report(self.load_error)
+                    raise UserError(self.load_error) from None
+                failure = f"Could not load {wanted}: {error}. Back on {previous_name}."
+                report(f"Loading {previous_name} again...")
+                try:
+                    self.engine = load(previous)
+                except Exception as again:
+                    self.load_error = f"Could not load {wanted} ({error}) nor {previous_name} again ({again})"
+                    report(self.load_error)
+                    raise UserError(self.load_error) from None
+        if session_id is not None:
+            self.open_session(session_id)
+        else:
+            self._open_latest_free_session()
+        self.status = f"Ready: {self.engine.model_name} on {self.engine.device}"
+        if failure:
+            raise UserError(failure)
+        return f"Switched to {self.model_summary()}. {self.restore_message}"
 
     def _require_engine(self) -> None:
         if not self.ready.is_set():
@@ -201,6 +300,10 @@ class ChatController:
                 self.restore_message = (f"The saved KV cache could not be used ({report.reason}); rebuilt it by "
                                         f"re-reading {report.tokens_prefilled} tokens in {report.seconds:.1f} s. "
                                         "No message was lost.")
+            elif report.tokens_restored and report.tokens_prefilled:
+                self.restore_message = (f"Restored {report.tokens_restored} tokens of this model's saved KV cache "
+                                        f"from disk and read the {report.tokens_prefilled} tokens it did not hold "
+                                        f"(said under another model since) in {report.seconds:.2f} s.")
             elif report.tokens_restored:
                 self.restore_message = (f"Restored {report.tokens_restored} tokens from disk in "
                                         f"{report.seconds:.2f} s (no recomputation).")

@@ -42,6 +42,11 @@ def _shaded_text(pieces: list[str], first_position: int, weights: dict[int, floa
     return "".join(spans)
 
 
+def _global_layers(engine) -> str:
+    adapter = engine.adapter
+    return ", ".join(str(layer) for layer in range(adapter.num_layers) if adapter.is_global(layer))
+
+
 def render(engine, step_index: int, layer: int) -> str:
     """HTML for one decode step and layer (or a sentence saying why there is nothing to show)."""
     steps = engine.recent_decode_steps()
@@ -52,6 +57,11 @@ def render(engine, step_index: int, layer: int) -> str:
     stats = by_layer.get(layer)
     if stats is None:
         return f"<p>Layer {layer} does not exist in this model.</p>"
+    window = engine.adapter.sliding_window(layer)
+    if window is not None:
+        return (f"<p>Layer {layer} is a sliding-window layer ({engine.adapter.layer_kind(layer)}): it attends to the "
+                f"last {window} tokens only, so InfiniGen does not select on it. Pick a global layer: "
+                f"{_global_layers(engine)}.</p>")
     if not stats.sparse or stats.selected_positions is None:
         return (f"<p>Layer {layer} attended densely at this step (all {stats.context_len} past tokens): the first "
                 f"layers and the full and offload policies do not select.</p>")

@@ -68,6 +68,15 @@ def build_app(controller: ChatController) -> gr.Blocks:
         status = gr.Markdown(_status_text(controller), elem_id="ig-status")
         with gr.Row():
             with gr.Column(scale=1, min_width=260):
+                with gr.Accordion("Model", open=False):
+                    model_info = gr.Markdown(controller.model_summary(), elem_id="ig-model-info")
+                    model_picker = gr.Dropdown(label="Default or from the local Hugging Face cache",
+                                               choices=controller.model_choices(), allow_custom_value=True,
+                                               value=controller.model_path or controller.DEFAULT_CHOICE,
+                                               elem_id="ig-model-picker")
+                    model_path = gr.Textbox(label="or a path or hub id", placeholder="~/models/Qwen3-8B, "
+                                            "a .gguf file, or Qwen/Qwen3-8B", elem_id="ig-model-path")
+                    model_button = gr.Button("Load model", elem_id="ig-model-load")
                 gr.Markdown("### Sessions")
                 session_picker = gr.Dropdown(label="Saved sessions", choices=[], interactive=True,
                                              elem_id="ig-sessions")
@@ -233,6 +242,15 @@ def build_app(controller: ChatController) -> gr.Blocks:
                 fail(error)
             return "System prompt saved; it applies from the next message."
 
+        def on_switch_model(choice, path):
+            try:
+                message = controller.switch_model((path or "").strip() or choice)
+            except UserError as error:
+                fail(error)
+            gr.Info(message)
+            return controller.chat_history(), controller.model_summary(), gr.update(
+                choices=controller.model_choices(), value=controller.model_path or controller.DEFAULT_CHOICE)
+
         def on_apply(*values):
             try:
                 return controller.apply_settings(*values)
@@ -243,14 +261,15 @@ def build_app(controller: ChatController) -> gr.Blocks:
             """Refresh the status always, the plots only when the engine ran a new step."""
             text = _status_text(controller)
             engine = controller.engine
-            seen = (engine.steps_run, controller.chat.id if controller.chat else None) if engine else None
+            seen = (engine.steps_run, controller.chat.id if controller.chat else None, id(engine)) if engine else None
             if engine is None or seen == last_seen:
-                return (text, *[gr.skip()] * 9, last_seen)
+                return (text, *[gr.skip()] * 10, last_seen)
             # the page may have opened before the model and the last session were loaded: show them now
-            session_changed = last_seen is None or last_seen[1] != seen[1]
+            session_changed = last_seen is None or last_seen[1:] != seen[1:]  # another session or model
             history = controller.chat_history() if session_changed else gr.skip()
-            picker = details = gr.skip()
+            picker = details = model = gr.skip()
             if session_changed:
+                model = controller.model_summary()
                 summaries = controller.store.list()
                 picker = gr.update(choices=_session_choices(summaries), value=seen[1])
                 details = _session_details(_find(summaries, seen[1]))
@@ -261,7 +280,7 @@ def build_app(controller: ChatController) -> gr.Blocks:
             labels = inspector.step_labels(engine)
             steps = gr.update(choices=labels, value=labels[-1] if labels else None)
             layers = gr.update(maximum=engine.adapter.num_layers - 1)
-            return (text, *figures, steps, layers, history, picker, details, seen)
+            return (text, *figures, steps, layers, history, picker, details, model, seen)
 
         def on_inspect(step_label, layer):
             if controller.engine is None or not step_label:
@@ -308,6 +327,8 @@ def build_app(controller: ChatController) -> gr.Blocks:
             refresh_sessions, None, session_outputs, api_name=False)
         branch_button.click(on_branch, branch_number, chatbot, api_name="branch").then(
             refresh_sessions, None, session_outputs, api_name=False)
+        model_button.click(on_switch_model, [model_picker, model_path], [chatbot, model_info, model_picker],
+                           api_name="switch_model").then(refresh_sessions, None, session_outputs, api_name=False)
         system_button.click(on_system, system_box, settings_status, api_name="system_prompt")
         apply_button.click(on_apply, [policy, alpha, budget, partial_ratio, pool_limit, record, temperature, top_p,
                                       top_k, repetition, max_new, min_fetch], settings_status,
@@ -318,7 +339,7 @@ def build_app(controller: ChatController) -> gr.Blocks:
         inspect_api_button = gr.Button(visible=False)
         inspect_api_button.click(on_inspect_index, [step_index_api, layer_api], inspector_html, api_name="inspect")
         timer.tick(on_tick, last_seen, [status, memory_plot, fetch_plot, sparsity_plot, timing_plot, step_picker,
-                                        layer_picker, chatbot, session_picker, session_info, last_seen],
+                                        layer_picker, chatbot, session_picker, session_info, model_info, last_seen],
                    api_name=False, show_progress="hidden")
         status_button = gr.Button(visible=False)
         status_button.click(app_status, None, sessions_json, api_name="status")

@@ -30,6 +30,10 @@ class PanelData:
     context: int = 0
     window: int = 1
     policy: str = ""
+    layer_kinds: list[str] = field(default_factory=list)  # per layer: "global", "sliding 512", "global, no RoPE"
+
+    def sliding_layers(self) -> list[int]:
+        return [layer for layer, kind in enumerate(self.layer_kinds) if kind.startswith("sliding")]
 
 
 def memory_figures(engine) -> dict[str, float]:
@@ -52,7 +56,8 @@ def collect(engine, tokens_per_second: float = 0.0) -> PanelData:
     steps = engine.recent_decode_steps()
     layers = engine.adapter.num_layers
     data = PanelData(memory_mib=memory_figures(engine), tokens_per_second=tokens_per_second,
-                     context=engine.num_tokens, window=engine.max_context, policy=engine.config.policy)
+                     context=engine.num_tokens, window=engine.max_context, policy=engine.config.policy,
+                     layer_kinds=[engine.adapter.layer_kind(layer) for layer in range(layers)])
     if not steps:
         return data
     matrix = np.ones((layers, len(steps)))
@@ -89,8 +94,12 @@ def fetch_ratio_plot(data: PanelData):
     figure, axis = _figure()
     if data.latest_ratio:
         layers = np.arange(len(data.latest_ratio))
-        axis.bar(layers, data.latest_ratio, color="#f58518", label="latest step")
+        sliding = set(data.sliding_layers())
+        colours = ["#bab0ac" if layer in sliding else "#f58518" for layer in layers]
+        axis.bar(layers, data.latest_ratio, color=colours, label="latest step")
         axis.plot(layers, data.mean_ratio, color="#222222", marker=".", label="running mean")
+        if sliding:  # their whole window is read; InfiniGen selects on the global layers only
+            axis.bar([], [], color="#bab0ac", label="sliding-window layer")
         axis.legend(fontsize=8, loc="upper right")
     else:
         axis.text(0.5, 0.5, "no decode step yet", ha="center", va="center", transform=axis.transAxes)
@@ -112,7 +121,12 @@ def sparsity_heatmap(data: PanelData):
         axis.text(0.5, 0.5, "no decode step yet", ha="center", va="center", transform=axis.transAxes)
     axis.set_xlabel("recent decode steps")
     axis.set_ylabel("layer")
-    axis.set_title("Per-layer sparsity over time")
+    sliding = data.sliding_layers()
+    if sliding and data.sparsity.size:
+        axis.set_yticks(sliding, ["S"] * len(sliding), fontsize=6)
+        axis.set_title("Per-layer sparsity over time (S: sliding-window layer)")
+    else:
+        axis.set_title("Per-layer sparsity over time")
     figure.tight_layout()
     return figure
 

@@ -52,13 +52,15 @@ class KVPolicy:
         return self.ctx.config
 
     def is_sparse(self, layer: int) -> bool:
-        return layer >= self.config.dense_layers
+        # a sliding-window layer already reads only its window: selection is for global layers
+        return layer >= self.config.dense_layers and self.ctx.adapter.is_global(layer)
 
-    def speculate(self, layer: int, hidden_states, position_embeddings, past_len: int,
+    def speculate(self, layer: int, hidden_states, position_embeddings, positions: torch.Tensor, past_len: int,
                   new_slots: torch.Tensor | None) -> Selection | None:
         """Called before `layer` attends, during decoding, when layer + 1 is sparse: may choose its slots now
-        (from this layer's input), so that their fetch overlaps this layer's work. `new_slots` (compute
-        device) are the slots reserved for the token being decoded, or None when that is slot `past_len`."""
+        (from this layer's input), so that their fetch overlaps this layer's work. `positions` are the new
+        token's positions; `new_slots` (compute device) the slots reserved for it, or None when that is slot
+        `past_len`."""
         return None
 
     def select(self, layer: int, past_len: int, first_position: int) -> Selection | None:

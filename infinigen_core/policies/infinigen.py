@@ -20,8 +20,6 @@ import torch
 
 from .base import KVPolicy, Selection
 
-# families whose query is q_proj followed by the standard rotate-half RoPE (see `_init_rotary_rehearsal`)
-PLAIN_ROTARY_QUERY = ("llama", "mistral", "qwen2")
 
 
 class InfiniGenPolicy(KVPolicy):
@@ -42,8 +40,9 @@ class InfiniGenPolicy(KVPolicy):
         # the query side also carries the attention scale, so rehearsed logits come out of one product
         self.query_projections = [(p * adapter.logit_scale).to(self.partial_dtype) for p in self.projections]
         self.key_projections = [p.to(self.partial_dtype) for p in self.projections]
-        self.rotary = adapter.model_type in PLAIN_ROTARY_QUERY
-        if self.rotary:
+        self.single_query_projections = self.query_projections
+        self.rotary = [adapter.plain_rotary_query(layer) for layer in range(adapter.num_layers)]
+        if any(self.rotary):
             self._init_rotary_rehearsal(device)
         self.partial_keys_t: list[torch.Tensor | None] = [None] * adapter.num_layers
         self._rank_thresholds = torch.empty(1, 0, dtype=torch.int64, device=device)
@@ -107,21 +106,24 @@ class InfiniGenPolicy(KVPolicy):
         rotate[torch.arange(half) + half, torch.arange(half)] = -1.0  # out[c] = -q[c + half]   (c < half)
         rotate[torch.arange(half), torch.arange(half) + half] = 1.0  # out[c] = q[c - half]    (c >= half)
         self._rotate_pairs = torch.cat([torch.eye(dim), rotate], dim=1).to(device=device, dtype=self.partial_dtype)
+        self.single_query_projections = self.query_projections
         self.query_projections = [torch.cat([p, p], dim=1) for p in self.query_projections]  # [kv, 2 dim, r]
         self._rope_source: torch.Tensor | None = None
         self._rope_factors: torch.Tensor | None = None
 
-    def _rehearse(self, target: int, hidden_states, position_embeddings) -> torch.Tensor:
+    def _rehearse(self, target: int, hidden_states, position_embeddings, positions) -> torch.Tensor:
         """Layer `target`'s partial, skewed, scaled query [kv_heads, group, r] from an attention input."""
         adapter = self.ctx.adapter
         attention = self.ctx.attention_modules[target]
-        if not self.rotary:
-            query = adapter.rehearse_query(attention, hidden_states, position_embeddings)
-            query = query.view(adapter.num_kv_heads, adapter.group_size, adapter.head_dim)
+        cos = position_embeddings[0] if position_embeddings is not None else None
+        # the family's own recipe where it is not plain RoPE (query norms, fused projections, no RoPE, ...)
+        if not self.rotary[target] or cos.shape[-1] != adapter.head_dim:
+            query = adapter.rehearse_query(attention, hidden_states, position_embeddings, positions)
+            query = query.reshape(adapter.num_kv_heads, adapter.group_size, adapter.head_dim)
             if query.dtype != self.partial_dtype:
                 query = query.to(self.partial_dtype)
-            return torch.bmm(query, self.query_projections[target])
-        cos, sin = position_embeddings
+            return torch.bmm(query, self.single_query_projections[target])
+        sin = position_embeddings[1]
         if cos is not self._rope_source:  # the same for every layer of a step: build it once per step
             self._rope_source = cos
             self._rope_factors = torch.cat([cos[0], sin[0]], dim=-1).to(self.partial_dtype)  # [1, 2 dim]
@@ -132,10 +134,10 @@ class InfiniGenPolicy(KVPolicy):
         rotated = torch.matmul(query, self._rotate_pairs).mul_(self._rope_factors)
         return torch.bmm(rotated, self.query_projections[target])
 
-    def speculate(self, layer, hidden_states, position_embeddings, past_len, new_slots=None):
+    def speculate(self, layer, hidden_states, position_embeddings, positions, past_len, new_slots=None):
         started = time.perf_counter()
         target = layer + 1
-        partial_query = self._rehearse(target, hidden_states, position_embeddings)  # [kv_heads, group, r]
+        partial_query = self._rehearse(target, hidden_states, position_embeddings, positions)  # [kv, group, r]
         if new_slots is None:
             # the new token's slot is the last one: the past is the slots before it
             logits = torch.bmm(partial_query, self.partial_keys_t[target][:, :, :past_len])
@@ -144,6 +146,9 @@ class InfiniGenPolicy(KVPolicy):
             logits.index_fill_(2, new_slots, float("-inf"))
         if logits.dtype != torch.float32:
             logits = logits.float()
+        softcap = self.ctx.adapter.softcap
+        if softcap is not None:  # rehearse the family's soft-capping too (Gemma 2)
+            logits = torch.tanh(logits / softcap) * softcap
         selection = self.choose(logits, self.config.budget_tokens_for(past_len), new_slots)
         selection.speculate_ms = (time.perf_counter() - started) * 1e3
         return selection
