@@ -22,7 +22,7 @@ from infinigen_core.generation import GenerationEvent, chat_token_ids, generate
 
 from .errors import ContextWindowError, SessionError
 from .lock import SessionLock
-from .snapshots import ChunkError, read_chunk, write_chunk
+from .snapshots import ChunkError, ChunkRecord, read_chunk, write_chunk
 from .store import Message, SessionStore
 
 Progress = Callable[[int, int], None]
@@ -73,6 +73,27 @@ class ChatSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def reload(self, progress: Progress | None = None) -> RestoreReport:
+        """Read this session's KV back into the engine after another session used it (the engine holds one
+        conversation at a time)."""
+        self.restore = self._restore(progress)
+        return self.restore
+
+    def import_prefix(self, record: ChunkRecord, up_to: int) -> int:
+        """Take the rows [record.start, up_to) from another session's chunk (checked like our own) instead of
+        recomputing them; they are saved with this session's next chunk. Returns the tokens taken (0 when the
+        chunk does not follow this session's cache or cannot be read)."""
+        engine = self.engine
+        if record.start != engine.num_tokens or not record.start < up_to <= record.end:
+            return 0
+        try:
+            rows = read_chunk(self.store.data_dir, record, engine.kv_signature())
+        except ChunkError:
+            return 0  # the tokens are simply read again
+        engine.import_rows([rows])
+        engine.truncate(up_to)
+        return up_to - record.start
 
     def _restore(self, progress: Progress | None) -> RestoreReport:
         started = time.perf_counter()
@@ -167,6 +188,29 @@ class ChatSession:
         prompt_ids = self._conversation_ids(extra_user=text, generation_prompt=True)
         start = len(self._conversation_ids()) if self.messages or self.system_prompt else 0
         self.store.add_message(self.id, "user", text, start, len(prompt_ids))
+        yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress)
+
+    def extend(self, turns: list[tuple[str, str]], sampling: SamplingConfig = SamplingConfig(), cancel=None,
+               on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
+        """Append (role, content) messages as an API client sends them, then stream and store the reply to the
+        whole conversation. Checked against the window first; the messages are stored in one transaction."""
+        tokenizer = self.engine.tokenizer
+        conversation, rows = self._conversation(), []
+        for role, content in turns:
+            if role not in ("user", "assistant"):
+                raise SessionError(f"a stored message is from the user or the assistant, not {role!r}")
+            start = len(chat_token_ids(tokenizer, conversation, add_generation_prompt=False)) if conversation else 0
+            conversation.append({"role": role, "content": content})
+            rows.append([role, content, start, len(chat_token_ids(tokenizer, conversation, False))])
+        prompt_ids = chat_token_ids(tokenizer, conversation, add_generation_prompt=True)
+        if len(prompt_ids) + 1 > self.engine.max_context:
+            users = sum(1 for turn in conversation if turn["role"] == "user")
+            raise ContextWindowError(WindowCheck(False, len(prompt_ids) + 1, self.engine.max_context,
+                                                 max(users - 1, 0)))
+        if rows and rows[-1][0] == "user":
+            rows[-1][3] = len(prompt_ids)  # like `send`: a user message's span ends after the reply's opening
+        if rows:
+            self.store.add_messages(self.id, [tuple(row) for row in rows])
         yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress)
 
     def regenerate(self, sampling: SamplingConfig = SamplingConfig(), cancel=None,
