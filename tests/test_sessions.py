@@ -394,3 +394,56 @@ def test_a_damaged_or_foreign_database_is_refused_clearly_and_left_alone(tmp_pat
     with pytest.raises(SessionError, match="damaged or is not InfiniGen Chat's.*move it aside"):
         SessionStore(data)
     assert database.read_bytes() == before
+
+
+def test_a_database_from_before_the_origin_column_opens_and_gains_it(tmp_path):
+    store = SessionStore(tmp_path)
+    old = store.create("older chat")
+    store.db.execute("ALTER TABLE sessions DROP COLUMN origin")  # as an earlier version wrote it
+    store.db.conn.close()
+    reopened = SessionStore(tmp_path)
+    assert reopened.get(old).origin == "app"
+    assert reopened.get(reopened.create("from a script", origin="api")).origin == "api"
+    with pytest.raises(ValueError, match="origin"):
+        reopened.create("x", origin="elsewhere")
+
+
+def test_the_longest_stored_token_prefix_is_found_across_sessions(store):
+    """Matching reads the token ids the chunks hold; a chunk that only starts alike counts in part."""
+    from sessions.prefix import PrefixFinder
+    from sessions.snapshots import write_chunk
+
+    signature = {"model_fingerprint": "m", "dtype": "float32", "num_layers": "0", "num_kv_heads": "1",
+                 "head_dim": "1", "skew": "none"}
+
+    def session_with(*chunks):
+        session_id, start = store.create("s"), 0
+        for ids in chunks:
+            record = write_chunk(store.data_dir, session_id, {"token_ids": torch.tensor(ids)}, signature, start)
+            start += len(ids)
+            store.add_chunk(session_id, record, signature, start)
+        return session_id
+
+    short = session_with([1, 2, 3])
+    long = session_with([1, 2, 3, 4], [5, 6, 7, 8])
+    session_with([9, 9, 9, 9, 9, 9])
+    finder = PrefixFinder(store)
+    match = finder.longest(signature, [1, 2, 3, 4, 5, 6, 0, 0])
+    assert (match.session_id, match.tokens) == (long, 6) and [c.end for c in match.chunks] == [4, 8]
+    assert finder.longest(signature, [1, 2, 7]).tokens == 2  # both agree on two tokens: either serves
+    assert finder.longest(signature, [8, 8]).session_id is None
+    assert finder.longest({**signature, "skew": "other"}, [1, 2, 3]).session_id is None  # another model's KV
+    assert finder.stored_prefix(short, [1, 2, 3, 4]).tokens == 3
+
+
+def test_extend_stores_a_clients_messages_in_one_go_and_answers_the_whole_conversation(store, real_engine):
+    session_id = store.create("api", "You are terse.", origin="api")
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        turns = [("user", "What is the capital of France?"), ("assistant", "Paris."), ("user", "And of Italy?")]
+        reply = list(chat.extend(turns, SHORT))[-1].full_text
+        messages = chat.messages
+        assert [(m.role, m.content) for m in messages] == turns + [("assistant", reply)]
+        assert messages[0].token_start > 0 and messages[-1].token_end == real_engine.num_tokens
+        with pytest.raises(ContextWindowError):
+            list(chat.extend([("user", "word " * 9000)], SHORT))
+        assert len(chat.messages) == 4  # refused before anything was stored
