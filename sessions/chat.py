@@ -262,11 +262,13 @@ class ChatSession:
         finally:  # also when the consumer stops early or generation fails: keep what was generated
             if produced:
                 self.store.add_message(self.id, "assistant", text, len(prompt_ids), self.engine.num_tokens)
-            self._persist_new_rows()
+            self._persist_new_rows(boundary=len(prompt_ids))
 
     # ------------------------------------------------------------------ snapshots
-    def _persist_new_rows(self) -> None:
-        """Append one chunk with the tokens the disk does not hold yet; drop chunks the cache no longer has."""
+    def _persist_new_rows(self, boundary: int | None = None) -> None:
+        """Append a chunk with the tokens the disk does not hold yet, split in two at `boundary` (where a
+        turn's prompt ends and its reply begins, so a branch or another reply to the same prompt can share
+        the prompt's chunk); drop chunks the cache no longer has."""
         engine = self.engine
         ids = engine.token_ids
         common = 0
@@ -281,8 +283,10 @@ class ChatSession:
         start = len(self._saved_ids)
         if start < len(ids):
             signature = engine.kv_signature()
-            record = write_chunk(self.store.data_dir, self.id, engine.export_rows(start, len(ids)), signature, start)
-            self.store.add_chunk(self.id, record, signature, len(ids))
-            self._saved_ids = list(ids)
+            ends = [boundary] if boundary is not None and start < boundary < len(ids) else []
+            for end in ends + [len(ids)]:
+                record = write_chunk(self.store.data_dir, self.id, engine.export_rows(start, end), signature, start)
+                self.store.add_chunk(self.id, record, signature, end)
+                self._saved_ids, start = list(ids[:end]), end
         else:
             self.store.update(self.id, token_count=len(ids))

@@ -54,7 +54,8 @@ def test_store_lists_renames_and_deletes(store, two_turn_session):
     store.rename(session_id, "Capitals")
     assert store.get(session_id).title == "Capitals"
     files = [store.data_dir / c.file for c in store.chunks(session_id)]
-    assert all(f.exists() for f in files) and len(files) == 2  # one chunk per turn, never the whole cache
+    # per turn a chunk for its prompt's new tokens and one for its reply, never the whole cache again
+    assert all(f.exists() for f in files) and len(files) == 4
     store.delete(session_id)
     assert store.list() == [] and not any(f.exists() for f in files)
     with pytest.raises(SessionNotFoundError):
@@ -173,6 +174,21 @@ def test_branch_shares_the_prefix_chunks(store, real_engine, two_turn_session):
         assert len(chat.messages) == 4
 
 
+def test_a_branch_from_a_question_shares_its_prompt_chunk(store, real_engine, two_turn_session):
+    """Each turn is saved as its prompt's chunk and its reply's: a branch that keeps a question but not its
+    answer reads none of the question again."""
+    session_id, tokens = two_turn_session
+    second_question = store.messages(session_id)[2]
+    assert second_question.token_end in [c.end for c in store.chunks(session_id)]
+    branch_id = store.branch(session_id, second_question.id)
+    assert store.chunks(branch_id)[-1].end == second_question.token_end
+    with ChatSession.open(store, real_engine, branch_id) as chat:
+        assert chat.restore.tokens_restored == second_question.token_end
+        read = []
+        list(chat.regenerate(SHORT, None, lambda done, total: read.append(total)))  # answer the kept question
+        assert read == [1]  # only the last prompt token is read again, for its logits
+
+
 def test_export_import_round_trip(store, real_engine, two_turn_session, tmp_path):
     session_id, tokens = two_turn_session
     exported = store.export(session_id, tmp_path / "chat.igchat")
@@ -186,18 +202,18 @@ def test_export_import_round_trip(store, real_engine, two_turn_session, tmp_path
 def test_export_of_a_damaged_session_leaves_out_the_bad_chunk_and_imports(store, real_engine, two_turn_session,
                                                                           tmp_path):
     session_id, tokens = two_turn_session
-    first, second = store.chunks(session_id)
-    damaged = bytearray((store.data_dir / second.file).read_bytes())
+    *intact, last = store.chunks(session_id)
+    damaged = bytearray((store.data_dir / last.file).read_bytes())
     damaged[-1] ^= 0xFF
-    (store.data_dir / second.file).write_bytes(bytes(damaged))
+    (store.data_dir / last.file).write_bytes(bytes(damaged))
     exported = store.export(session_id, tmp_path / "backup.igchat")
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
     other = SessionStore(tmp_path / "elsewhere")
     imported = other.import_file(exported)
-    assert [c.end for c in other.chunks(imported)] == [first.end]  # the intact prefix only
+    assert [c.end for c in other.chunks(imported)] == [c.end for c in intact]  # the intact prefix only
     assert [m.content for m in other.messages(imported)] == [m.content for m in store.messages(session_id)]
     with ChatSession.open(other, real_engine, imported) as chat:
-        assert real_engine.token_ids == tokens[: first.end]
+        assert real_engine.token_ids == tokens[: intact[-1].end]
         run_turn(chat, "And of Spain?")  # the turns left out are re-read by the next turn
         assert len(chat.messages) == 6 and real_engine.token_ids[: len(tokens)] == tokens
 
