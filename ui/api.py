@@ -66,7 +66,7 @@ def api_routes(controller: ChatController, options: ApiOptions) -> list[BaseRout
             return _error_response(error)
         job = _Generation(controller, chat_request, prompt_ids, options.max_waiting)
         try:
-            first = await job.first_item(request)
+            first = await job.next_item_while_connected(request)
         except ApiError as error:
             return _error_response(error)
         reply = _Reply(model_id, len(prompt_ids), job.turn)
@@ -166,11 +166,8 @@ class _Generation:
             raise item
         return item
 
-    async def first_item(self, request: Request) -> GenerationEvent | None:
-        """The first event, waiting (for the turn, then the prefill) as long as the client stays."""
-        return await self.next_item_while_connected(request)
-
     async def next_item_while_connected(self, request: Request) -> GenerationEvent | None:
+        """The next event, waiting (for the turn, the prefill, the token) only as long as the client stays."""
         while True:
             try:
                 return await asyncio.wait_for(self.next_item(), DISCONNECT_POLL_S)
