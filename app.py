@@ -33,13 +33,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     controller.load_in_background(progress=lambda message: print(message, flush=True))
     demo = build_app(controller)
+    app_kwargs = {}
+    if args.api:  # routes given to the app's constructor exist before the server takes its first request
+        from ui.api import ApiOptions, api_routes
+
+        app_kwargs["routes"] = api_routes(controller, ApiOptions(args.api_key, args.api_max_waiting))
     try:
         demo.queue(default_concurrency_limit=1).launch(
             server_name=args.host, server_port=args.port, share=args.share, ssr_mode=False, css=CSS,
             allowed_paths=[str(demo.export_dir)], show_error=True, quiet=True, prevent_thread_lock=True,
+            app_kwargs=app_kwargs,
         )
         print(f"InfiniGen Chat on http://{args.host}:{args.port} (sessions in {controller.store.data_dir})",
               flush=True)
+        if args.api:
+            print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1"
+                  f"{' (bearer key required)' if args.api_key else ''}", flush=True)
         demo.block_thread()
     except OSError as error:
         print(f"error: cannot listen on {args.host}:{args.port} ({error}); pick another --port", file=sys.stderr)

@@ -89,7 +89,8 @@ def generate(
     logits = engine.sync_to(list(prompt_ids), on_prefill_progress)
     engine.prepare(sampling.max_new_tokens + 1)  # room for the whole reply now, not in the middle of a token
     generated: list[int] = []
-    text = ""
+    text = ""  # the reply so far, cut at a stop string
+    shown = ""  # what the events have handed out: less the end of `text` that may begin a stop string
     finish = "length"
     for _ in range(sampling.max_new_tokens):
         if cancel is not None and cancel.is_set():
@@ -106,9 +107,11 @@ def generate(
         stop_at = _first_stop(new_text, sampling.stop_strings)
         if stop_at is not None:
             new_text, finish = new_text[:stop_at], "stop"
-        delta, text = new_text[len(text):], new_text
+        text = new_text
+        visible = text if finish == "stop" else text[: len(text) - _stop_prefix_length(text, sampling.stop_strings)]
+        delta, shown = visible[len(shown):], visible
         stats = engine.history[-1] if engine.history else None
-        yield GenerationEvent(token, delta, text, stats)
+        yield GenerationEvent(token, delta, shown, stats)
         if finish == "stop" or len(generated) == sampling.max_new_tokens:
             break
         if engine.num_tokens + 1 >= engine.max_context:
@@ -118,7 +121,19 @@ def generate(
     if generated and len(engine.token_ids) < len(prompt_ids) + len(generated) and engine.num_tokens < engine.max_context:
         engine.decode(generated[-1])  # keep the cache complete for the next turn
     stats = engine.history[-1] if engine.history else None
-    yield GenerationEvent(None, "", text, stats, finish_reason=finish)
+    yield GenerationEvent(None, text[len(shown):], text, stats, finish_reason=finish)
+
+
+def _stop_prefix_length(text: str, stop_strings: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could be the start of a stop string: held back until the
+    next tokens tell, so a streamed reply never shows a stop string's first half."""
+    longest = 0
+    for stop in stop_strings:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest
 
 
 def _first_stop(text: str, stop_strings: tuple[str, ...]) -> int | None:

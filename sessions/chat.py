@@ -22,7 +22,7 @@ from infinigen_core.generation import GenerationEvent, chat_token_ids, generate
 
 from .errors import ContextWindowError, SessionError
 from .lock import SessionLock
-from .snapshots import ChunkError, read_chunk, write_chunk
+from .snapshots import ChunkError, ChunkRecord, read_chunk, write_chunk
 from .store import Message, SessionStore
 
 Progress = Callable[[int, int], None]
@@ -73,6 +73,27 @@ class ChatSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def reload(self, progress: Progress | None = None) -> RestoreReport:
+        """Read this session's KV back into the engine after another session used it (the engine holds one
+        conversation at a time)."""
+        self.restore = self._restore(progress)
+        return self.restore
+
+    def import_prefix(self, record: ChunkRecord, up_to: int) -> int:
+        """Take the rows [record.start, up_to) from another session's chunk (checked like our own) instead of
+        recomputing them; they are saved with this session's next chunk. Returns the tokens taken (0 when the
+        chunk does not follow this session's cache or cannot be read)."""
+        engine = self.engine
+        if record.start != engine.num_tokens or not record.start < up_to <= record.end:
+            return 0
+        try:
+            rows = read_chunk(self.store.data_dir, record, engine.kv_signature())
+        except ChunkError:
+            return 0  # the tokens are simply read again
+        engine.import_rows([rows])
+        engine.truncate(up_to)
+        return up_to - record.start
 
     def _restore(self, progress: Progress | None) -> RestoreReport:
         started = time.perf_counter()
@@ -176,6 +197,29 @@ class ChatSession:
         self.store.add_message(self.id, "user", text, start, len(prompt_ids))
         yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress)
 
+    def extend(self, turns: list[tuple[str, str]], sampling: SamplingConfig = SamplingConfig(), cancel=None,
+               on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
+        """Append (role, content) messages as an API client sends them, then stream and store the reply to the
+        whole conversation. Checked against the window first; the messages are stored in one transaction."""
+        tokenizer = self.engine.tokenizer
+        conversation, rows = self._conversation(), []
+        for role, content in turns:
+            if role not in ("user", "assistant"):
+                raise SessionError(f"a stored message is from the user or the assistant, not {role!r}")
+            start = len(chat_token_ids(tokenizer, conversation, add_generation_prompt=False)) if conversation else 0
+            conversation.append({"role": role, "content": content})
+            rows.append([role, content, start, len(chat_token_ids(tokenizer, conversation, False))])
+        prompt_ids = chat_token_ids(tokenizer, conversation, add_generation_prompt=True)
+        if len(prompt_ids) + 1 > self.engine.max_context:
+            users = sum(1 for turn in conversation if turn["role"] == "user")
+            raise ContextWindowError(WindowCheck(False, len(prompt_ids) + 1, self.engine.max_context,
+                                                 max(users - 1, 0)))
+        if rows and rows[-1][0] == "user":
+            rows[-1][3] = len(prompt_ids)  # like `send`: a user message's span ends after the reply's opening
+        if rows:
+            self.store.add_messages(self.id, [tuple(row) for row in rows])
+        yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress)
+
     def regenerate(self, sampling: SamplingConfig = SamplingConfig(), cancel=None,
                    on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
         """Replace the reply to the last user message (or answer a message left without one)."""
@@ -225,11 +269,13 @@ class ChatSession:
         finally:  # also when the consumer stops early or generation fails: keep what was generated
             if produced:
                 self.store.add_message(self.id, "assistant", text, len(prompt_ids), self.engine.num_tokens)
-            self._persist_new_rows()
+            self._persist_new_rows(boundary=len(prompt_ids))
 
     # ------------------------------------------------------------------ snapshots
-    def _persist_new_rows(self) -> None:
-        """Append one chunk with the tokens the disk does not hold yet; drop chunks the cache no longer has."""
+    def _persist_new_rows(self, boundary: int | None = None) -> None:
+        """Append a chunk with the tokens the disk does not hold yet, split in two at `boundary` (where a
+        turn's prompt ends and its reply begins, so a branch or another reply to the same prompt can share
+        the prompt's chunk); drop chunks the cache no longer has."""
         engine = self.engine
         ids = engine.token_ids
         common = 0
@@ -244,8 +290,10 @@ class ChatSession:
         start = len(self._saved_ids)
         if start < len(ids):
             signature = engine.kv_signature()
-            record = write_chunk(self.store.data_dir, self.id, engine.export_rows(start, len(ids)), signature, start)
-            self.store.add_chunk(self.id, record, signature, len(ids))
-            self._saved_ids = list(ids)
+            ends = [boundary] if boundary is not None and start < boundary < len(ids) else []
+            for end in ends + [len(ids)]:
+                record = write_chunk(self.store.data_dir, self.id, engine.export_rows(start, end), signature, start)
+                self.store.add_chunk(self.id, record, signature, end)
+                self._saved_ids, start = list(ids[:end]), end
         else:
             self.store.update(self.id, token_count=len(ids))

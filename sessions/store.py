@@ -57,6 +57,7 @@ class SessionSummary:
     token_count: int
     message_count: int
     bytes_on_disk: int
+    origin: str = "app"  # "app" (the page, an import) or "api" (an OpenAI-API client's conversation)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class SessionStore:
             self.db.execute("PRAGMA journal_mode=WAL")  # readers never block the writer; crash-safe commits
             self.db.execute("PRAGMA synchronous=FULL")
             self._create_tables()
+            self._add_later_columns()
         except sqlite3.DatabaseError as error:
             if connection is not None:
                 connection.close()
@@ -102,6 +104,12 @@ class SessionStore:
                 for index in table.get("indexes", ()):
                     self.db[name].create_index(index)
 
+    def _add_later_columns(self) -> None:
+        """Give a file written by an older version the columns added since, with their defaults."""
+        for (table, column), (kind, default) in _LATER_COLUMNS.items():
+            if column not in {c.name for c in self.db[table].columns}:
+                self.db[table].add_column(column, kind, not_null_default=default)
+
     def _check_before_writing(self) -> None:
         """Refuse a damaged file, or one made by another program, before changing a byte of it."""
         damage = self.db.execute("PRAGMA quick_check").fetchone()[0]
@@ -113,19 +121,22 @@ class SessionStore:
             raise sqlite3.DatabaseError(f"it holds other tables ({', '.join(sorted(strangers)[:3])})")
         for table in tables & set(_TABLES):
             missing = set(_TABLES[table]["columns"]) - {column.name for column in self.db[table].columns}
+            missing -= {column for (owner, column) in _LATER_COLUMNS if owner == table}
             if missing:
                 raise sqlite3.DatabaseError(f"table {table} lacks {', '.join(sorted(missing))}")
 
     # ------------------------------------------------------------------ sessions
     @_locked
     def create(self, title: str = "New chat", system_prompt: str = "", settings: dict | None = None,
-               fingerprint: str = "") -> str:
+               fingerprint: str = "", origin: str = "app") -> str:
+        if origin not in ORIGINS:
+            raise ValueError(f"a session's origin is one of {', '.join(ORIGINS)}, got {origin!r}")
         session_id = uuid.uuid4().hex[:16]
         now = time.time()
         self.db["sessions"].insert({
             "id": session_id, "title": title.strip() or "New chat", "system_prompt": system_prompt,
             "created": now, "updated": now, "model_fingerprint": fingerprint,
-            "settings": json.dumps(settings or {}), "token_count": 0,
+            "settings": json.dumps(settings or {}), "token_count": 0, "origin": origin,
         })
         return session_id
 
@@ -151,7 +162,7 @@ class SessionStore:
             id=row["id"], title=row["title"], system_prompt=row["system_prompt"] or "", created=row["created"],
             updated=row["updated"], model_fingerprint=row["model_fingerprint"] or "",
             settings=json.loads(row["settings"] or "{}"), token_count=row["token_count"] or 0,
-            message_count=row["message_count"], bytes_on_disk=size,
+            message_count=row["message_count"], bytes_on_disk=size, origin=row["origin"],
         )
 
     @_locked
@@ -225,6 +236,19 @@ class SessionStore:
             message_id = self.db["messages"].insert(row).last_pk
             self.db["sessions"].update(session_id, {"updated": time.time()})
         return self.messages(session_id)[-1] if message_id else None
+
+    @_locked
+    def add_messages(self, session_id: str, messages: list[tuple[str, str, int, int]]) -> None:
+        """Append (role, content, token_start, token_end) rows in one transaction: all of them or none."""
+        previous = self.messages(session_id)
+        parent, now = (previous[-1].id if previous else None), time.time()
+        with self.db.atomic():
+            for position, (role, content, start, end) in enumerate(messages, start=len(previous)):
+                parent = self.db["messages"].insert({
+                    "session_id": session_id, "role": role, "content": content, "position": position,
+                    "token_start": start, "token_end": end, "created": now, "parent_id": parent,
+                }).last_pk
+            self.db["sessions"].update(session_id, {"updated": now})
 
     @_locked
     def replace_messages(self, session_id: str, messages: list[tuple[str, str]]) -> None:
@@ -339,14 +363,27 @@ class SessionStore:
                     "token_start": m.token_start, "token_end": m.token_end, "created": m.created,
                     "parent_id": None,
                 })
-            shared = [c for c in self.chunks(session_id) if c.end <= end]
-            for chunk in shared:  # the same files: no copy on disk
-                self.db["chunks"].insert({"session_id": new_id, **chunk.__dict__})
-            signature = self.kv_signature(session_id)
-            if signature and shared:
-                self.db["kv_signatures"].insert({"session_id": new_id, "signature": json.dumps(signature)})
-            self.db["sessions"].update(new_id, {"token_count": shared[-1].end if shared else 0})
+            self._share_chunks(session_id, new_id, end)
         return new_id
+
+    @_locked
+    def share_chunks(self, source_id: str, target_id: str, up_to: int) -> int:
+        """Let `target_id` (a session without chunks) use the source's chunks that end by token `up_to`: the
+        same files, no copy. Returns the tokens they cover."""
+        with self.db.atomic():
+            return self._share_chunks(source_id, target_id, up_to)
+
+    def _share_chunks(self, source_id: str, target_id: str, up_to: int) -> int:
+        shared = [c for c in self.chunks(source_id) if c.end <= up_to]
+        for chunk in shared:
+            self.db["chunks"].insert({"session_id": target_id, **chunk.__dict__})
+        signature = self.kv_signature(source_id)
+        if signature and shared:
+            self.db["kv_signatures"].insert({"session_id": target_id, "signature": json.dumps(signature)},
+                                            replace=True)
+        covered = shared[-1].end if shared else 0
+        self.db["sessions"].update(target_id, {"token_count": covered})
+        return covered
 
     def export(self, session_id: str, path: Path | str) -> Path:
         from .archive import export_session
@@ -359,10 +396,12 @@ class SessionStore:
         return import_session(self, Path(path))
 
 
+ORIGINS = ("app", "api")
 _SESSION_KEY = [("session_id", "sessions", "id")]
 _TABLES = {  # the one description of the schema: tables are created from it and opened files checked against it
     "sessions": {"columns": {"id": str, "title": str, "system_prompt": str, "created": float, "updated": float,
-                             "model_fingerprint": str, "settings": str, "token_count": int}, "pk": "id"},
+                             "model_fingerprint": str, "settings": str, "token_count": int, "origin": str},
+                 "pk": "id"},
     "messages": {"columns": {"id": int, "session_id": str, "role": str, "content": str, "position": int,
                              "token_start": int, "token_end": int, "created": float, "parent_id": int},
                  "pk": "id", "foreign_keys": _SESSION_KEY, "indexes": [["session_id", "position"]]},
@@ -374,6 +413,8 @@ _TABLES = {  # the one description of the schema: tables are created from it and
                                   "file": str, "sha256": str, "size": int},
                       "pk": ("session_id", "signature_key", "start"), "foreign_keys": _SESSION_KEY},
 }
+
+_LATER_COLUMNS = {("sessions", "origin"): (str, "app")}  # (table, column): (type, value for existing rows)
 
 
 def signature_key(signature: dict[str, str]) -> str:

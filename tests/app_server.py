@@ -11,6 +11,7 @@ usage (in a test module):
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -48,13 +49,15 @@ def _ready(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def running_app(data_dir: Path, timeout_s: float = 600) -> Iterator[RunningApp]:
-    """The first run on a machine downloads and converts the model, hence the generous timeout."""
+def running_app(data_dir: Path, timeout_s: float = 600, args: tuple[str, ...] = (),
+                env: dict[str, str] | None = None) -> Iterator[RunningApp]:
+    """The first run on a machine downloads and converts the model, hence the generous timeout. `args` are
+    more flags for app.py, `env` more environment variables."""
     port = free_port()
     log_path = data_dir / "app.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--data-dir", str(data_dir)],
-                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    with open(log_path, "a") as log:
+        process = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--data-dir", str(data_dir), *args],
+                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         url = f"http://127.0.0.1:{port}/"
         try:
             deadline = time.time() + timeout_s

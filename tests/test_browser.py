@@ -37,9 +37,14 @@ def page(app):
         browser.close()
 
 
-def send(page, text: str) -> None:
-    page.locator("#ig-message textarea").fill(text)
-    page.locator("#ig-send").click()
+def send(page, text: str, by: str = "Enter") -> None:
+    """Type a message and send it as a person does: with the Enter key (or by clicking Send)."""
+    box = page.locator("#ig-message textarea")
+    box.fill(text)
+    if by == "Enter":
+        box.press("Enter")
+    else:
+        page.locator("#ig-send").click()
 
 
 def reply_lengths_while_streaming(page, count_before: int, timeout_s: float = 240) -> list[int]:
@@ -58,10 +63,16 @@ def reply_lengths_while_streaming(page, count_before: int, timeout_s: float = 24
     return lengths
 
 
-def test_chat_streams_shows_panels_and_resumes_after_reload(page):
+def test_chat_streams_shows_panels_and_resumes_after_reload(page, app):
     ARTIFACTS.mkdir(exist_ok=True)
-    send(page, "Describe the sea in three sentences.")
+    box = page.locator("#ig-message textarea")
+    box.fill("Describe the sea")
+    box.press("Shift+Enter")  # a new line, not a send
+    box.press_sequentially("in three sentences.")
+    assert box.input_value() == "Describe the sea\nin three sentences."
+    box.press("Enter")
     lengths = reply_lengths_while_streaming(page, 0)
+    assert box.input_value() == ""  # sent: the box is cleared
     assert lengths[-1] > 20
     assert len({n for n in lengths if 0 < n < lengths[-1]}) >= 2  # it grew in steps: streamed
     first_reply = page.locator(BOT).last.inner_text()
@@ -80,7 +91,7 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page):
     page.wait_for_selector("#ig-session-info:has-text('MiB on disk')", timeout=30_000)
     assert "2 messages" in page.locator("#ig-session-info").inner_text()
 
-    send(page, "Now in one sentence.")
+    send(page, "Now in one sentence.", by="click")
     lengths = reply_lengths_while_streaming(page, 1)
     assert lengths[-1] > 0
     assert page.locator(BOT).count() == 2  # the conversation went on where it was
@@ -98,3 +109,14 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page):
     page.screenshot(path=str(ARTIFACTS / "browser-long-document.png"), full_page=True)
     if os.environ.get("UPDATE_SCREENSHOT"):  # the README's picture: refreshed on request, not by every test run
         page.screenshot(path=str(ROOT / "docs" / "screenshot.png"), full_page=True)
+
+    # a conversation through the OpenAI-compatible API shows up in the sidebar, marked as such
+    import json
+    import urllib.request
+
+    body = json.dumps({"messages": [{"role": "user", "content": "Hello from a script"}], "max_tokens": 4}).encode()
+    request = urllib.request.Request(f"{app.url}v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=240) as response:
+        assert response.status == 200
+    page.locator("#ig-sessions input").click()
+    page.wait_for_selector("[role='option']:has-text('API · Hello from a script')", timeout=30_000)

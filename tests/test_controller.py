@@ -69,3 +69,35 @@ def test_app_flags_default_to_a_private_local_server():
         with pytest.raises(SystemExit) as exit_info:
             parse_args(bad)
         assert exit_info.value.code == 2
+
+
+def test_the_api_flags_and_the_key_an_exposed_api_needs(monkeypatch):
+    from ui.cli import parse_args
+
+    monkeypatch.delenv("INFINIGEN_API_KEY", raising=False)
+    args = parse_args([])
+    assert args.api and args.api_key is None and args.api_max_waiting == 4  # on, keyless, on loopback only
+    assert not parse_args(["--no-api", "--host", "0.0.0.0"]).api
+    assert parse_args(["--host", "0.0.0.0", "--api-key", "k"]).api_key == "k"
+    assert parse_args(["--host", "::1"]).api_key is None  # IPv6 loopback needs no key
+    monkeypatch.setenv("INFINIGEN_API_KEY", "from-env")
+    assert parse_args(["--host", "192.168.1.5"]).api_key == "from-env"
+    monkeypatch.delenv("INFINIGEN_API_KEY")
+    for bad in (["--api-max-waiting", "-1"], ["--api-key", " "], ["--share"], ["--host", "example.org"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(bad)
+        assert exit_info.value.code == 2
+
+
+def test_an_exposed_app_without_an_api_key_refuses_to_start_and_says_why(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "INFINIGEN_API_KEY"}
+    done = subprocess.run([sys.executable, "app.py", "--host", "0.0.0.0", "--data-dir", str(tmp_path)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert "--api-key" in done.stderr and "--no-api" in done.stderr and "0.0.0.0" in done.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything was written

@@ -41,6 +41,11 @@ def test_stop_strings_and_cancellation(real_engine):
     assert events[-1].finish_reason == "stop" and "5" not in events[-1].full_text
     assert events[-1].full_text.strip()  # the text before the stop string is kept
     real_engine.reset()
+    # a stop string that spans tokens: no event hands out its first half, so the deltas add up to the text
+    events = reply(real_engine, "Count from one to ten in words.", stop_strings=("4.",), max_new_tokens=40)
+    assert events[-1].finish_reason == "stop" and "4" not in "".join(e.text for e in events)
+    assert "".join(e.text for e in events) == events[-1].full_text and "3" in events[-1].full_text
+    real_engine.reset()
     cancel = threading.Event()
     ids = chat_token_ids(real_engine.tokenizer, [{"role": "user", "content": "Tell me a story."}])
     produced = []
@@ -50,6 +55,14 @@ def test_stop_strings_and_cancellation(real_engine):
             cancel.set()
     assert produced[-1].finish_reason == "cancelled" and len(produced) == 4
     assert real_engine.num_tokens == len(ids) + 3  # what was generated is kept in the cache
+
+
+def test_text_that_may_begin_a_stop_string_is_held_back():
+    from infinigen_core.generation import _stop_prefix_length
+
+    assert _stop_prefix_length("one, two\nTh", ("\nThree", "END")) == 3
+    assert _stop_prefix_length("we are at the EN", ("\nThree", "END")) == 2
+    assert _stop_prefix_length("nothing here", ("END",)) == 0 and _stop_prefix_length("x", ()) == 0
 
 
 def test_sampling_is_reproducible_with_a_seed(real_engine):

@@ -54,7 +54,8 @@ def test_store_lists_renames_and_deletes(store, two_turn_session):
     store.rename(session_id, "Capitals")
     assert store.get(session_id).title == "Capitals"
     files = [store.data_dir / c.file for c in store.chunks(session_id)]
-    assert all(f.exists() for f in files) and len(files) == 2  # one chunk per turn, never the whole cache
+    # per turn a chunk for its prompt's new tokens and one for its reply, never the whole cache again
+    assert all(f.exists() for f in files) and len(files) == 4
     store.delete(session_id)
     assert store.list() == [] and not any(f.exists() for f in files)
     with pytest.raises(SessionNotFoundError):
@@ -173,6 +174,21 @@ def test_branch_shares_the_prefix_chunks(store, real_engine, two_turn_session):
         assert len(chat.messages) == 4
 
 
+def test_a_branch_from_a_question_shares_its_prompt_chunk(store, real_engine, two_turn_session):
+    """Each turn is saved as its prompt's chunk and its reply's: a branch that keeps a question but not its
+    answer reads none of the question again."""
+    session_id, tokens = two_turn_session
+    second_question = store.messages(session_id)[2]
+    assert second_question.token_end in [c.end for c in store.chunks(session_id)]
+    branch_id = store.branch(session_id, second_question.id)
+    assert store.chunks(branch_id)[-1].end == second_question.token_end
+    with ChatSession.open(store, real_engine, branch_id) as chat:
+        assert chat.restore.tokens_restored == second_question.token_end
+        read = []
+        list(chat.regenerate(SHORT, None, lambda done, total: read.append(total)))  # answer the kept question
+        assert read == [1]  # only the last prompt token is read again, for its logits
+
+
 def test_export_import_round_trip(store, real_engine, two_turn_session, tmp_path):
     session_id, tokens = two_turn_session
     exported = store.export(session_id, tmp_path / "chat.igchat")
@@ -186,18 +202,18 @@ def test_export_import_round_trip(store, real_engine, two_turn_session, tmp_path
 def test_export_of_a_damaged_session_leaves_out_the_bad_chunk_and_imports(store, real_engine, two_turn_session,
                                                                           tmp_path):
     session_id, tokens = two_turn_session
-    first, second = store.chunks(session_id)
-    damaged = bytearray((store.data_dir / second.file).read_bytes())
+    *intact, last = store.chunks(session_id)
+    damaged = bytearray((store.data_dir / last.file).read_bytes())
     damaged[-1] ^= 0xFF
-    (store.data_dir / second.file).write_bytes(bytes(damaged))
+    (store.data_dir / last.file).write_bytes(bytes(damaged))
     exported = store.export(session_id, tmp_path / "backup.igchat")
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
     other = SessionStore(tmp_path / "elsewhere")
     imported = other.import_file(exported)
-    assert [c.end for c in other.chunks(imported)] == [first.end]  # the intact prefix only
+    assert [c.end for c in other.chunks(imported)] == [c.end for c in intact]  # the intact prefix only
     assert [m.content for m in other.messages(imported)] == [m.content for m in store.messages(session_id)]
     with ChatSession.open(other, real_engine, imported) as chat:
-        assert real_engine.token_ids == tokens[: first.end]
+        assert real_engine.token_ids == tokens[: intact[-1].end]
         run_turn(chat, "And of Spain?")  # the turns left out are re-read by the next turn
         assert len(chat.messages) == 6 and real_engine.token_ids[: len(tokens)] == tokens
 
@@ -394,3 +410,56 @@ def test_a_damaged_or_foreign_database_is_refused_clearly_and_left_alone(tmp_pat
     with pytest.raises(SessionError, match="damaged or is not InfiniGen Chat's.*move it aside"):
         SessionStore(data)
     assert database.read_bytes() == before
+
+
+def test_a_database_from_before_the_origin_column_opens_and_gains_it(tmp_path):
+    store = SessionStore(tmp_path)
+    old = store.create("older chat")
+    store.db.execute("ALTER TABLE sessions DROP COLUMN origin")  # as an earlier version wrote it
+    store.db.conn.close()
+    reopened = SessionStore(tmp_path)
+    assert reopened.get(old).origin == "app"
+    assert reopened.get(reopened.create("from a script", origin="api")).origin == "api"
+    with pytest.raises(ValueError, match="origin"):
+        reopened.create("x", origin="elsewhere")
+
+
+def test_the_longest_stored_token_prefix_is_found_across_sessions(store):
+    """Matching reads the token ids the chunks hold; a chunk that only starts alike counts in part."""
+    from sessions.prefix import PrefixFinder
+    from sessions.snapshots import write_chunk
+
+    signature = {"model_fingerprint": "m", "dtype": "float32", "num_layers": "0", "num_kv_heads": "1",
+                 "head_dim": "1", "skew": "none"}
+
+    def session_with(*chunks):
+        session_id, start = store.create("s"), 0
+        for ids in chunks:
+            record = write_chunk(store.data_dir, session_id, {"token_ids": torch.tensor(ids)}, signature, start)
+            start += len(ids)
+            store.add_chunk(session_id, record, signature, start)
+        return session_id
+
+    short = session_with([1, 2, 3])
+    long = session_with([1, 2, 3, 4], [5, 6, 7, 8])
+    session_with([9, 9, 9, 9, 9, 9])
+    finder = PrefixFinder(store)
+    match = finder.longest(signature, [1, 2, 3, 4, 5, 6, 0, 0])
+    assert (match.session_id, match.tokens) == (long, 6) and [c.end for c in match.chunks] == [4, 8]
+    assert finder.longest(signature, [1, 2, 7]).tokens == 2  # both agree on two tokens: either serves
+    assert finder.longest(signature, [8, 8]).session_id is None
+    assert finder.longest({**signature, "skew": "other"}, [1, 2, 3]).session_id is None  # another model's KV
+    assert finder.stored_prefix(short, [1, 2, 3, 4]).tokens == 3
+
+
+def test_extend_stores_a_clients_messages_in_one_go_and_answers_the_whole_conversation(store, real_engine):
+    session_id = store.create("api", "You are terse.", origin="api")
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        turns = [("user", "What is the capital of France?"), ("assistant", "Paris."), ("user", "And of Italy?")]
+        reply = list(chat.extend(turns, SHORT))[-1].full_text
+        messages = chat.messages
+        assert [(m.role, m.content) for m in messages] == turns + [("assistant", reply)]
+        assert messages[0].token_start > 0 and messages[-1].token_end == real_engine.num_tokens
+        with pytest.raises(ContextWindowError):
+            list(chat.extend([("user", "word " * 9000)], SHORT))
+        assert len(chat.messages) == 4  # refused before anything was stored

@@ -3,7 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 from pathlib import Path
+
+API_KEY_VARIABLE = "INFINIGEN_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -18,7 +31,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quantize", choices=("8bit", "4bit"), default=None,
                         help="load the weights in 8 or 4 bits with bitsandbytes (CUDA only)")
     parser.add_argument("--share", action="store_true", help="also create a public Gradio share link (off by default)")
+    parser.add_argument("--no-api", dest="api", action="store_false",
+                        help="do not serve the OpenAI-compatible API (/v1/models, /v1/chat/completions)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE) or None,
+                        help=f"a key every API request must send as 'Authorization: Bearer KEY' "
+                             f"(default: ${API_KEY_VARIABLE}; required with a --host other than loopback or --share)")
+    parser.add_argument("--api-max-waiting", type=int, default=4,
+                        help="API requests that may wait for their turn; one more gets 429 (default 4)")
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be between 1 and 65535, got {args.port}")
+    if args.api_max_waiting < 0:
+        parser.error(f"--api-max-waiting must be 0 or more, got {args.api_max_waiting}")
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("--api-key is empty: give a key, or leave the flag out")
+    exposed = args.share or not is_loopback(args.host)
+    if args.api and exposed and args.api_key is None:
+        where = "a public --share link" if args.share else f"--host {args.host}"
+        parser.error(f"with {where} the API would answer anyone who can reach it: give --api-key KEY "
+                     f"(or set {API_KEY_VARIABLE}), or turn the API off with --no-api")
     return args

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from infinigen_core.config import ConfigError, EngineConfig, SamplingConfig, parse_budget, pool_limit_tokens
 from infinigen_core.engine import ContextOverflowError
-from sessions import ChatSession, SessionError, SessionStore
+from infinigen_core.generation import GenerationEvent
+from sessions import ChatSession, SessionError, SessionLockedError, SessionStore
+from sessions.prefix import PrefixFinder
 
 
 BUSY = "A reply is being generated: press Stop or wait for it to finish."
@@ -35,6 +37,24 @@ def _free_memory() -> None:
 
 class UserError(Exception):
     """A problem to show the user; nothing was lost."""
+
+
+class QueueFull(UserError):
+    """Too many API requests are already waiting for their turn."""
+
+
+class Abandoned(UserError):
+    """The API client went away before its turn came."""
+
+
+@dataclass
+class ApiTurn:
+    """What an API request ran as: filled in while its turn runs, read by the API for headers and usage."""
+
+    session_id: str = ""
+    continued: bool = False  # True: it extended a stored API conversation; False: a new session
+    shared_tokens: int = 0  # tokens of the prompt whose KV came from disk (shared chunks, or the session's own)
+    prefilled_tokens: int = 0  # tokens of the prompt that the model actually read
 
 
 @dataclass
@@ -84,6 +104,13 @@ class ChatController:
         self.restore_message = ""
         self._turn_lock = threading.Lock()
         self._loader = loader
+        self._holder: ChatSession | None = None  # the session whose KV the engine holds now
+        self.api_chat: ChatSession | None = None  # the API's latest conversation, kept open for the next request
+        self.api_turns = 0  # API turns run, so the page knows to refresh its session list
+        self._waiting = 0  # API requests waiting for their turn
+        self._waiting_lock = threading.Lock()
+        self.prefixes = PrefixFinder(self.store)
+        self.loaded_at = 0.0
 
     # ------------------------------------------------------------------ start-up
     def load(self, progress: Callable[[str], None] = print) -> None:
@@ -99,6 +126,7 @@ class ChatController:
             loader = self._loader or load_engine
             self.engine = loader(self.model_path, device=self.device, config=self._engine_config(self.settings),
                                  quantize=self.quantize, progress=report)
+            self.loaded_at = time.time()
             self._open_latest_free_session()
             report(f"Ready: {self.engine.model_name} on {self.engine.device}")
         except Exception as error:  # shown in the UI instead of a frozen page
@@ -113,8 +141,11 @@ class ChatController:
         return thread
 
     def _open_latest_free_session(self) -> None:
-        """The most recent session that no other window or process holds; a new one when all are taken."""
+        """The most recent page session that no other window or process holds; a new one when all are taken.
+        API sessions are left to their clients (the page opens one only when asked)."""
         for summary in self.store.list():
+            if summary.origin == "api":
+                continue
             try:
                 self.open_session(summary.id)
                 return
@@ -248,13 +279,13 @@ class ChatController:
                 f"at least {config.min_fetch_tokens} tokens, partial ratio {config.partial_ratio:g}; they apply "
                 "from the next message.")
 
-    def _apply_pending_config(self) -> None:
+    def _apply_pending_config(self, chat: ChatSession) -> None:
         config = getattr(self, "_pending_config", None)
         if config is None:
             return
         if config != self.engine.config:
             self.engine.configure(config)
-        self.store.update(self.chat.id, settings=self._settings_record())  # sampling-only changes count too
+        self.store.update(chat.id, settings=self._settings_record())  # sampling-only changes count too
         self._pending_config = None
 
     def _settings_record(self) -> dict:
@@ -276,10 +307,8 @@ class ChatController:
         with self._turn():
             if self.chat is not None and self.chat.id == session_id:
                 return self.restore_message
-            previous = self.chat
-            if previous is not None:
-                previous.close()
-                self.chat = None
+            previous, self.chat = self.chat, None
+            self._release(previous)
             self.progress = TurnProgress(phase="restore", started=time.perf_counter())
 
             def on_restore(done: int, total: int) -> None:
@@ -288,10 +317,14 @@ class ChatController:
                     progress(done, total)
 
             try:
-                self.chat = ChatSession.open(self.store, self.engine, session_id, on_restore)
+                if self.api_chat is not None and self.api_chat.id == session_id:  # the API has it open: share it
+                    self.chat = self.api_chat
+                    self._hold(self.chat, on_restore)
+                else:
+                    self.chat = self._open(session_id, on_restore)
             except SessionError as error:
                 if previous is not None:  # stay where we were
-                    self.chat = ChatSession.open(self.store, self.engine, previous.id)
+                    self.chat = previous if previous is self.api_chat else self._open(previous.id)
                 raise UserError(str(error)) from None
             finally:
                 self.progress.phase = "idle"
@@ -311,6 +344,27 @@ class ChatController:
                 self.restore_message = "New conversation."
             return self.restore_message
 
+    def _open(self, session_id: str, progress: Callable[[int, int], None] | None = None) -> ChatSession:
+        """Open a session, which restores its KV into the engine (whatever the engine held is gone)."""
+        self._holder = None
+        chat = ChatSession.open(self.store, self.engine, session_id, progress)
+        self._holder = chat
+        return chat
+
+    def _hold(self, chat: ChatSession, progress: Callable[[int, int], None] | None = None) -> None:
+        """Make the engine hold `chat`'s KV: read it back from disk if another session used the engine since."""
+        if self._holder is not chat:
+            self._holder = None
+            chat.reload(progress)
+            self._holder = chat
+
+    def _release(self, chat: ChatSession | None) -> None:
+        """Close a session that neither the page nor the API has open any more."""
+        if chat is not None and chat is not self.chat and chat is not self.api_chat:
+            if self._holder is chat:
+                self._holder = None
+            chat.close()
+
     def _require_engine_loaded(self) -> None:
         if self.engine is None:
             raise UserError(self.load_error or f"Still starting: {self.status}")
@@ -325,10 +379,11 @@ class ChatController:
     def delete_session(self) -> None:
         self._require_chat()
         with self._turn():
-            doomed = self.chat.id
-            self.chat.close()
-            self.chat = None
-            self.store.delete(doomed)
+            doomed, self.chat = self.chat, None
+            if self.api_chat is doomed:
+                self.api_chat = None
+            self._release(doomed)
+            self.store.delete(doomed.id)
         remaining = self.store.list()
         self.open_session(remaining[0].id if remaining else self.new_session())
 
@@ -432,7 +487,8 @@ class ChatController:
         with self._turn():
             self.cancel.clear()
             self.restore_message = ""  # said once, after opening the session
-            self._apply_pending_config()
+            self._hold_with_progress(self.chat)
+            self._apply_pending_config(self.chat)
             self.progress = TurnProgress(phase="prefill", started=time.perf_counter())
 
             def on_prefill(done: int, total: int) -> None:
@@ -454,3 +510,102 @@ class ChatController:
             finally:
                 self.progress.phase = "idle"
         yield self.chat_history()
+
+    def _hold_with_progress(self, chat: ChatSession) -> None:
+        self.progress = TurnProgress(phase="restore", started=time.perf_counter())
+
+        def on_restore(done: int, total: int) -> None:
+            self.progress.done, self.progress.total = done, total
+
+        self._hold(chat, on_restore)
+
+    # ------------------------------------------------------------------ the OpenAI-compatible API
+    def answer_api(self, system: str, turns: list[tuple[str, str]], prompt_ids: list[int],
+                   sampling: SamplingConfig, cancel: threading.Event, turn: ApiTurn,
+                   max_waiting: int) -> Iterator[GenerationEvent]:
+        """Answer an API request's conversation (system prompt, then (role, content) turns, templated into
+        `prompt_ids`), one turn at a time with the page. It extends the stored API conversation it continues,
+        or starts a new API session that shares the longest stored token prefix's chunks. Raises QueueFull
+        when `max_waiting` requests already wait, Abandoned when `cancel` is set before the turn comes."""
+        self._require_engine()
+        self._wait_for_turn(cancel, max_waiting)
+        try:
+            self.cancel.clear()  # a Stop pressed before this turn is not meant for it
+            chat, new_turns = self._api_session(system, turns, prompt_ids, turn)
+            self._apply_pending_config(chat)
+            self.progress = TurnProgress(phase="prefill", started=time.perf_counter())
+
+            def on_prefill(done: int, total: int) -> None:
+                self.progress.done, self.progress.total = done, total
+                turn.prefilled_tokens = total
+
+            turn.prefilled_tokens = 0
+            for event in chat.extend(new_turns, sampling, cancel, on_prefill):
+                if self.progress.first_token_at is None:
+                    self.progress.first_token_at = time.perf_counter()
+                    self.progress.phase = "generating"
+                self.progress.tokens += 1 if event.finish_reason is None else 0
+                yield event
+        except (SessionError, ContextOverflowError, ConfigError) as error:
+            raise UserError(str(error)) from None
+        finally:
+            self.progress.phase = "idle"
+            self.api_turns += 1
+            self._turn_lock.release()
+
+    def _wait_for_turn(self, cancel: threading.Event, max_waiting: int) -> None:
+        with self._waiting_lock:
+            if self._turn_lock.locked() and self._waiting >= max_waiting:
+                raise QueueFull(f"{self._waiting} requests are already waiting for the model: retry later")
+            self._waiting += 1
+        try:
+            while not self._turn_lock.acquire(timeout=0.2):
+                if cancel.is_set():
+                    raise Abandoned("the client went away while waiting")
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+
+    def _api_session(self, system: str, turns: list[tuple[str, str]], prompt_ids: list[int],
+                     turn: ApiTurn) -> tuple[ChatSession, list[tuple[str, str]]]:
+        """The session to answer in (its KV in the engine) and the turns it does not hold yet."""
+        for summary in self.store.list():  # most recent first
+            if summary.origin != "api" or summary.system_prompt != system or summary.message_count > len(turns):
+                continue
+            stored = [(m.role, m.content) for m in self.store.messages(summary.id)]
+            if stored != turns[: len(stored)]:
+                continue
+            try:
+                chat = self._api_chat(summary.id)
+            except SessionLockedError:  # another app process has it open: start a new one beside it
+                continue
+            turn.session_id, turn.continued, turn.shared_tokens = chat.id, True, self.engine.num_tokens
+            return chat, turns[len(stored):]
+        match = self.prefixes.longest(self.engine.kv_signature(), prompt_ids)
+        title = next((content for role, content in turns if role == "user" and content.strip()), "API chat")
+        session_id = self.store.create(title.strip().splitlines()[0][:60], system, self._settings_record(),
+                                       self.engine.fingerprint, origin="api")
+        try:
+            shared = self.store.share_chunks(match.session_id, session_id, match.tokens) if match.tokens else 0
+            chat = self._api_chat(session_id)
+        except BaseException:
+            self.store.delete(session_id)  # nothing half-made is left in the sidebar
+            raise
+        rest = [record for record in match.chunks if record.end > shared]
+        # reading a chunk is far cheaper per token than computing it, but not free: only for a good share of it
+        worth_reading = rest and (match.tokens - rest[0].start) * 4 >= rest[0].end - rest[0].start
+        taken = chat.import_prefix(rest[0], match.tokens) if worth_reading else 0
+        turn.session_id, turn.continued, turn.shared_tokens = chat.id, False, shared + taken
+        return chat, turns
+
+    def _api_chat(self, session_id: str) -> ChatSession:
+        """`session_id` open for the API, its KV in the engine."""
+        for chat in (self.api_chat, self.chat):
+            if chat is not None and chat.id == session_id:
+                break
+        else:
+            chat = self._open(session_id)
+        previous, self.api_chat = self.api_chat, chat
+        self._release(previous)
+        self._hold(chat)
+        return chat

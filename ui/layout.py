@@ -29,7 +29,8 @@ def _session_choices(summaries) -> list[tuple[str, str]]:
     for s in summaries:
         title = s.title if len(s.title) <= 20 else s.title[:19] + "…"
         used = time.strftime("%d %b", time.localtime(s.updated))
-        choices.append((f"{title} · {s.token_count:,} tok · {used}", s.id))
+        source = "API · " if s.origin == "api" else ""  # a conversation an OpenAI-API client had
+        choices.append((f"{source}{title} · {s.token_count:,} tok · {used}", s.id))
     return choices
 
 
@@ -41,7 +42,8 @@ def _session_details(summary) -> str:
     if summary is None:
         return ""
     used = time.strftime("%d %b %Y %H:%M", time.localtime(summary.updated))
-    return (f"{summary.token_count:,} tokens · {summary.message_count} messages · "
+    source = "from the API · " if summary.origin == "api" else ""
+    return (f"{source}{summary.token_count:,} tokens · {summary.message_count} messages · "
             f"{summary.bytes_on_disk / 2**20:.1f} MiB on disk · last used {used}")
 
 
@@ -93,8 +95,9 @@ def build_app(controller: ChatController) -> gr.Blocks:
                     branch_button = gr.Button("Branch")
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(label="Conversation", height=460, elem_id="ig-chat")
+                # Gradio submits on Enter only with lines=1; max_lines lets the box grow (Shift+Enter: new line)
                 message = gr.Textbox(label="Message", placeholder="Type a message (Shift+Enter for a new line)",
-                                     lines=3, elem_id="ig-message")
+                                     lines=1, max_lines=12, elem_id="ig-message")
                 with gr.Row():
                     send_button = gr.Button("Send", variant="primary", elem_id="ig-send")
                     stop_button = gr.Button("Stop", elem_id="ig-stop")
@@ -261,15 +264,17 @@ def build_app(controller: ChatController) -> gr.Blocks:
             """Refresh the status always, the plots only when the engine ran a new step."""
             text = _status_text(controller)
             engine = controller.engine
-            seen = (engine.steps_run, controller.chat.id if controller.chat else None, id(engine)) if engine else None
+            seen = (engine.steps_run, controller.chat.id if controller.chat else None, id(engine),
+                    controller.api_turns) if engine else None
             if engine is None or seen == last_seen:
                 return (text, *[gr.skip()] * 10, last_seen)
             # the page may have opened before the model and the last session were loaded: show them now
-            session_changed = last_seen is None or last_seen[1:] != seen[1:]  # another session or model
+            session_changed = last_seen is None or last_seen[1:3] != seen[1:3]  # another session or model
             history = controller.chat_history() if session_changed else gr.skip()
             picker = details = model = gr.skip()
             if session_changed:
                 model = controller.model_summary()
+            if session_changed or last_seen[3] != seen[3]:  # an API turn may have added or grown a session
                 summaries = controller.store.list()
                 picker = gr.update(choices=_session_choices(summaries), value=seen[1])
                 details = _session_details(_find(summaries, seen[1]))

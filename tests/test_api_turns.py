@@ -1,0 +1,88 @@
+"""The API's answers under load and while starting, in-process (the real engine, no server process):
+503 while the model loads, one turn at a time with a bounded queue and 429 beyond it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from ui.api import ApiOptions, api_routes
+from ui.controller import ChatController
+
+HELLO = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
+
+
+def api_client(controller: ChatController, **options) -> TestClient:
+    return TestClient(FastAPI(routes=api_routes(controller, ApiOptions(**options))))
+
+
+@pytest.fixture
+def loaded(tmp_path, real_engine):
+    controller = ChatController(tmp_path, loader=lambda *args, **kwargs: real_engine)
+    controller.load(progress=lambda message: None)
+    assert controller.load_error is None, controller.load_error
+    yield controller
+    for chat in {controller.chat, controller.api_chat} - {None}:
+        chat.close()
+
+
+def test_requests_while_the_model_loads_get_503_with_retry_after(tmp_path):
+    controller = ChatController(tmp_path)  # never loaded: still starting
+    client = api_client(controller)
+    for response in (client.get("/v1/models"), client.post("/v1/chat/completions", json=HELLO)):
+        assert response.status_code == 503 and response.headers["retry-after"] == "5"
+        assert response.json()["error"]["code"] == "model_loading"
+
+
+def test_a_model_that_failed_to_load_says_why(tmp_path):
+    def broken_loader(*args, **kwargs):
+        raise OSError("no such checkpoint: /nowhere")
+
+    controller = ChatController(tmp_path, loader=broken_loader)
+    controller.load(progress=lambda message: None)
+    response = api_client(controller).post("/v1/chat/completions", json=HELLO)
+    assert response.status_code == 503 and "no such checkpoint" in response.json()["error"]["message"]
+    assert "retry-after" not in response.headers  # retrying will not help
+
+
+def test_past_the_queue_bound_a_request_gets_429_and_stores_nothing(loaded):
+    client = api_client(loaded, max_waiting=0)
+    sessions_before = len(loaded.store.list())
+    with loaded._turn():  # a reply is being generated (the page's, here)
+        response = client.post("/v1/chat/completions", json=HELLO)
+    assert response.status_code == 429 and response.headers["retry-after"] == "2"
+    assert response.json()["error"]["type"] == "rate_limit_error"
+    assert len(loaded.store.list()) == sessions_before
+    assert client.post("/v1/chat/completions", json=HELLO).status_code == 200  # free again: answered
+
+
+def test_requests_wait_their_turn_within_the_bound(loaded):
+    client = api_client(loaded, max_waiting=1)
+    answers = []
+    with loaded._turn():
+        waiting = threading.Thread(target=lambda: answers.append(client.post("/v1/chat/completions", json=HELLO)))
+        waiting.start()
+        while loaded._waiting == 0:  # the first request is queued behind the turn in progress
+            time.sleep(0.01)
+        second = client.post("/v1/chat/completions", json=HELLO)
+        assert second.status_code == 429 and not answers  # one waits, the next is turned away
+    waiting.join(timeout=120)
+    assert answers[0].status_code == 200 and answers[0].json()["choices"][0]["message"]["content"]
+
+
+def test_the_page_and_the_api_take_turns_with_the_engine(loaded):
+    """An API turn leaves the page's session as it was; the page's next turn reads its KV back from disk."""
+    client = api_client(loaded)
+    loaded.apply_settings("infinigen", 12, "0.15", 0.5, "", False, 0.0, 1.0, 0, 1.0, 8)  # short page replies
+    page_reply = list(loaded.send("Name a colour."))[-1]
+    page_session = loaded.chat.id
+    api = client.post("/v1/chat/completions", json=HELLO)
+    assert api.status_code == 200 and api.headers["x-infinigen-session"] != page_session
+    assert loaded.chat.id == page_session and loaded.chat_history() == page_reply
+    history = list(loaded.send("And another one."))[-1]
+    assert [m["role"] for m in history] == ["user", "assistant"] * 2
+    assert loaded.chat.restore.tokens_restored > 0 and not loaded.chat.restore.rebuilt  # read back, not recomputed

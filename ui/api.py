@@ -1,0 +1,249 @@
+"""The OpenAI-compatible API beside the page: GET /v1/models and POST /v1/chat/completions.
+
+    demo.launch(app_kwargs={"routes": api_routes(controller, ApiOptions(key="secret"))})
+
+Replies come from the same controller, engine and sessions as the page, one turn at a time: a request
+waits its turn (or gets 429 when `max_waiting` requests already wait) and is stored as an API session, so
+a conversation that comes back longer continues from its KV on disk. A generation runs in a worker thread
+that feeds the response; a client that goes away sets its cancel flag, and what was generated is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.routing import BaseRoute
+
+from infinigen_core.generation import GenerationEvent, chat_token_ids
+
+from .api_request import ApiError, ChatRequest, parse_chat_request
+from .controller import Abandoned, ApiTurn, ChatController, QueueFull, UserError
+
+LOADING_RETRY_S = 5
+BUSY_RETRY_S = 2
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "cancelled": "stop", "length": "length", "window": "length"}
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    key: str | None = None  # a bearer token every request must carry; None: no key
+    max_waiting: int = 4  # requests that may wait for their turn; one more gets 429
+
+
+def api_routes(controller: ChatController, options: ApiOptions) -> list[BaseRoute]:
+    """The API's routes, to be handed to the Gradio app's FastAPI constructor (so they exist from the start)."""
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def list_models(request: Request):
+        try:
+            _check_key(request, options.key)
+            model_id = _model_id(controller)
+        except ApiError as error:
+            return _error_response(error)
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(controller.loaded_at),
+                                            "owned_by": "infinigen-chat"}]}
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            _check_key(request, options.key)
+            body = await _json_body(request)
+            model_id = _model_id(controller)
+            chat_request = parse_chat_request(body, model_id, controller.settings.sampling)
+            prompt_ids = await asyncio.to_thread(_prompt_ids, controller, chat_request)
+        except ApiError as error:
+            return _error_response(error)
+        job = _Generation(controller, chat_request, prompt_ids, options.max_waiting)
+        try:
+            first = await job.next_item_while_connected(request)
+        except ApiError as error:
+            return _error_response(error)
+        reply = _Reply(model_id, len(prompt_ids), job.turn)
+        if chat_request.stream:
+            return StreamingResponse(reply.stream(job, first, chat_request.include_usage),
+                                     media_type="text/event-stream", headers=reply.headers())
+        try:
+            await reply.collect(job, first, request)
+        except ApiError as error:
+            return _error_response(error)
+        return JSONResponse(reply.completion(), headers=reply.headers())
+
+    return list(router.routes)
+
+
+# ---------------------------------------------------------------------- checks before a turn
+def _check_key(request: Request, key: str | None) -> None:
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise ApiError(401, "this server needs an API key: send it as 'Authorization: Bearer KEY'", None,
+                       "invalid_api_key")
+    if not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise ApiError(401, "incorrect API key", None, "invalid_api_key")
+
+
+def _model_id(controller: ChatController) -> str:
+    if not controller.ready.is_set():
+        raise ApiError(503, f"the model is still loading ({controller.status}); retry shortly", None,
+                       "model_loading", "server_error", retry_after=LOADING_RETRY_S)
+    if controller.engine is None:
+        raise ApiError(503, controller.load_error or "the model is not loaded", None, "model_not_loaded",
+                       "server_error")
+    return controller.engine.model_name
+
+
+async def _json_body(request: Request):
+    try:
+        return json.loads(await request.body())
+    except ValueError as error:
+        raise ApiError(400, f"the request body is not valid JSON ({error})", None, "invalid_json") from None
+
+
+def _prompt_ids(controller: ChatController, chat_request: ChatRequest) -> list[int]:
+    """The templated conversation, checked against the model's window before anything is stored."""
+    engine = controller.engine
+    conversation = [{"role": "system", "content": chat_request.system}] if chat_request.system else []
+    conversation += [{"role": role, "content": content} for role, content in chat_request.turns]
+    prompt_ids = chat_token_ids(engine.tokenizer, conversation, add_generation_prompt=True)
+    if len(prompt_ids) + 1 > engine.max_context:
+        raise ApiError(400, f"the conversation is {len(prompt_ids)} tokens long, and the model's window is "
+                            f"{engine.max_context} (including the reply): leave out older messages",
+                       "messages", "context_length_exceeded")
+    return prompt_ids
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+# ---------------------------------------------------------------------- the turn, in a worker thread
+class _Generation:
+    """Runs the controller's API turn in a thread and hands its events to the event loop, in order."""
+
+    def __init__(self, controller: ChatController, chat_request: ChatRequest, prompt_ids: list[int],
+                 max_waiting: int) -> None:
+        self.cancel = threading.Event()
+        self.turn = ApiTurn()
+        self._loop = asyncio.get_running_loop()
+        self._items: asyncio.Queue = asyncio.Queue()
+        args = (chat_request.system, list(chat_request.turns), prompt_ids, chat_request.sampling,
+                _EitherSet(self.cancel, controller.cancel), self.turn, max_waiting)
+        self._thread = threading.Thread(target=self._run, args=(controller, args), daemon=True,
+                                        name="api-generation")
+        self._thread.start()
+
+    def _run(self, controller: ChatController, args: tuple) -> None:
+        put = lambda item: self._loop.call_soon_threadsafe(self._items.put_nowait, item)  # noqa: E731
+        try:
+            for event in controller.answer_api(*args):
+                put(event)
+            put(None)
+        except QueueFull as error:
+            put(ApiError(429, str(error), None, "rate_limit_exceeded", "rate_limit_error", BUSY_RETRY_S))
+        except Abandoned as error:
+            put(ApiError(499, str(error), None, "client_closed_request"))
+        except UserError as error:
+            put(ApiError(500, str(error), None, "generation_failed", "server_error"))
+        except Exception as error:  # noqa: BLE001  the client gets a message instead of a dropped connection
+            put(ApiError(500, f"generation failed: {error}", None, "generation_failed", "server_error"))
+
+    async def next_item(self) -> GenerationEvent | None:
+        item = await self._items.get()
+        if isinstance(item, ApiError):
+            raise item
+        return item
+
+    async def next_item_while_connected(self, request: Request) -> GenerationEvent | None:
+        """The next event, waiting (for the turn, the prefill, the token) only as long as the client stays."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.next_item(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.cancel.set()  # the worker stops at the next token and stores what it has
+
+
+class _EitherSet:
+    """A cancel flag set by the client going away or by the page's Stop button."""
+
+    def __init__(self, *events: threading.Event) -> None:
+        self._events = events
+
+    def is_set(self) -> bool:
+        return any(event.is_set() for event in self._events)
+
+
+# ---------------------------------------------------------------------- the reply, in OpenAI's shapes
+class _Reply:
+    def __init__(self, model_id: str, prompt_tokens: int, turn: ApiTurn) -> None:
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model_id, self.prompt_tokens, self.turn = model_id, prompt_tokens, turn
+        self.text, self.completion_tokens, self.finish_reason = "", 0, None
+
+    def add(self, event: GenerationEvent) -> str:
+        if event.token_id is not None:
+            self.completion_tokens += 1
+        if event.finish_reason is not None:
+            self.finish_reason = FINISH_REASONS.get(event.finish_reason, "stop")
+        self.text += event.text
+        return event.text
+
+    def usage(self) -> dict:
+        cached = max(self.prompt_tokens - self.turn.prefilled_tokens, 0)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def headers(self) -> dict:
+        """Known before the first token: the session answered in and whether it continued a stored one."""
+        return {"x-infinigen-session": self.turn.session_id,
+                "x-infinigen-continued": "true" if self.turn.continued else "false"}
+
+    def completion(self) -> dict:
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_id,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": self.text},
+                             "finish_reason": self.finish_reason, "logprobs": None}],
+                "usage": self.usage(), "system_fingerprint": None}
+
+    def _chunk(self, delta: dict, finish_reason: str | None = None) -> str:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    async def collect(self, job: _Generation, event: GenerationEvent | None, request: Request) -> None:
+        while event is not None:
+            self.add(event)
+            event = await job.next_item_while_connected(request)
+
+    async def stream(self, job: _Generation, event: GenerationEvent | None, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            yield self._chunk({"role": "assistant", "content": ""})
+            while event is not None:
+                delta = self.add(event)
+                if delta:
+                    yield self._chunk({"content": delta})
+                event = await job.next_item()
+            yield self._chunk({}, self.finish_reason or "stop")
+            if include_usage:
+                usage = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                         "model": self.model_id, "choices": [], "usage": self.usage()}
+                yield f"data: {json.dumps(usage)}\n\n"
+            yield "data: [DONE]\n\n"
+        except ApiError as error:  # a failure after the first token: the status is sent, say it in the stream
+            yield f"data: {json.dumps(error.body())}\n\n"
+        finally:  # the client went away (or the stream ended): stop generating, keep what was generated
+            job.cancel.set()

@@ -1,0 +1,133 @@
+"""Time to the first token through the OpenAI-compatible API: a ~5k-token conversation read for the first
+time, against the same conversation continued by one question after the app was restarted.
+
+    python -m ui.api_benchmark --context 5000 [--text DIR] [--rounds 3]
+
+Each round starts `python app.py` on an empty data directory, sends the conversation (streamed, one reply
+token), stops the app, drops the saved chunks from the page cache (so they are read from disk, as after a
+reboot), starts the app again and sends the conversation with the reply and a new question. It prints one
+row per round: the tokens of each prompt, the tokens actually read (usage.prompt_tokens_details) and the
+seconds from the request to the first streamed token. Needs the `openai` package (requirements-test.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = "In one sentence, what is this text about?"
+FOLLOW_UP = "Give it a short title."
+
+
+def _document(tokens: int, text_dir: Path | None) -> str:
+    """About `tokens` tokens of prose: the files of `text_dir`, or the shipped calibration text, repeated."""
+    import torch
+
+    from infinigen_core.calibration import calibration_text
+    from infinigen_core.loading import default_cache_dir, load_model
+
+    source = "\n\n".join(p.read_text() for p in sorted(text_dir.glob("*.txt"))) if text_dir else calibration_text()
+    _, tokenizer, _ = load_model(None, default_cache_dir(), torch.device("cpu"), progress=lambda message: None)
+    text = source
+    while len(tokenizer(text)["input_ids"]) < tokens:
+        text += "\n\n" + source
+    return tokenizer.decode(tokenizer(text)["input_ids"][:tokens])
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _app(data_dir: Path):
+    port = _free_port()
+    with open(data_dir / "app.log", "a") as log:
+        process = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--data-dir", str(data_dir)],
+                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.time() + 600
+        while True:  # /v1/models answers 200 once the model is loaded (503 before, refused before listening)
+            try:
+                with urllib.request.urlopen(f"{url}/models", timeout=5):
+                    break
+            except OSError:
+                if process.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"app.py did not start: see {data_dir / 'app.log'}") from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def _first_token(url: str, messages: list[dict]) -> tuple[float, str, int, int]:
+    """(seconds to the first streamed token, the reply, prompt tokens, prompt tokens actually read)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    started = time.perf_counter()
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    first, reply, usage = None, "", None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter() - started
+            reply += chunk.choices[0].delta.content
+        usage = chunk.usage or usage
+    return first, reply, usage.prompt_tokens, usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens
+
+
+def _drop_from_page_cache(data_dir: Path) -> None:
+    for path in (data_dir / "kv").rglob("*.safetensors"):
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def measure(context: int, text_dir: Path | None) -> dict:
+    messages = [{"role": "user", "content": f"{_document(context, text_dir)}\n\n{QUESTION}"}]
+    with tempfile.TemporaryDirectory(prefix="api-bench-") as folder:
+        data_dir = Path(folder)
+        with _app(data_dir) as url:
+            first_s, reply, first_prompt, first_read = _first_token(url, messages)
+        _drop_from_page_cache(data_dir)
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": FOLLOW_UP}]
+        with _app(data_dir) as url:
+            again_s, _, again_prompt, again_read = _first_token(url, messages)
+    return {"first_prompt": first_prompt, "first_read": first_read, "first_ttft_s": first_s,
+            "continued_prompt": again_prompt, "continued_read": again_read, "continued_ttft_s": again_s,
+            "speedup": first_s / again_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ui.api_benchmark", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=5000, help="tokens of the document (default 5000)")
+    parser.add_argument("--text", type=Path, default=None, help="a folder of .txt files (default: shipped text)")
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args(argv)
+    columns = ("first_prompt", "first_read", "first_ttft_s", "continued_prompt", "continued_read",
+               "continued_ttft_s", "speedup")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("---" for _ in columns) + "|")
+    for _ in range(args.rounds):
+        row = measure(args.context, args.text)
+        print("| " + " | ".join(f"{row[c]:.2f}" if isinstance(row[c], float) else str(row[c]) for c in columns) + " |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""An OpenAI chat-completions request body, checked in one place and turned into what the app runs.
+
+    request = parse_chat_request(body, model_id="SmolLM2-135M-Instruct", defaults=SamplingConfig())
+    request.system, request.turns, request.sampling, request.stream
+
+Every problem raises `ApiError` with OpenAI's error fields (message, type, param, code) and an HTTP status;
+nothing is stored before a request has passed here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from infinigen_core.config import ConfigError, SamplingConfig
+
+SYSTEM_ROLES = ("system", "developer")  # "developer" is what newer OpenAI clients call the system prompt
+CHAT_ROLES = ("user", "assistant")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    system: str  # the leading system (or developer) messages, joined
+    turns: tuple[tuple[str, str], ...]  # (role, content) of the user and assistant messages, in order
+    sampling: SamplingConfig
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
+
+
+def _bad(message: str, param: str, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code or "invalid_value")
+
+
+def _content(message: dict, index: int) -> str:
+    param = f"messages[{index}].content"
+    content = message.get("content")
+    if content is None:
+        if message.get("tool_calls") or message.get("function_call"):
+            raise _bad("tool calls are not supported: this server has no tools", param, "unsupported_value")
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported", param,
+                           "unsupported_value")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad("content must be a string or a list of text parts", param, "invalid_type")
+
+
+def _messages(value) -> tuple[str, tuple[tuple[str, str], ...]]:
+    if not isinstance(value, list) or not value:
+        raise _bad("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects", "messages")
+    system, turns = [], []
+    for index, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise _bad("each message must be an object with a role and a content", f"messages[{index}]")
+        role = message.get("role")
+        if role in ("tool", "function"):
+            raise _bad(f"role {role!r} is not supported: this server has no tools", f"messages[{index}].role",
+                       "unsupported_value")
+        if role not in SYSTEM_ROLES + CHAT_ROLES:
+            raise _bad(f"unknown role {role!r}: use system, user or assistant", f"messages[{index}].role")
+        content = _content(message, index)
+        if role in SYSTEM_ROLES:
+            if turns:
+                raise _bad("system messages are accepted only at the start of the conversation",
+                           f"messages[{index}].role", "unsupported_value")
+            system.append(content)
+        else:
+            turns.append((role, content))
+    return "\n\n".join(system), tuple(turns)
+
+
+def _number(body: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise _bad(f"{name} must be a number", name, "invalid_type")
+    if value < low or value > high or (low_open and value == low):
+        interval = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
+        raise _bad(f"{name} must be in {interval}, got {value}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{name} must be an integer", name, "invalid_type")
+    if low is not None and value < low:
+        raise _bad(f"{name} must be at least {low}, got {value}", name)
+    return value
+
+
+def _stop(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise _bad("stop must be a non-empty string or a list of up to 4 of them", "stop")
+    return tuple(stops)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    if body.get("n") not in (None, 1):
+        raise _bad("n must be 1: one reply per request", "n", "unsupported_value")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise _bad(f"{name} are not supported: this server has no tools", name, "unsupported_value")
+    if body.get("logprobs"):
+        raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise _bad("only the text response format is supported", "response_format", "unsupported_value")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, -2, 2) not in (None, 0.0):
+            raise _bad(f"{name} is not supported (only 0)", name, "unsupported_value")
+
+
+def parse_chat_request(body, model_id: str, defaults: SamplingConfig) -> ChatRequest:
+    """Check a POST /v1/chat/completions body; what it leaves out comes from `defaults` (the app's settings)."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None, "invalid_type")
+    model = body.get("model")
+    if model is not None and model != model_id:
+        raise ApiError(404, f"the model {model!r} is not served here; this server runs {model_id!r}", "model",
+                       "model_not_found")
+    system, turns = _messages(body.get("messages"))
+    _refuse_unsupported(body)
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise _bad("stream must be true or false", "stream", "invalid_type")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or options.get("include_usage") not in (None, True, False):
+        raise _bad("stream_options must be an object such as {\"include_usage\": true}", "stream_options")
+    limit = _integer(body, "max_completion_tokens", 1)
+    limit = _integer(body, "max_tokens", 1) if limit is None else limit
+    temperature = _number(body, "temperature", 0, 2)
+    top_p = _number(body, "top_p", 0, 1, low_open=True)
+    seed = _integer(body, "seed")
+    try:
+        sampling = replace(
+            defaults,
+            temperature=defaults.temperature if temperature is None else temperature,
+            top_p=defaults.top_p if top_p is None else top_p,
+            max_new_tokens=defaults.max_new_tokens if limit is None else limit,
+            stop_strings=_stop(body.get("stop")),
+            seed=seed,
+        )
+    except ConfigError as error:  # a combination the sampler refuses
+        raise _bad(str(error), None) from None
+    return ChatRequest(system, turns, sampling, bool(stream), bool(options.get("include_usage")))
