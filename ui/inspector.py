@@ -12,6 +12,8 @@ import html
 
 import torch
 
+from infinigen_core.engine import KEEP_SELECTIONS_STEPS
+
 MAX_SHOWN_TOKENS = 1500
 
 
@@ -62,9 +64,12 @@ def render(engine, step_index: int, layer: int) -> str:
         return (f"<p>Layer {layer} is a sliding-window layer ({engine.adapter.layer_kind(layer)}): it attends to the "
                 f"last {window} tokens only, so InfiniGen does not select on it. Pick a global layer: "
                 f"{_global_layers(engine)}.</p>")
-    if not stats.sparse or stats.selected_positions is None:
+    if not stats.sparse:
         return (f"<p>Layer {layer} attended densely at this step (all {stats.context_len} past tokens): the first "
                 f"layers and the full and offload policies do not select.</p>")
+    if stats.selected_positions is None:
+        return (f"<p>Layer {layer} fetched {stats.fetched} of {stats.context_len} past tokens at this step; which "
+                f"ones is kept for the last {KEEP_SELECTIONS_STEPS} decode steps only. Pick a newer step.</p>")
     fetched: dict[int, float] = {}
     scores = stats.selected_scores if stats.selected_scores is not None else torch.ones_like(
         stats.selected_positions, dtype=torch.float32)
