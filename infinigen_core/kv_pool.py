@@ -215,18 +215,25 @@ class KVPool:
         self.evicted_tokens = 0
 
     @torch.inference_mode()
-    def append_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def append_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                    key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None) -> None:
         """Restore rows of one layer (e.g. from a saved session) without running the model.
 
-        Call `set_total_tokens` afterwards. Under a limit, the newest rows are kept (sinks always).
+        With `key_scale`/`value_scale` [kv_heads, n], `keys`/`values` are integer codes and each row is
+        codes * scale, computed straight into the pool's slots (no full-size temporary). Call
+        `set_total_tokens` afterwards. Under a limit, the newest rows are kept (sinks always).
         """
         store = self._layers[layer]
         n = positions.numel()
         if n == 0:
             return
-        keys, values = keys.to(self.device, self.dtype), values.to(self.device, self.dtype)
         positions = positions.to(self.device)
         if self.limit_tokens is not None and store.size + n > self.limit_tokens:
+            def widen(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+                rows = rows.to(self.device, self.dtype)
+                return rows if scale is None else rows * scale.to(self.device, self.dtype).unsqueeze(-1)
+
+            keys, values, key_scale, value_scale = widen(keys, key_scale), widen(values, value_scale), None, None
             keys = torch.cat([store.keys[:, : store.size], keys], dim=1)
             values = torch.cat([store.values[:, : store.size], values], dim=1)
             positions = torch.cat([store.positions[: store.size], positions])
@@ -237,8 +244,11 @@ class KVPool:
             store.size, n = 0, keep.numel()
         self._grow(store, store.size + n)
         window = slice(store.size, store.size + n)
-        store.keys[:, window] = keys
-        store.values[:, window] = values
+        for target, rows, scale in ((store.keys, keys, key_scale), (store.values, values, value_scale)):
+            if scale is None:
+                target[:, window] = rows.to(self.device, self.dtype)
+            else:
+                torch.mul(rows.to(self.device), scale.to(self.device, self.dtype).unsqueeze(-1), out=target[:, window])
         store.positions[window] = positions
         store.fetch_counts[window] = 0
         store.size += n

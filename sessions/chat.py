@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from infinigen_core.config import SamplingConfig
 from infinigen_core.generation import GenerationEvent, chat_token_ids, generate
 
+from .budget import enforce_disk_limit
 from .errors import ContextWindowError, SessionError
-from .lock import SessionLock
+from .lock import session_lock
 from .snapshots import ChunkError, read_chunk, write_chunk
 from .store import Message, SessionStore
 
@@ -56,8 +57,9 @@ class ChatSession:
     @classmethod
     def open(cls, store: SessionStore, engine, session_id: str, progress: Progress | None = None) -> "ChatSession":
         store.get(session_id)  # a clear error for an unknown id
-        lock = SessionLock(store.data_dir / "locks" / f"{session_id}.lock").acquire()
+        lock = session_lock(store.data_dir, session_id).acquire()
         try:
+            store.touch(session_id)
             session = cls(store, engine, session_id, lock)
             session.restore = session._restore(progress)
         except BaseException:
@@ -99,7 +101,12 @@ class ChatSession:
         if problem:
             self.store.drop_chunks_from(self.id, expected_start if tensors else -1)
         restored = engine.import_rows(tensors) if tensors else 0
+        del tensors  # views of the mapped files: let the mappings go
         self._saved_ids = list(engine.token_ids)
+        summary = self.store.get(self.id)
+        if not problem and summary.message_count and restored < max(summary.token_count, 1):
+            problem = ("its KV cache was dropped to stay within the disk limit" if summary.kv_dropped
+                       else "its KV cache was not on disk")
         prefilled = 0
         if problem and self.messages:
             wanted = self._conversation_ids()
@@ -237,8 +244,10 @@ class ChatSession:
         start = len(self._saved_ids)
         if start < len(ids):
             signature = engine.kv_signature()
-            record = write_chunk(self.store.data_dir, self.id, engine.export_rows(start, len(ids)), signature, start)
+            record = write_chunk(self.store.data_dir, self.id, engine.export_rows(start, len(ids)), signature, start,
+                                 self.store.storage.kv_format)
             self.store.add_chunk(self.id, record, signature, len(ids))
             self._saved_ids = list(ids)
+            enforce_disk_limit(self.store)  # this session holds its lock, so only other sessions' chunks can go
         else:
             self.store.update(self.id, token_count=len(ids))

@@ -5,7 +5,8 @@
     for summary in store.list(): print(summary.title, summary.token_count)
 
 Chunk files live beside the database (kv/<session>/...). A branch shares its parent's chunk files; a
-file is removed only when no session refers to it any more.
+file is removed only when no session refers to it any more. `store.storage` says in which format new
+chunks are written and how much disk all chunks may take (sessions/budget.py keeps them under it).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from pathlib import Path
 import sqlite_utils
 
 from .errors import SessionError, SessionNotFoundError
+from .lock import session_lock
 from .paths import default_data_dir
 from .snapshots import ChunkRecord
+from .storage import StorageConfig
 
 DB_NAME = "sessions.db"
 
@@ -51,7 +54,15 @@ class SessionSummary:
     settings: dict
     token_count: int
     message_count: int
-    bytes_on_disk: int
+    bytes_on_disk: int  # of its KV chunks (files shared with a branch count for both)
+    kv_tokens: int = 0  # tokens its chunks on disk cover, from position 0
+    last_used: float = 0.0  # last opened or changed: the disk budget drops the least recent first
+    kv_dropped: bool = False  # its chunks went to keep within the disk budget
+
+    @property
+    def reopens_instantly(self) -> bool:
+        """Its KV cache is on disk in full (or it has no text yet): opening it reads chunks, not the text."""
+        return self.message_count == 0 or 0 < self.token_count <= self.kv_tokens
 
 
 @dataclass(frozen=True)
@@ -67,8 +78,9 @@ class Message:
 
 
 class SessionStore:
-    def __init__(self, data_dir: Path | str | None = None) -> None:
+    def __init__(self, data_dir: Path | str | None = None, storage: StorageConfig | None = None) -> None:
         self.data_dir = Path(data_dir).expanduser() if data_dir else default_data_dir()
+        self.storage = storage or StorageConfig()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         path = self.data_dir / DB_NAME
@@ -126,26 +138,31 @@ class SessionStore:
 
     @_locked
     def get(self, session_id: str) -> SessionSummary:
-        rows = list(self.db.query(_SUMMARY_SQL + " WHERE s.id = ? GROUP BY s.id", [session_id]))
+        rows = list(self.db.query(_SUMMARY_SQL + " WHERE s.id = ?", [session_id]))
         if not rows:
             raise SessionNotFoundError(f"no session with id {session_id!r} (it may have been deleted)")
         return self._summary(rows[0])
 
     @_locked
     def list(self) -> list[SessionSummary]:
-        """Every session, most recently used first."""
-        rows = self.db.query(_SUMMARY_SQL + " GROUP BY s.id ORDER BY s.updated DESC")
+        """Every session, most recently changed first: one query, whatever the number of sessions."""
+        rows = self.db.query(_SUMMARY_SQL + " ORDER BY s.updated DESC")
         return [self._summary(row) for row in rows]
 
-    def _summary(self, row: dict) -> SessionSummary:
-        files = [r["file"] for r in self.db.query("SELECT file FROM chunks WHERE session_id = ?", [row["id"]])]
-        size = sum((self.data_dir / f).stat().st_size for f in files if (self.data_dir / f).exists())
+    @staticmethod
+    def _summary(row: dict) -> SessionSummary:
         return SessionSummary(
             id=row["id"], title=row["title"], system_prompt=row["system_prompt"] or "", created=row["created"],
             updated=row["updated"], model_fingerprint=row["model_fingerprint"] or "",
             settings=json.loads(row["settings"] or "{}"), token_count=row["token_count"] or 0,
-            message_count=row["message_count"], bytes_on_disk=size,
+            message_count=row["message_count"], bytes_on_disk=row["kv_bytes"], kv_tokens=row["kv_tokens"],
+            last_used=row["last_used"], kv_dropped=bool(row["kv_dropped"]),
         )
+
+    @_locked
+    def touch(self, session_id: str) -> None:
+        """Mark the session used now (opened), for the disk budget's least-recently-used order."""
+        self.db["session_usage"].upsert({"session_id": session_id, "opened": time.time()}, pk="session_id")
 
     @_locked
     def update(self, session_id: str, **fields) -> None:
@@ -168,12 +185,19 @@ class SessionStore:
         with self.db.atomic():
             self.db.execute("DELETE FROM chunks WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM kv_signatures WHERE session_id = ?", [session_id])
+            self.db.execute("DELETE FROM session_usage WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM sessions WHERE id = ?", [session_id])
         self.remove_unreferenced(files)
         folder = self.data_dir / "kv" / session_id
+        for leftover in folder.glob(".*.tmp-*") if folder.is_dir() else []:  # a killed writer's temporary file
+            leftover.unlink(missing_ok=True)
         if folder.exists() and not any(folder.iterdir()):
             folder.rmdir()
+        lock = session_lock(self.data_dir, session_id)
+        if lock.try_acquire():  # nobody has it open: its lock file goes too
+            lock.path.unlink(missing_ok=True)
+            lock.release()
 
     def remove_unreferenced(self, files: list[str]) -> None:
         for name in files:
@@ -249,6 +273,7 @@ class SessionStore:
     def add_chunk(self, session_id: str, record: ChunkRecord, signature: dict[str, str], token_count: int) -> None:
         """Register a chunk whose file is already durable (the database commit comes last)."""
         with self.db.atomic():
+            self.db.execute("UPDATE session_usage SET kv_dropped = 0 WHERE session_id = ?", [session_id])
             self.db["kv_signatures"].upsert({"session_id": session_id, "signature": json.dumps(signature)},
                                             pk="session_id")
             self.db["chunks"].insert({"session_id": session_id, **record.__dict__}, replace=True)
@@ -262,8 +287,26 @@ class SessionStore:
             self.db.execute("DELETE FROM chunks WHERE session_id = ? AND end > ?", [session_id, position])
         self.remove_unreferenced(doomed)
 
-    def drop_all_chunks(self, session_id: str) -> None:
+    @_locked
+    def drop_all_chunks(self, session_id: str, for_budget: bool = False) -> None:
+        """Forget every chunk of the session (its messages stay); `for_budget` records why, for the sidebar."""
         self.drop_chunks_from(session_id, -1)
+        if for_budget:
+            self.db["session_usage"].upsert({"session_id": session_id, "kv_dropped": 1}, pk="session_id")
+
+    @_locked
+    def kv_bytes(self) -> int:
+        """Bytes all chunk files take (a file shared by branches counts once)."""
+        row = self.db.execute("SELECT COALESCE(SUM(size), 0) FROM (SELECT DISTINCT file, size FROM chunks)").fetchone()
+        return row[0]
+
+    @_locked
+    def sessions_with_chunks_least_recent_first(self) -> list[str]:
+        rows = self.db.execute(
+            "SELECT s.id FROM sessions s LEFT JOIN session_usage u ON u.session_id = s.id "
+            "WHERE EXISTS (SELECT 1 FROM chunks c WHERE c.session_id = s.id) "
+            "ORDER BY MAX(s.updated, COALESCE(u.opened, 0)) ASC").fetchall()
+        return [row[0] for row in rows]
 
     # ------------------------------------------------------------------ branch, export, import
     @_locked
@@ -274,10 +317,10 @@ class SessionStore:
         keep = [m for m in messages if m.position <= next((x.position for x in messages if x.id == message_id), -1)]
         if not keep:
             raise SessionNotFoundError(f"message {message_id} is not in session {session_id}")
-        new_id = self.create(f"{source.title} (branch)", source.system_prompt, source.settings,
-                             source.model_fingerprint)
         end = keep[-1].token_end
-        with self.db.atomic():
+        with self.db.atomic():  # the new session and all it holds, or nothing
+            new_id = self.create(f"{source.title} (branch)", source.system_prompt, source.settings,
+                                 source.model_fingerprint)
             for m in keep:
                 self.db["messages"].insert({
                     "session_id": new_id, "role": m.role, "content": m.content, "position": m.position,
@@ -300,8 +343,11 @@ class SessionStore:
 
     def import_file(self, path: Path | str) -> str:
         from .archive import import_session
+        from .budget import enforce_disk_limit
 
-        return import_session(self, Path(path))
+        session_id = import_session(self, Path(path))
+        enforce_disk_limit(self)
+        return session_id
 
 
 _SESSION_KEY = [("session_id", "sessions", "id")]
@@ -314,9 +360,18 @@ _TABLES = {  # the one description of the schema: tables are created from it and
     "chunks": {"columns": {"session_id": str, "start": int, "end": int, "file": str, "sha256": str, "size": int},
                "pk": ("session_id", "start"), "foreign_keys": _SESSION_KEY},
     "kv_signatures": {"columns": {"session_id": str, "signature": str}, "pk": "session_id"},
+    # added later: a database made before it simply gets the table (no existing table changes)
+    "session_usage": {"columns": {"session_id": str, "opened": float, "kv_dropped": int}, "pk": "session_id"},
 }
 
+# one statement for any number of sessions: the per-session figures are subqueries SQLite answers from indexes
 _SUMMARY_SQL = """
-SELECT s.*, COUNT(m.id) AS message_count
-FROM sessions s LEFT JOIN messages m ON m.session_id = s.id
+SELECT s.*,
+  (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id) AS message_count,
+  (SELECT COALESCE(SUM(c.size), 0) FROM chunks c WHERE c.session_id = s.id) AS kv_bytes,
+  (SELECT COALESCE(CASE WHEN MIN(c.start) = 0 AND SUM(c."end" - c.start) = MAX(c."end") THEN MAX(c."end") END, 0)
+     FROM chunks c WHERE c.session_id = s.id) AS kv_tokens,
+  MAX(s.updated, COALESCE(u.opened, 0)) AS last_used,
+  COALESCE(u.kv_dropped, 0) AS kv_dropped
+FROM sessions s LEFT JOIN session_usage u ON u.session_id = s.id
 """
