@@ -16,7 +16,8 @@ from pathlib import Path
 
 from infinigen_core.config import ConfigError, EngineConfig, SamplingConfig, parse_budget, pool_limit_tokens
 from infinigen_core.engine import ContextOverflowError
-from sessions import ChatSession, SessionError, SessionStore
+from sessions import ChatSession, SessionError, SessionStore, StorageConfig, format_size, parse_size
+from sessions.budget import enforce_disk_limit
 
 
 BUSY = "A reply is being generated: press Stop or wait for it to finish."
@@ -59,8 +60,9 @@ class Settings:
 
 class ChatController:
     def __init__(self, data_dir: Path | str | None = None, model: str | None = None, device: str = "auto",
-                 loader: Callable | None = None, quantize: str | None = None) -> None:
-        self.store = SessionStore(data_dir)
+                 loader: Callable | None = None, quantize: str | None = None,
+                 storage: StorageConfig | None = None) -> None:
+        self.store = SessionStore(data_dir, storage)
         self.model_path, self.device, self.quantize = model, device, quantize
         self.engine = None
         self.chat: ChatSession | None = None
@@ -89,6 +91,7 @@ class ChatController:
             self.engine = loader(self.model_path, device=self.device, config=self._engine_config(self.settings),
                                  quantize=self.quantize, progress=report)
             self._open_latest_free_session()
+            enforce_disk_limit(self.store)  # a lower limit than last time takes effect at once
             report(f"Ready: {self.engine.model_name} on {self.engine.device}")
         except Exception as error:  # shown in the UI instead of a frozen page
             self.load_error = f"Could not start: {error}"
@@ -148,6 +151,20 @@ class ChatController:
         return (f"Settings saved: {config.policy}, alpha {config.alpha:g}, budget {candidate.budget}, "
                 f"at least {config.min_fetch_tokens} tokens, partial ratio {config.partial_ratio:g}; they apply "
                 "from the next message.")
+
+    def apply_storage(self, kv_format: str, disk_limit: str) -> str:
+        """The format of new KV chunks and the disk limit of all of them; over the limit, the least recently
+        used sessions' chunks go at once (never the open session's). Raises UserError."""
+        try:
+            limit = parse_size(disk_limit) if str(disk_limit or "").strip() else None
+            storage = StorageConfig(kv_format=kv_format, kv_disk_limit=limit)
+        except ValueError as error:
+            raise UserError(f"KV storage not changed: {error}") from None
+        self.store.storage = storage
+        dropped = enforce_disk_limit(self.store)
+        used = format_size(self.store.kv_bytes())
+        freed = f"; dropped the KV cache of {len(dropped)} least recently used session(s)" if dropped else ""
+        return f"Saved: {storage.describe()}. KV chunks now take {used}{freed} (their text stays)."
 
     def _apply_pending_config(self) -> None:
         config = getattr(self, "_pending_config", None)
