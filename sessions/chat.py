@@ -51,6 +51,7 @@ class ChatSession:
     def __init__(self, store: SessionStore, engine, session_id: str, lock: SessionLock) -> None:
         self.store, self.engine, self.id, self._lock = store, engine, session_id, lock
         self._saved_ids: list[int] = []  # token ids the chunks on disk hold, in order
+        self._recent_ids: dict[tuple, list[int]] = {}  # conversation -> its token ids, newest first
         self.restore = RestoreReport(0, 0, 0.0, False, "")
 
     # ------------------------------------------------------------------ open / close
@@ -141,7 +142,13 @@ class ChatSession:
         turns = self._conversation(messages, extra_user)
         if not turns:
             return []
-        return chat_token_ids(self.engine.tokenizer, turns, add_generation_prompt=generation_prompt)
+        # a turn tokenizes the same long conversation more than once (window check, prompt): remember a few
+        key = (tuple((turn["role"], turn["content"]) for turn in turns), generation_prompt)
+        ids = self._recent_ids.get(key)
+        if ids is None:
+            ids = chat_token_ids(self.engine.tokenizer, turns, add_generation_prompt=generation_prompt)
+            self._recent_ids = {key: ids, **dict(list(self._recent_ids.items())[:3])}
+        return list(ids)
 
     def check_window(self, text: str = "", messages: list[Message] | None = None) -> WindowCheck:
         """Whether a user message `text` and a short reply fit the model's window."""
