@@ -12,8 +12,8 @@ Two encodings, told apart by the `format` metadata, so every chunk says how to r
   dtype, positions per layer. Restores bit for bit.
 - `int8` (`infinigen-kv-chunk/2`, the default): each K/V row of one head is stored as int8 codes with one
   float16 scale (max |x| / 127, symmetric), i.e. per token and head. A layer that holds every position of
-  the chunk (no pool limit evicted anything) stores no position list. For SmolLM2-135M that is 11,888
-  bytes per token against 46,328, at a perplexity change far inside 0.2% (docs/BENCHMARKS.md).
+  the chunk (no pool limit evicted anything) stores no position list. For SmolLM2-135M that is 11,889
+  bytes per token against 46,329 (measured perplexity change after a resume: docs/BENCHMARKS.md).
 
 Reading maps the file into memory: the checksum runs over the mapping and the tensors handed to the
 engine are views of it, so the only copy is the one into the pool.
