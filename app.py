@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     from ui.layout import CSS, build_app
 
     try:
-        controller = ChatController(args.data_dir, args.model, args.device, quantize=args.quantize)
+        controller = ChatController(args.data_dir, args.model, args.device, quantize=args.quantize,
+                                    storage=args.storage)
     except (OSError, SessionError) as error:
         print(f"error: cannot use the data directory: {error}", file=sys.stderr)
         return 2

@@ -282,34 +282,44 @@ class KVPool:
         self.evicted_tokens = 0
 
     @torch.inference_mode()
-    def append_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def append_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                    key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None) -> None:
         """Restore rows of one layer (e.g. from a saved session) without running the model.
 
-        Call it for every layer with rows of the same positions, then `set_total_tokens`. Under a limit,
-        the newest rows are kept (sinks always).
+        With `key_scale`/`value_scale` [kv_heads, n], `keys`/`values` are integer codes and each row is
+        codes * scale, computed straight into the pool's slots (no full-size temporary). Call it for every
+        layer with rows of the same positions, then `set_total_tokens`. Under a limit, the newest rows are
+        kept (sinks always).
         """
         n = positions.numel()
         if n == 0:
             return
-        keys, values = keys.to(self.device, self.dtype), values.to(self.device, self.dtype)
         positions = positions.to(self.device)
         if layer == 0:  # layer 0 claims the slots for every layer
             self._append_start = self._size
         start = self._append_start
         if self.limit_tokens is not None and start + n > self.limit_tokens:
-            self._append_limited(layer, keys, values, positions, start)
+            self._append_limited(layer, self._widen(keys, key_scale), self._widen(values, value_scale), positions, start)
             return
         if layer == 0:
             self.ensure_capacity(start + n)
             self._size = start + n
         store = self._layers[layer]
         window = slice(start, start + n)
-        store.keys[:, window] = keys
-        store.values[:, window] = values
+        for target, rows, scale in ((store.keys, keys, key_scale), (store.values, values, value_scale)):
+            if scale is None:
+                target[:, window] = rows.to(self.device, self.dtype)
+            else:
+                torch.mul(rows.to(self.device), scale.to(self.device, self.dtype).unsqueeze(-1), out=target[:, window])
         self._positions[layer, window] = positions
         self._fetch_counts[layer, window] = 0
         if int(positions[0]) != start or int(positions[-1]) != start + n - 1:
             self._slots_are_positions = False
+
+    def _widen(self, rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """Rows in the pool's dtype and device (int8 codes times their per-row scale)."""
+        rows = rows.to(self.device, self.dtype)
+        return rows if scale is None else rows * scale.to(self.device, self.dtype).unsqueeze(-1)
 
     def _append_limited(self, layer, keys, values, positions, start) -> None:
         """append_rows past the limit: keep the sinks and the newest rows of the old and the new together."""

@@ -1,27 +1,50 @@
-"""Resume versus re-prefill: how much sooner the first new token comes when the KV pool is read from disk.
+"""Resume versus re-prefill: how much sooner the first new token comes when the KV pool is read from disk,
+what the chunks cost on disk, and what a compact format does to the conversation that follows.
 
-    python -m infinigen_core.eval resume --context 8192
+    python -m infinigen_core.eval resume --context 8192 --text book.txt --json
+
+One long conversation is built once (a document as the first message, a short reply). Its KV rows are
+then saved in every format asked for, as a session of their own. Per format:
+
+- cold: each chunk file is dropped from the page cache (fsync, then POSIX_FADV_DONTNEED) and the session
+  reopened, as it is days later; warm: reopened again at once. `resume_s` runs from opening the session to
+  the first token of a follow-up question.
+- `resumed_ppl_delta`: after the cold reopen, the text that follows the document is scored one decode step
+  at a time, and its perplexity compared with the same text scored on the uninterrupted conversation
+  (+0.001 = 0.1% worse).
+
+`reprefill_s` is what an app without a saved KV cache does: run the model over the whole conversation and
+the question again, up to the first token.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from infinigen_core.calibration import calibration_text
 from infinigen_core.config import SamplingConfig
 
 from .chat import REPLY_RESERVE_TOKENS, ChatSession
+from .snapshots import KV_FORMATS, write_chunk
+from .storage import StorageConfig
 from .store import SessionStore
 
+QUESTION = "What is the first word?"
 
-def _long_document(tokenizer, tokens: int) -> str:
-    text = calibration_text()
-    while len(tokenizer(text)["input_ids"]) < tokens:
-        text += "\n\n" + calibration_text()
-    ids = tokenizer(text)["input_ids"][:tokens]
-    return tokenizer.decode(ids)
+
+def _text_ids(tokenizer, text: str | None, needed: int) -> list[int]:
+    text = text or calibration_text()
+    ids = tokenizer(text)["input_ids"]
+    while len(ids) < needed:  # the shipped calibration text is short: repeat it
+        text += "\n\n" + text
+        ids = tokenizer(text)["input_ids"]
+    return list(ids)
 
 
 def _first_token_seconds(chat: ChatSession, question: str) -> float:
@@ -34,31 +57,102 @@ def _first_token_seconds(chat: ChatSession, question: str) -> float:
     return elapsed
 
 
-def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = None) -> dict:
-    """Build a ~context_tokens conversation, then time reopening it from disk against a re-prefill."""
+def _mean_nll(engine, tokens: list[int]) -> float:
+    """Mean negative log-likelihood of tokens[1:], each predicted by one decode step (the chat path)."""
+    total = 0.0
+    for token, target in zip(tokens[:-1], tokens[1:]):
+        logits = engine.decode(int(token)).float()
+        total += float(torch.nn.functional.cross_entropy(logits.view(1, -1), torch.tensor([target])))
+    return total / (len(tokens) - 1)
+
+
+def evict_from_page_cache(path: Path) -> None:
+    """Make the next read of `path` come from the disk: sync its pages, then drop them (no root needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _copy_session(source: SessionStore, source_id: str, target: SessionStore, rows: dict, signature: dict,
+                  tokens: int) -> str:
+    """The built conversation as a session of `target`, its KV written in `target`'s format."""
+    session_id = target.create("resume benchmark")
+    for m in source.messages(source_id):
+        target.add_message(session_id, m.role, m.content, m.token_start, m.token_end)
+    record = write_chunk(target.data_dir, session_id, rows, signature, 0, target.storage.kv_format)
+    target.add_chunk(session_id, record, signature, tokens)
+    return session_id
+
+
+def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = None, formats=tuple(KV_FORMATS),
+                   text: str | None = None, ppl_tokens: int = 128, progress=None) -> dict:
+    """Rows of {format, cold, tokens, disk_bytes_per_token, open_s, resume_s, reprefill_s, speedup,
+    resumed_ppl_delta}: a cold and a warm row per format (see the module docstring)."""
+    say = progress or (lambda message: None)
     with tempfile.TemporaryDirectory() as scratch:
-        store = SessionStore(data_dir or scratch)
-        session_id = store.create("resume benchmark")
-        # leave room in the window for the follow-up question and its reply, which send() checks for
-        target = min(context_tokens, engine.max_context - 2 * REPLY_RESERVE_TOKENS)
-        document = _long_document(engine.tokenizer, target - 120)
-        with ChatSession.open(store, engine, session_id) as chat:
-            for _ in chat.send("Here is a document:\n\n" + document, SamplingConfig(max_new_tokens=8)):
+        root = Path(data_dir or scratch)
+        build = SessionStore(root / "build", StorageConfig(kv_format="exact"))
+        built_id = build.create("resume benchmark")
+        # leave room in the window for the scored text, the follow-up question and its reply
+        target = min(context_tokens, engine.max_context - 2 * REPLY_RESERVE_TOKENS - ppl_tokens)
+        document_tokens = target - 120
+        ids = _text_ids(engine.tokenizer, text, document_tokens + ppl_tokens + 1)
+        document, following = ids[:document_tokens], ids[document_tokens : document_tokens + ppl_tokens + 1]
+        say(f"building a {target}-token conversation")
+        with ChatSession.open(build, engine, built_id) as chat:
+            message = "Here is a document:\n\n" + engine.tokenizer.decode(document)
+            for _ in chat.send(message, SamplingConfig(max_new_tokens=8)):
                 pass
             tokens = engine.num_tokens
-        engine.reset()  # drop every in-memory trace of the conversation
+            rows, signature = engine.export_rows(0, tokens), engine.kv_signature()
+            say(f"scoring {ppl_tokens} tokens of the following text on the uninterrupted conversation")
+            uninterrupted_nll = _mean_nll(engine, following)
+            engine.truncate(tokens)
+            full_prompt = chat._conversation_ids(extra_user=QUESTION, generation_prompt=True)
 
-        question = "What is the first word?"
-        started = time.perf_counter()
-        with ChatSession.open(store, engine, session_id) as chat:
-            open_s = time.perf_counter() - started
-            full_prompt = chat._conversation_ids(extra_user=question, generation_prompt=True)
-            resume_s = open_s + _first_token_seconds(chat, question)
-
-        # what an app without a saved KV cache does: run the model over the whole conversation again
+        say("re-prefill: running the model over the whole conversation again")
         engine.reset()
         started = time.perf_counter()
         int(engine.prefill(full_prompt).argmax())
         reprefill_s = time.perf_counter() - started
+
+        results = []
+        for kv_format in formats:
+            store = SessionStore(root / kv_format, StorageConfig(kv_format=kv_format))
+            session_id = _copy_session(build, built_id, store, rows, signature, tokens)
+            disk_bytes = sum(c.size for c in store.chunks(session_id))
+            for cold in (True, False):
+                if cold:
+                    for chunk in store.chunks(session_id):
+                        evict_from_page_cache(store.data_dir / chunk.file)
+                say(f"{kv_format}: reopening {'cold' if cold else 'warm'}")
+                engine.reset()  # drop every in-memory trace of the conversation
+                started = time.perf_counter()
+                with ChatSession.open(store, engine, session_id) as chat:
+                    open_s = time.perf_counter() - started
+                    if chat.restore.tokens_restored != tokens or chat.restore.rebuilt:
+                        raise RuntimeError(f"the {kv_format} session did not restore: {chat.restore}")
+                    resume_s = open_s + _first_token_seconds(chat, QUESTION)
+                    delta = None
+                    if cold:
+                        say(f"{kv_format}: scoring the following text after the resume")
+                        engine.truncate(tokens)
+                        delta = math.exp(_mean_nll(engine, following) - uninterrupted_nll) - 1.0
+                # forget the question's turn, so the next reopen finds the conversation as it was built
+                store.drop_chunks_from(session_id, tokens)
+                store.delete_messages_from(session_id, 2)
+                store.update(session_id, token_count=tokens)
+                results.append({
+                    "format": kv_format, "cold": cold, "tokens": tokens, "disk_bytes_per_token": disk_bytes / tokens,
+                    "open_s": open_s, "resume_s": resume_s, "reprefill_s": reprefill_s,
+                    "speedup": reprefill_s / resume_s, "resumed_ppl_delta": delta,
+                })
         engine.reset()
-    return {"tokens": tokens, "resume_s": resume_s, "reprefill_s": reprefill_s, "speedup": reprefill_s / resume_s}
+    for row in results:  # the warm row scores the same chunks as the cold one
+        if row["resumed_ppl_delta"] is None:
+            row["resumed_ppl_delta"] = next(r["resumed_ppl_delta"] for r in results
+                                            if r["format"] == row["format"] and r["cold"])
+    return {"rows": results, "scored_tokens": ppl_tokens, "text": "given" if text else "calibration text"}

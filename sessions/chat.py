@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from infinigen_core.config import SamplingConfig
 from infinigen_core.generation import GenerationEvent, chat_token_ids, generate
 
+from .budget import enforce_disk_limit
 from .errors import ContextWindowError, SessionError
-from .lock import SessionLock
+from .lock import SessionLock, session_lock
 from .snapshots import ChunkError, ChunkRecord, read_chunk, write_chunk
 from .store import Message, SessionStore
 
@@ -50,14 +51,16 @@ class ChatSession:
     def __init__(self, store: SessionStore, engine, session_id: str, lock: SessionLock) -> None:
         self.store, self.engine, self.id, self._lock = store, engine, session_id, lock
         self._saved_ids: list[int] = []  # token ids the chunks on disk hold, in order
+        self._recent_ids: dict[tuple, list[int]] = {}  # conversation -> its token ids, newest first
         self.restore = RestoreReport(0, 0, 0.0, False, "")
 
     # ------------------------------------------------------------------ open / close
     @classmethod
     def open(cls, store: SessionStore, engine, session_id: str, progress: Progress | None = None) -> "ChatSession":
         store.get(session_id)  # a clear error for an unknown id
-        lock = SessionLock(store.data_dir / "locks" / f"{session_id}.lock").acquire()
+        lock = session_lock(store.data_dir, session_id).acquire()
         try:
+            store.touch(session_id)
             session = cls(store, engine, session_id, lock)
             session.restore = session._restore(progress)
         except BaseException:
@@ -125,7 +128,12 @@ class ChatSession:
         if problem:
             self.store.drop_chunks_from(self.id, expected_start if tensors else -1)
         restored = engine.import_rows(tensors) if tensors else 0
+        del tensors  # views of the mapped files: let the mappings go
         self._saved_ids = list(engine.token_ids)
+        summary = self.store.get(self.id)
+        if not problem and summary.message_count and restored < max(summary.token_count, 1):
+            problem = ("its KV cache was dropped to stay within the disk limit" if summary.kv_dropped
+                       else "its KV cache was not on disk")
         prefilled = 0
         wanted = self._conversation_ids() if self.messages else []
         # re-read what the cache lacks: everything after a problem, or, for a cache brought back from an earlier
@@ -162,7 +170,13 @@ class ChatSession:
         turns = self._conversation(messages, extra_user)
         if not turns:
             return []
-        return chat_token_ids(self.engine.tokenizer, turns, add_generation_prompt=generation_prompt)
+        # a turn tokenizes the same long conversation more than once (window check, prompt): remember a few
+        key = (tuple((turn["role"], turn["content"]) for turn in turns), generation_prompt)
+        ids = self._recent_ids.get(key)
+        if ids is None:
+            ids = chat_token_ids(self.engine.tokenizer, turns, add_generation_prompt=generation_prompt)
+            self._recent_ids = {key: ids, **dict(list(self._recent_ids.items())[:3])}
+        return list(ids)
 
     def check_window(self, text: str = "", messages: list[Message] | None = None) -> WindowCheck:
         """Whether a user message `text` and a short reply fit the model's window."""
@@ -292,8 +306,10 @@ class ChatSession:
             signature = engine.kv_signature()
             ends = [boundary] if boundary is not None and start < boundary < len(ids) else []
             for end in ends + [len(ids)]:
-                record = write_chunk(self.store.data_dir, self.id, engine.export_rows(start, end), signature, start)
+                record = write_chunk(self.store.data_dir, self.id, engine.export_rows(start, end), signature, start,
+                                     self.store.storage.kv_format)
                 self.store.add_chunk(self.id, record, signature, end)
                 self._saved_ids, start = list(ids[:end]), end
+            enforce_disk_limit(self.store)  # this session holds its lock, so only other sessions' chunks can go
         else:
             self.store.update(self.id, token_count=len(ids))

@@ -13,10 +13,22 @@ from pathlib import Path
 from .errors import SessionLockedError
 
 
+def session_lock(data_dir: Path, session_id: str) -> "SessionLock":
+    return SessionLock(data_dir / "locks" / f"{session_id}.lock")
+
+
 class SessionLock:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = None
+
+    def try_acquire(self) -> bool:
+        """Take the lock if nobody holds it (this process's other windows count); False when held."""
+        try:
+            self.acquire()
+        except SessionLockedError:
+            return False
+        return True
 
     def acquire(self) -> "SessionLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)

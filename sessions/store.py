@@ -5,7 +5,8 @@
     for summary in store.list(): print(summary.title, summary.token_count)
 
 Chunk files live beside the database (kv/<session>/...). A branch shares its parent's chunk files; a
-file is removed only when no session refers to it any more.
+file is removed only when no session refers to it any more. `store.storage` says in which format new
+chunks are written and how much disk all chunks may take (sessions/budget.py keeps them under it).
 
 A session's chunks belong to the model (its KV signature) that wrote them. Opened under another model,
 they are parked (`park_chunks`), not dropped, keyed by their signature; switching back to that model
@@ -27,8 +28,10 @@ from pathlib import Path
 import sqlite_utils
 
 from .errors import SessionError, SessionNotFoundError
+from .lock import session_lock
 from .paths import default_data_dir
 from .snapshots import ChunkRecord
+from .storage import StorageConfig
 
 DB_NAME = "sessions.db"
 
@@ -56,8 +59,16 @@ class SessionSummary:
     settings: dict
     token_count: int
     message_count: int
-    bytes_on_disk: int
+    bytes_on_disk: int  # of its KV chunks, parked ones included (files shared with a branch count for both)
     origin: str = "app"  # "app" (the page, an import) or "api" (an OpenAI-API client's conversation)
+    kv_tokens: int = 0  # tokens its chunks on disk cover, from position 0
+    last_used: float = 0.0  # last opened or changed: the disk budget drops the least recent first
+    kv_dropped: bool = False  # its chunks went to keep within the disk budget
+
+    @property
+    def reopens_instantly(self) -> bool:
+        """Its KV cache is on disk in full (or it has no text yet): opening it reads chunks, not the text."""
+        return self.message_count == 0 or 0 < self.token_count <= self.kv_tokens
 
 
 @dataclass(frozen=True)
@@ -73,8 +84,9 @@ class Message:
 
 
 class SessionStore:
-    def __init__(self, data_dir: Path | str | None = None) -> None:
+    def __init__(self, data_dir: Path | str | None = None, storage: StorageConfig | None = None) -> None:
         self.data_dir = Path(data_dir).expanduser() if data_dir else default_data_dir()
+        self.storage = storage or StorageConfig()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         path = self.data_dir / DB_NAME
@@ -142,28 +154,31 @@ class SessionStore:
 
     @_locked
     def get(self, session_id: str) -> SessionSummary:
-        rows = list(self.db.query(_SUMMARY_SQL + " WHERE s.id = ? GROUP BY s.id", [session_id]))
+        rows = list(self.db.query(_SUMMARY_SQL + " WHERE s.id = ?", [session_id]))
         if not rows:
             raise SessionNotFoundError(f"no session with id {session_id!r} (it may have been deleted)")
         return self._summary(rows[0])
 
     @_locked
     def list(self) -> list[SessionSummary]:
-        """Every session, most recently used first."""
-        rows = self.db.query(_SUMMARY_SQL + " GROUP BY s.id ORDER BY s.updated DESC")
+        """Every session, most recently changed first: one query, whatever the number of sessions."""
+        rows = self.db.query(_SUMMARY_SQL + " ORDER BY s.updated DESC")
         return [self._summary(row) for row in rows]
 
-    def _summary(self, row: dict) -> SessionSummary:
-        files = [r["file"] for r in self.db.query("SELECT file FROM chunks WHERE session_id = ? UNION "
-                                                   "SELECT file FROM parked_chunks WHERE session_id = ?",
-                                                   [row["id"], row["id"]])]
-        size = sum((self.data_dir / f).stat().st_size for f in files if (self.data_dir / f).exists())
+    @staticmethod
+    def _summary(row: dict) -> SessionSummary:
         return SessionSummary(
             id=row["id"], title=row["title"], system_prompt=row["system_prompt"] or "", created=row["created"],
             updated=row["updated"], model_fingerprint=row["model_fingerprint"] or "",
             settings=json.loads(row["settings"] or "{}"), token_count=row["token_count"] or 0,
-            message_count=row["message_count"], bytes_on_disk=size, origin=row["origin"],
+            message_count=row["message_count"], bytes_on_disk=row["kv_bytes"], kv_tokens=row["kv_tokens"],
+            last_used=row["last_used"], kv_dropped=bool(row["kv_dropped"]), origin=row["origin"],
         )
+
+    @_locked
+    def touch(self, session_id: str) -> None:
+        """Mark the session used now (opened), for the disk budget's least-recently-used order."""
+        self.db["session_usage"].upsert({"session_id": session_id, "opened": time.time()}, pk="session_id")
 
     @_locked
     def update(self, session_id: str, **fields) -> None:
@@ -189,12 +204,19 @@ class SessionStore:
             self.db.execute("DELETE FROM chunks WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM parked_chunks WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM kv_signatures WHERE session_id = ?", [session_id])
+            self.db.execute("DELETE FROM session_usage WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM sessions WHERE id = ?", [session_id])
         self.remove_unreferenced(files)
         folder = self.data_dir / "kv" / session_id
+        for leftover in folder.glob(".*.tmp-*") if folder.is_dir() else []:  # a killed writer's temporary file
+            leftover.unlink(missing_ok=True)
         if folder.exists() and not any(folder.iterdir()):
             folder.rmdir()
+        lock = session_lock(self.data_dir, session_id)
+        if lock.try_acquire():  # nobody has it open: its lock file goes too
+            lock.path.unlink(missing_ok=True)
+            lock.release()
 
     def _referenced(self, name: str) -> bool:
         return bool(self.db.execute("SELECT 1 FROM chunks WHERE file = ? UNION ALL SELECT 1 FROM parked_chunks "
@@ -285,6 +307,7 @@ class SessionStore:
     def add_chunk(self, session_id: str, record: ChunkRecord, signature: dict[str, str], token_count: int) -> None:
         """Register a chunk whose file is already durable (the database commit comes last)."""
         with self.db.atomic():
+            self.db.execute("UPDATE session_usage SET kv_dropped = 0 WHERE session_id = ?", [session_id])
             self.db["kv_signatures"].upsert({"session_id": session_id, "signature": json.dumps(signature)},
                                             pk="session_id")
             self.db["chunks"].insert({"session_id": session_id, **record.__dict__}, replace=True)
@@ -298,8 +321,33 @@ class SessionStore:
             self.db.execute("DELETE FROM chunks WHERE session_id = ? AND end > ?", [session_id, position])
         self.remove_unreferenced(doomed)
 
-    def drop_all_chunks(self, session_id: str) -> None:
+    @_locked
+    def drop_all_chunks(self, session_id: str, for_budget: bool = False) -> None:
+        """Forget every chunk of the session (its messages stay); `for_budget` records why, for the sidebar."""
         self.drop_chunks_from(session_id, -1)
+        if for_budget:  # the budget counts other models' parked chunks too: they go as well
+            parked = [r["file"] for r in self.db.query("SELECT file FROM parked_chunks WHERE session_id = ?",
+                                                       [session_id])]
+            with self.db.atomic():
+                self.db.execute("DELETE FROM parked_chunks WHERE session_id = ?", [session_id])
+                self.db["session_usage"].upsert({"session_id": session_id, "kv_dropped": 1}, pk="session_id")
+            self.remove_unreferenced(parked)
+
+    @_locked
+    def kv_bytes(self) -> int:
+        """Bytes all chunk files take (a file shared by branches counts once)."""
+        row = self.db.execute("SELECT COALESCE(SUM(size), 0) FROM (SELECT file, size FROM chunks "
+                              "UNION SELECT file, size FROM parked_chunks)").fetchone()
+        return row[0]
+
+    @_locked
+    def sessions_with_chunks_least_recent_first(self) -> list[str]:
+        rows = self.db.execute(
+            "SELECT s.id FROM sessions s LEFT JOIN session_usage u ON u.session_id = s.id "
+            "WHERE EXISTS (SELECT 1 FROM chunks c WHERE c.session_id = s.id) "
+            "OR EXISTS (SELECT 1 FROM parked_chunks p WHERE p.session_id = s.id) "
+            "ORDER BY MAX(s.updated, COALESCE(u.opened, 0)) ASC").fetchall()
+        return [row[0] for row in rows]
 
     @_locked
     def park_chunks(self, session_id: str) -> int:
@@ -353,10 +401,10 @@ class SessionStore:
         keep = [m for m in messages if m.position <= next((x.position for x in messages if x.id == message_id), -1)]
         if not keep:
             raise SessionNotFoundError(f"message {message_id} is not in session {session_id}")
-        new_id = self.create(f"{source.title} (branch)", source.system_prompt, source.settings,
-                             source.model_fingerprint)
         end = keep[-1].token_end
-        with self.db.atomic():
+        with self.db.atomic():  # the new session and all it holds, or nothing
+            new_id = self.create(f"{source.title} (branch)", source.system_prompt, source.settings,
+                                 source.model_fingerprint)
             for m in keep:
                 self.db["messages"].insert({
                     "session_id": new_id, "role": m.role, "content": m.content, "position": m.position,
@@ -392,8 +440,11 @@ class SessionStore:
 
     def import_file(self, path: Path | str) -> str:
         from .archive import import_session
+        from .budget import enforce_disk_limit
 
-        return import_session(self, Path(path))
+        session_id = import_session(self, Path(path))
+        enforce_disk_limit(self)
+        return session_id
 
 
 ORIGINS = ("app", "api")
@@ -412,6 +463,8 @@ _TABLES = {  # the one description of the schema: tables are created from it and
     "parked_chunks": {"columns": {"session_id": str, "signature_key": str, "signature": str, "start": int, "end": int,
                                   "file": str, "sha256": str, "size": int},
                       "pk": ("session_id", "signature_key", "start"), "foreign_keys": _SESSION_KEY},
+    # added later: a database made before it simply gets the table (no existing table changes)
+    "session_usage": {"columns": {"session_id": str, "opened": float, "kv_dropped": int}, "pk": "session_id"},
 }
 
 _LATER_COLUMNS = {("sessions", "origin"): (str, "app")}  # (table, column): (type, value for existing rows)
@@ -420,7 +473,16 @@ _LATER_COLUMNS = {("sessions", "origin"): (str, "app")}  # (table, column): (typ
 def signature_key(signature: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
 
+
+# one statement for any number of sessions: the per-session figures are subqueries SQLite answers from indexes
 _SUMMARY_SQL = """
-SELECT s.*, COUNT(m.id) AS message_count
-FROM sessions s LEFT JOIN messages m ON m.session_id = s.id
+SELECT s.*,
+  (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id) AS message_count,
+  (SELECT COALESCE(SUM(c.size), 0) FROM chunks c WHERE c.session_id = s.id)
+    + (SELECT COALESCE(SUM(p.size), 0) FROM parked_chunks p WHERE p.session_id = s.id) AS kv_bytes,
+  (SELECT COALESCE(CASE WHEN MIN(c.start) = 0 AND SUM(c."end" - c.start) = MAX(c."end") THEN MAX(c."end") END, 0)
+     FROM chunks c WHERE c.session_id = s.id) AS kv_tokens,
+  MAX(s.updated, COALESCE(u.opened, 0)) AS last_used,
+  COALESCE(u.kv_dropped, 0) AS kv_dropped
+FROM sessions s LEFT JOIN session_usage u ON u.session_id = s.id
 """

@@ -88,7 +88,7 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page, app):
     assert page.locator(BOT).last.inner_text() == first_reply
     assert "Describe the sea" in page.locator("#ig-sessions").inner_html() or \
         "Describe the sea" in page.locator("#ig-sessions input").input_value()
-    page.wait_for_selector("#ig-session-info:has-text('MiB on disk')", timeout=30_000)
+    page.wait_for_selector("#ig-session-info:has-text(' on disk')", timeout=30_000)
     assert "2 messages" in page.locator("#ig-session-info").inner_text()
 
     send(page, "Now in one sentence.", by="click")

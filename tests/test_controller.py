@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from sessions import SessionStore
+from sessions import SessionStore, StorageConfig
 from sessions.lock import SessionLock
 from ui.controller import ChatController, UserError
 
@@ -65,7 +65,11 @@ def test_app_flags_default_to_a_private_local_server():
     assert (args.host, args.port, args.share, args.quantize, args.device) == ("127.0.0.1", 7860, False, None, "auto")
     args = parse_args(["--port", "8000", "--quantize", "4bit", "--data-dir", "~/chats"])
     assert args.port == 8000 and args.quantize == "4bit" and str(args.data_dir) == "~/chats"
-    for bad in (["--port", "0"], ["--quantize", "3bit"], ["--device", "tpu"]):
+    assert args.storage == StorageConfig()  # int8 chunks, a share of the free space
+    args = parse_args(["--kv-disk-limit", "20GiB", "--kv-format", "exact"])
+    assert args.storage == StorageConfig(kv_format="exact", kv_disk_limit=20 * 2**30)
+    for bad in (["--port", "0"], ["--quantize", "3bit"], ["--device", "tpu"], ["--kv-disk-limit", "lots"],
+                ["--kv-format", "zip"]):
         with pytest.raises(SystemExit) as exit_info:
             parse_args(bad)
         assert exit_info.value.code == 2
@@ -101,3 +105,23 @@ def test_an_exposed_app_without_an_api_key_refuses_to_start_and_says_why(tmp_pat
     assert done.returncode == 2
     assert "--api-key" in done.stderr and "--no-api" in done.stderr and "0.0.0.0" in done.stderr
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_the_kv_storage_setting_applies_at_once_and_spares_the_open_session(tmp_path, real_engine):
+    controller = _controller(tmp_path, real_engine)
+    try:
+        controller.apply_settings("infinigen", 12, "0.15", 0.5, "", False, 0.0, 1.0, 0, 1.0, 4)  # short replies
+        list(controller.send("What is the capital of France?"))
+        first = controller.chat.id
+        controller.new_session()
+        list(controller.send("And of Italy?"))
+        with pytest.raises(UserError, match="not a size"):
+            controller.apply_storage("int8", "a lot")
+        assert controller.store.storage == StorageConfig()  # the bad value changed nothing
+        message = controller.apply_storage("exact", "1KiB")  # smaller than any chat: all but the open one go
+        assert "dropped the KV cache of 1" in message and controller.store.storage.kv_format == "exact"
+        summaries = {s.id: s for s in controller.store.list()}
+        assert summaries[controller.chat.id].reopens_instantly and not summaries[first].reopens_instantly
+        assert summaries[first].message_count == 2  # its text stays
+    finally:
+        controller.chat.close()

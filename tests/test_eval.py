@@ -201,13 +201,24 @@ def test_ppl_cli_on_the_real_model(real_engine, tmp_path, capsys, monkeypatch):
 
 
 def test_resume_benchmark_on_the_real_model(real_engine):
+    from infinigen_core.eval.common import EvalError
     from infinigen_core.eval.resume import resume_versus_reprefill
 
-    result = resume_versus_reprefill(real_engine, 384)
-    assert 300 < result["tokens"] <= 384 + 64
-    assert result["resume_s"] > 0 and result["reprefill_s"] > 0
-    assert result["speedup"] == pytest.approx(result["reprefill_s"] / result["resume_s"])
+    result = resume_versus_reprefill(real_engine, 384, ppl_tokens=16)
+    assert 250 < result["tokens"] <= 384 + 64
+    assert [(row["format"], row["cold"]) for row in result["rows"]] == [("int8", True), ("int8", False),
+                                                                          ("exact", True), ("exact", False)]
+    for row in result["rows"]:
+        assert row["resume_s"] > 0 and row["reprefill_s"] > 0
+        assert row["speedup"] == pytest.approx(row["reprefill_s"] / row["resume_s"])
+    int8, exact = result["rows"][0], result["rows"][2]
+    assert result["format"] == "int8" and result["cold"] is True  # the default format, cold, at the top level
+    assert int8["disk_bytes_per_token"] <= 12_000 < 46_000 < exact["disk_bytes_per_token"]
+    assert exact["resumed_ppl_delta"] == pytest.approx(0.0, abs=1e-4)  # an exact resume changes nothing
+    assert abs(int8["resumed_ppl_delta"]) < 0.05
     assert real_engine.num_tokens == 0
+    with pytest.raises(EvalError, match="unknown KV format"):
+        resume_versus_reprefill(real_engine, 384, formats=("zip",))
 
 
 def test_plots_from_saved_results(tiny_engine, tmp_path):

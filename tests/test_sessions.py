@@ -19,6 +19,7 @@ from sessions import (
     SessionLockedError,
     SessionNotFoundError,
     SessionStore,
+    StorageConfig,
 )
 
 SHORT = SamplingConfig(max_new_tokens=6)
@@ -62,7 +63,8 @@ def test_store_lists_renames_and_deletes(store, two_turn_session):
         store.get(session_id)
 
 
-def test_reopened_session_continues_exactly_like_an_uninterrupted_run(store, real_engine):
+def test_reopened_session_continues_exactly_like_an_uninterrupted_run(tmp_path, real_engine):
+    store = SessionStore(tmp_path / "data", StorageConfig(kv_format="exact"))
     session_id = store.create("Round trip")
     follow_up = "Name one famous museum there."
     with ChatSession.open(store, real_engine, session_id) as chat:

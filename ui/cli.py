@@ -38,6 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"(default: ${API_KEY_VARIABLE}; required with a --host other than loopback or --share)")
     parser.add_argument("--api-max-waiting", type=int, default=4,
                         help="API requests that may wait for their turn; one more gets 429 (default 4)")
+    parser.add_argument("--kv-disk-limit", metavar="SIZE", default=None,
+                        help="disk space all sessions' saved KV caches may take, e.g. 20GiB; over it the least recently "
+                             "used sessions' KV is dropped (their text stays). Default: a quarter of the free space")
+    parser.add_argument("--kv-format", choices=("int8", "exact"), default="int8",
+                        help="how KV caches are saved: int8 (default, 4x smaller) or exact (bit for bit)")
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be between 1 and 65535, got {args.port}")
@@ -50,4 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         where = "a public --share link" if args.share else f"--host {args.host}"
         parser.error(f"with {where} the API would answer anyone who can reach it: give --api-key KEY "
                      f"(or set {API_KEY_VARIABLE}), or turn the API off with --no-api")
+    from sessions.storage import StorageConfig, parse_size
+
+    try:
+        limit = parse_size(args.kv_disk_limit) if args.kv_disk_limit is not None else None
+    except ValueError as error:
+        parser.error(f"--kv-disk-limit: {error}")
+    args.storage = StorageConfig(kv_format=args.kv_format, kv_disk_limit=limit)
     return args

@@ -17,7 +17,8 @@ from pathlib import Path
 from infinigen_core.config import ConfigError, EngineConfig, SamplingConfig, parse_budget, pool_limit_tokens
 from infinigen_core.engine import ContextOverflowError
 from infinigen_core.generation import GenerationEvent
-from sessions import ChatSession, SessionError, SessionLockedError, SessionStore
+from sessions import ChatSession, SessionError, SessionLockedError, SessionStore, StorageConfig, format_size, parse_size
+from sessions.budget import enforce_disk_limit
 from sessions.prefix import PrefixFinder
 
 
@@ -90,8 +91,9 @@ class Settings:
 
 class ChatController:
     def __init__(self, data_dir: Path | str | None = None, model: str | None = None, device: str = "auto",
-                 loader: Callable | None = None, quantize: str | None = None) -> None:
-        self.store = SessionStore(data_dir)
+                 loader: Callable | None = None, quantize: str | None = None,
+                 storage: StorageConfig | None = None) -> None:
+        self.store = SessionStore(data_dir, storage)
         self.model_path, self.device, self.quantize = model, device, quantize
         self.engine = None
         self.chat: ChatSession | None = None
@@ -128,6 +130,7 @@ class ChatController:
                                  quantize=self.quantize, progress=report)
             self.loaded_at = time.time()
             self._open_latest_free_session()
+            enforce_disk_limit(self.store)  # a lower limit than last time takes effect at once
             report(f"Ready: {self.engine.model_name} on {self.engine.device}")
         except Exception as error:  # shown in the UI instead of a frozen page
             self.load_error = f"Could not start: {error}"
@@ -278,6 +281,20 @@ class ChatController:
         return (f"Settings saved: {config.policy}, alpha {config.alpha:g}, budget {candidate.budget}, "
                 f"at least {config.min_fetch_tokens} tokens, partial ratio {config.partial_ratio:g}; they apply "
                 "from the next message.")
+
+    def apply_storage(self, kv_format: str, disk_limit: str) -> str:
+        """The format of new KV chunks and the disk limit of all of them; over the limit, the least recently
+        used sessions' chunks go at once (never the open session's). Raises UserError."""
+        try:
+            limit = parse_size(disk_limit) if str(disk_limit or "").strip() else None
+            storage = StorageConfig(kv_format=kv_format, kv_disk_limit=limit)
+        except ValueError as error:
+            raise UserError(f"KV storage not changed: {error}") from None
+        self.store.storage = storage
+        dropped = enforce_disk_limit(self.store)
+        used = format_size(self.store.kv_bytes())
+        freed = f"; dropped the KV cache of {len(dropped)} least recently used session(s)" if dropped else ""
+        return f"Saved: {storage.describe()}. KV chunks now take {used}{freed} (their text stays)."
 
     def _apply_pending_config(self, chat: ChatSession) -> None:
         config = getattr(self, "_pending_config", None)

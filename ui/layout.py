@@ -12,6 +12,7 @@ from pathlib import Path
 import gradio as gr
 
 from infinigen_core.config import POLICY_NAMES
+from sessions import format_size
 
 from . import inspector, panels
 from .controller import ChatController, UserError
@@ -24,13 +25,15 @@ footer { display: none !important; }
 
 
 def _session_choices(summaries) -> list[tuple[str, str]]:
-    """Short labels that fit the sidebar: title, tokens, last used (the open session's details sit below)."""
+    """Short labels that fit the sidebar: title, tokens, KV size on disk or "re-read" when its KV is not on
+    disk (opening it re-reads the text), last used (the open session's details sit below)."""
     choices = []
     for s in summaries:
         title = s.title if len(s.title) <= 20 else s.title[:19] + "…"
-        used = time.strftime("%d %b", time.localtime(s.updated))
+        used = time.strftime("%d %b", time.localtime(s.last_used))
         source = "API · " if s.origin == "api" else ""  # a conversation an OpenAI-API client had
-        choices.append((f"{source}{title} · {s.token_count:,} tok · {used}", s.id))
+        disk = format_size(s.bytes_on_disk) if s.reopens_instantly else "re-read"
+        choices.append((f"{source}{title} · {s.token_count:,} tok · {disk} · {used}", s.id))
     return choices
 
 
@@ -41,10 +44,16 @@ def _find(summaries, session_id: str | None):
 def _session_details(summary) -> str:
     if summary is None:
         return ""
-    used = time.strftime("%d %b %Y %H:%M", time.localtime(summary.updated))
+    used = time.strftime("%d %b %Y %H:%M", time.localtime(summary.last_used))
     source = "from the API · " if summary.origin == "api" else ""
+    if summary.reopens_instantly:
+        reopening = "reopens instantly (its KV cache is on disk)"
+    elif summary.kv_dropped:
+        reopening = "its KV cache was dropped to stay within the disk limit: opening it re-reads the text"
+    else:
+        reopening = "opening it re-reads the text (its KV cache is not on disk)"
     return (f"{source}{summary.token_count:,} tokens · {summary.message_count} messages · "
-            f"{summary.bytes_on_disk / 2**20:.1f} MiB on disk · last used {used}")
+            f"{format_size(summary.bytes_on_disk)} on disk · last used {used} · {reopening}")
 
 
 def _status_text(controller: ChatController) -> str:
@@ -127,6 +136,16 @@ def build_app(controller: ChatController) -> gr.Blocks:
                         max_new = gr.Number(value=256, precision=0, label="max new tokens")
                     apply_button = gr.Button("Apply settings")
                     settings_status = gr.Markdown()
+                with gr.Accordion("KV cache on disk (all sessions)", open=False):
+                    storage = controller.store.storage
+                    with gr.Row():
+                        kv_format = gr.Radio(["int8", "exact"], value=storage.kv_format,
+                                             label="format of new chunks (int8: 4x smaller; exact: bit for bit)")
+                        kv_limit = gr.Textbox(value=format_size(storage.kv_disk_limit)
+                                              if storage.kv_disk_limit is not None else "",
+                                              label="disk limit (e.g. 20GiB; empty = a quarter of the free space)")
+                    storage_button = gr.Button("Apply")
+                    storage_status = gr.Markdown()
         with gr.Tabs():
             with gr.Tab("Live panels"):
                 with gr.Row():
@@ -260,6 +279,12 @@ def build_app(controller: ChatController) -> gr.Blocks:
             except UserError as error:
                 fail(error)
 
+        def on_storage(kv_format_value, limit):
+            try:
+                return controller.apply_storage(kv_format_value, limit)
+            except UserError as error:
+                fail(error)
+
         def on_tick(last_seen):
             """Refresh the status always, the plots only when the engine ran a new step."""
             text = _status_text(controller)
@@ -298,7 +323,7 @@ def build_app(controller: ChatController) -> gr.Blocks:
             return inspector.render(controller.engine, int(step_index or 0), int(layer or 0))
 
         def list_sessions():
-            return [s.__dict__ for s in controller.store.list()]
+            return [{**s.__dict__, "reopens_instantly": s.reopens_instantly} for s in controller.store.list()]
 
         def app_status():
             return {"ready": controller.engine is not None and controller.ready.is_set(),
@@ -335,6 +360,8 @@ def build_app(controller: ChatController) -> gr.Blocks:
         model_button.click(on_switch_model, [model_picker, model_path], [chatbot, model_info, model_picker],
                            api_name="switch_model").then(refresh_sessions, None, session_outputs, api_name=False)
         system_button.click(on_system, system_box, settings_status, api_name="system_prompt")
+        storage_button.click(on_storage, [kv_format, kv_limit], storage_status, api_name="kv_storage").then(
+            refresh_sessions, None, session_outputs, api_name=False)
         apply_button.click(on_apply, [policy, alpha, budget, partial_ratio, pool_limit, record, temperature, top_p,
                                       top_k, repetition, max_new, min_fetch], settings_status,
                            api_name="apply_settings")

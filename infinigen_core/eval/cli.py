@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     resume = commands.add_parser("resume", help="first token after reopening a saved session vs re-prefill")
     _common(resume, None, text=False)
     resume.add_argument("--context", type=int, default=8192)
+    resume.add_argument("--text", type=Path, help="real text: the document and the text scored after the resume "
+                                                  "(default: the shipped calibration text, repeated)")
+    resume.add_argument("--formats", default="int8,exact", help="KV chunk formats to measure (default int8,exact)")
+    resume.add_argument("--ppl-tokens", type=int, default=128, help="tokens scored after the resume (default 128)")
 
     gpu = commands.add_parser("gpu", help="random-weight Llama-2-7B/Llama-3-8B shapes on a CUDA device")
     gpu.add_argument("--models", default="llama2-7b,llama3-8b")
@@ -214,11 +218,14 @@ def run_sweep(args) -> tuple[str, dict]:
 
 
 def run_resume(args) -> tuple[str, dict]:
-    from .resume import resume_versus_reprefill
+    from .resume import RESUME_COLUMNS, resume_versus_reprefill
 
+    text = read_text(args.text) if args.text else None
+    formats = [name.strip() for name in args.formats.split(",") if name.strip()]
     engine = _load_engine(args)
-    result = resume_versus_reprefill(engine, args.context)
-    return format_table([result], ["tokens", "resume_s", "reprefill_s", "speedup"]), result
+    result = resume_versus_reprefill(engine, args.context, formats=formats, text=text, ppl_tokens=args.ppl_tokens,
+                                     progress=_log)
+    return format_table(result["rows"], RESUME_COLUMNS), result
 
 
 def run_gpu(args) -> tuple[str, dict]:

@@ -1,0 +1,253 @@
+"""KV on disk: the int8 and exact chunk formats, the disk budget, deleting, and the store's queries.
+
+Format and store tests run on a tiny random-weight Llama (exact, seconds); what needs a tokenizer (opening a
+session re-reads its text) runs on the real default model.
+"""
+
+import hashlib
+import json
+import zipfile
+
+import pytest
+import torch
+from safetensors.torch import save as save_safetensors
+
+from conftest import make_tiny_engine, random_tokens
+from infinigen_core.config import SamplingConfig
+from sessions import ChatSession, SessionStore, StorageConfig, parse_size
+from sessions.budget import enforce_disk_limit
+from sessions.lock import session_lock
+from sessions.snapshots import EXACT_FORMAT, ChunkError, ChunkRecord, read_chunk, write_chunk
+
+
+@pytest.fixture
+def tiny(tiny_llama):
+    engine = make_tiny_engine(tiny_llama)
+    engine.prefill(random_tokens(96, seed=5))
+    return engine
+
+
+def _restore(engine, chunks):
+    engine.reset()
+    engine.import_rows(chunks)
+    return _pool(engine)
+
+
+def _pool(engine):
+    return [(engine.pool.keys(l).clone(), engine.pool.values(l).clone(), engine.pool.positions(l).clone())
+            for l in range(engine.adapter.num_layers)]
+
+
+def test_int8_chunk_round_trip_is_close_and_four_times_smaller(tiny, tmp_path):
+    original, ids, signature = _pool(tiny), list(tiny.token_ids), tiny.kv_signature()
+    rows = tiny.export_rows(0, len(ids))
+    compact = write_chunk(tmp_path, "s", rows, signature, 0, "int8")
+    exact = write_chunk(tmp_path, "s", rows, signature, 0, "exact")
+    assert compact.size < exact.size / 3  # 1 byte a value plus a 2-byte scale per 16-value row, against 4 bytes
+
+    restored = _restore(tiny, [read_chunk(tmp_path, compact, signature)])
+    assert tiny.token_ids == ids
+    for (keys, values, positions), (k, v, p) in zip(original, restored):
+        assert torch.equal(p, positions)
+        for before, after in ((keys, k), (values, v)):
+            step = before.abs().amax(dim=-1, keepdim=True) / 127  # one int8 step per row and head
+            assert ((after - before).abs() <= step / 2 + 1e-3 * step + 1e-7).all()
+            assert not torch.equal(after, before)  # it really is the compact encoding
+
+
+def test_exact_chunk_restores_bit_for_bit(tiny, tmp_path):
+    original, signature = _pool(tiny), tiny.kv_signature()
+    record = write_chunk(tmp_path, "s", tiny.export_rows(0, tiny.num_tokens), signature, 0, "exact")
+    for (keys, values, positions), (k, v, p) in zip(original, _restore(tiny, [read_chunk(tmp_path, record, signature)])):
+        assert torch.equal(k, keys) and torch.equal(v, values) and torch.equal(p, positions)
+
+
+def test_chunks_written_by_the_earlier_version_still_restore(tiny, tmp_path):
+    """The layout every earlier version wrote: safetensors of the exported rows, format /1, no encoding key."""
+    original, signature, n = _pool(tiny), tiny.kv_signature(), tiny.num_tokens
+    rows = tiny.export_rows(0, n)
+    data = save_safetensors({k: t.contiguous() for k, t in rows.items()},
+                            metadata={"format": EXACT_FORMAT, "start": "0", "end": str(n), **signature})
+    (tmp_path / "old.safetensors").write_bytes(data)
+    record = ChunkRecord("old.safetensors", 0, n, hashlib.sha256(data).hexdigest(), len(data))
+    for (keys, values, _), (k, v, _) in zip(original, _restore(tiny, [read_chunk(tmp_path, record, signature)])):
+        assert torch.equal(k, keys) and torch.equal(v, values)
+
+
+def test_int8_keeps_positions_of_a_pool_that_evicted(tiny_llama, tmp_path):
+    engine = make_tiny_engine(tiny_llama, pool_limit_tokens=96)
+    engine.prefill(random_tokens(80, seed=2))
+    for token in random_tokens(40, seed=3):
+        engine.decode(token)
+    signature, n = engine.kv_signature(), engine.num_tokens
+    positions = [engine.pool.positions(l).sort().values for l in range(engine.adapter.num_layers)]
+    assert positions[0].numel() < n  # some tokens were evicted: the positions are not 0..n-1
+    record = write_chunk(tmp_path, "s", engine.export_rows(0, n), signature, 0, "int8")
+    restored = _restore(engine, [read_chunk(tmp_path, record, signature)])
+    for expected, (_, _, p) in zip(positions, restored):
+        assert torch.equal(p, expected)
+
+
+def test_damaged_or_forged_int8_chunks_are_refused(tiny, tmp_path):
+    signature = tiny.kv_signature()
+    record = write_chunk(tmp_path, "s", tiny.export_rows(0, tiny.num_tokens), signature, 0, "int8")
+    path = tmp_path / record.file
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChunkError, match="checksum"):
+        read_chunk(tmp_path, record, signature)
+    with pytest.raises(ChunkError, match="another head dim"):
+        read_chunk(tmp_path, write_chunk(tmp_path, "t", tiny.export_rows(0, tiny.num_tokens), signature, 0, "int8"),
+                   {**signature, "head_dim": "32"})
+
+
+# ------------------------------------------------------------------------------------------ the store
+def _session_with_chunk(store, engine, title, kv_format="int8"):
+    session_id = store.create(title)
+    store.add_message(session_id, "user", f"{title}: hello", 0, 10)
+    store.add_message(session_id, "assistant", "hi", 10, engine.num_tokens)
+    record = write_chunk(store.data_dir, session_id, engine.export_rows(0, engine.num_tokens), engine.kv_signature(),
+                         0, kv_format)
+    store.add_chunk(session_id, record, engine.kv_signature(), engine.num_tokens)
+    return session_id
+
+
+def test_list_is_one_query_whatever_the_number_of_sessions(tiny, tmp_path):
+    store = SessionStore(tmp_path)
+    statements = []
+    store.db.conn.set_trace_callback(statements.append)
+
+    def count_list():
+        statements.clear()
+        summaries = store.list()
+        return len([s for s in statements if "SELECT" in s.upper()]), summaries  # not sqlite-utils' SAVEPOINTs
+
+    _session_with_chunk(store, tiny, "one")
+    one, _ = count_list()
+    for index in range(5):
+        _session_with_chunk(store, tiny, f"more {index}")
+    six, summaries = count_list()
+    assert one == six == 1
+    assert len(summaries) == 6 and all(s.message_count == 2 and s.kv_tokens == tiny.num_tokens for s in summaries)
+    assert all(s.bytes_on_disk == sum(c.size for c in store.chunks(s.id)) > 0 for s in summaries)
+
+
+def test_branch_is_one_transaction(tiny, tmp_path, monkeypatch):
+    store = SessionStore(tmp_path)
+    source = _session_with_chunk(store, tiny, "source")
+    reply = store.messages(source)[-1]
+    monkeypatch.setattr(store, "kv_signature", lambda session_id: (_ for _ in ()).throw(RuntimeError("disk full")))
+    with pytest.raises(RuntimeError, match="disk full"):
+        store.branch(source, reply.id)
+    assert [s.id for s in store.list()] == [source]  # no half-made session, no orphan messages
+    assert store.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 2
+    monkeypatch.undo()
+    branch = store.branch(source, reply.id)
+    assert [m.content for m in store.messages(branch)] == ["source: hello", "hi"]
+
+
+def test_delete_frees_the_session_files(tiny, tmp_path):
+    store = SessionStore(tmp_path)
+    session_id = _session_with_chunk(store, tiny, "doomed")
+    lock = session_lock(store.data_dir, session_id)
+    lock.acquire().release()  # it was opened once: its lock file exists
+    files = [store.data_dir / c.file for c in store.chunks(session_id)]
+    assert files and all(f.exists() for f in files)
+    store.delete(session_id)
+    assert not any(f.exists() for f in files)
+    assert not (store.data_dir / "kv" / session_id).exists() and not lock.path.exists()
+    assert store.kv_bytes() == 0
+
+
+def test_disk_budget_drops_least_recently_used_chunks_keeps_text_and_open_sessions(tiny, tmp_path):
+    store = SessionStore(tmp_path)
+    oldest, middle, newest = (_session_with_chunk(store, tiny, name) for name in ("oldest", "middle", "newest"))
+    store.touch(newest)
+    per_session = store.kv_bytes() // 3
+    held = session_lock(store.data_dir, oldest).acquire()  # the oldest is open (in this process): it must stay
+    try:
+        store.storage = StorageConfig(kv_disk_limit=2 * per_session)
+        assert enforce_disk_limit(store) == [middle]
+    finally:
+        held.release()
+    assert store.kv_bytes() == 2 * per_session
+    summaries = {s.id: s for s in store.list()}
+    assert summaries[oldest].reopens_instantly and summaries[newest].reopens_instantly
+    assert not summaries[middle].reopens_instantly and summaries[middle].kv_dropped
+    assert summaries[middle].bytes_on_disk == 0 and not list((store.data_dir / "kv" / middle).glob("*.safetensors"))
+    assert [m.content for m in store.messages(middle)] == ["middle: hello", "hi"]  # the text always stays
+    store.storage = StorageConfig(kv_disk_limit=0)
+    assert set(enforce_disk_limit(store)) == {oldest, newest} and store.kv_bytes() == 0
+
+
+def test_default_budget_is_a_share_of_the_free_space(tmp_path):
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    assert StorageConfig().limit_bytes(tmp_path, 0) == pytest.approx(free / 4, rel=0.01)
+    assert StorageConfig(kv_disk_limit=parse_size("1.5GiB")).limit_bytes(tmp_path, 0) == 3 * 2**29
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")
+    with pytest.raises(ValueError, match="unknown KV format"):
+        StorageConfig(kv_format="zip")
+
+
+# ------------------------------------------------------------------------------------------ real model
+def test_default_model_int8_chunks_fit_in_12000_bytes_per_token(real_engine, tmp_path):
+    store = SessionStore(tmp_path)
+    session_id = store.create("Size")
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        list(chat.send("Tell me about the sea. " * 40, SamplingConfig(max_new_tokens=4)))
+        tokens = real_engine.num_tokens
+        rows = real_engine.export_rows(0, tokens)
+    assert sum(c.size for c in store.chunks(session_id)) / tokens <= 12_000
+    exact = write_chunk(tmp_path, "x", rows, real_engine.kv_signature(), 0, "exact")
+    assert exact.size / tokens > 46_000  # float32 on the CPU: the compact format is 4x smaller
+
+
+def test_a_dropped_session_reopens_by_re_reading_its_text_with_progress(real_engine, tmp_path):
+    store = SessionStore(tmp_path)
+    first, second = store.create("First"), store.create("Second")
+    for session_id in (first, second):
+        with ChatSession.open(store, real_engine, session_id) as chat:
+            list(chat.send("What is the capital of France?", SamplingConfig(max_new_tokens=4)))
+            tokens = list(real_engine.token_ids)
+    store.storage = StorageConfig(kv_disk_limit=store.kv_bytes() // 2)
+    with ChatSession.open(store, real_engine, second):  # open while the budget is enforced: never dropped
+        assert enforce_disk_limit(store) == [first]
+    assert store.get(second).reopens_instantly and not store.get(first).reopens_instantly
+
+    store.storage = StorageConfig()
+    seen = []
+    real_engine.reset()
+    with ChatSession.open(store, real_engine, first, progress=lambda done, total: seen.append((done, total))) as chat:
+        assert chat.restore.rebuilt and "disk limit" in chat.restore.reason
+        assert chat.restore.tokens_prefilled > 0 and seen and seen[-1][0] == seen[-1][1]
+        assert len(chat.messages) == 2 and real_engine.token_ids[: len(tokens) - 4] == tokens[: len(tokens) - 4]
+    summary = store.get(first)
+    assert summary.reopens_instantly and not summary.kv_dropped  # written again as it was re-read
+    real_engine.reset()
+    with ChatSession.open(store, real_engine, first) as chat:
+        assert not chat.restore.rebuilt and chat.restore.tokens_restored == summary.token_count
+
+
+def test_export_and_import_carry_both_formats(real_engine, tmp_path):
+    store = SessionStore(tmp_path / "data", StorageConfig(kv_format="exact"))
+    session_id = store.create("Mixed")
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        list(chat.send("What is the capital of France?", SamplingConfig(max_new_tokens=4)))
+        store.storage = StorageConfig(kv_format="int8")
+        list(chat.send("And of Italy?", SamplingConfig(max_new_tokens=4)))
+        tokens, first_end = list(real_engine.token_ids), store.chunks(session_id)[0].end
+        exact_keys = real_engine.pool.keys(5)[:, :first_end].clone()
+    with zipfile.ZipFile(store.export(session_id, tmp_path / "a.igchat")) as archive:
+        assert len(json.loads(archive.read("manifest.json"))["chunks"]) == 2
+    other = SessionStore(tmp_path / "elsewhere")
+    imported = other.import_file(tmp_path / "a.igchat")
+    assert [c.sha256 for c in other.chunks(imported)] == [c.sha256 for c in store.chunks(session_id)]
+    real_engine.reset()
+    with ChatSession.open(other, real_engine, imported) as chat:
+        assert not chat.restore.rebuilt and real_engine.token_ids == tokens
+        assert torch.equal(real_engine.pool.keys(5)[:, :first_end], exact_keys)  # the exact chunk stayed exact
+        list(chat.send("And of Spain?", SamplingConfig(max_new_tokens=4)))  # and it keeps working
