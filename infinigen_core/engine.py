@@ -340,9 +340,11 @@ class InfiniGenEngine:
                 infinigen_step=step,
             )
         except BaseException:
+            self.policy.finish_step(completed=False)
             if self.pool.truncate(first):
                 self.policy.rebuild()
             raise
+        self.policy.finish_step(completed=True)
         self.token_ids.extend(token_ids)
         self.steps_run += 1
         stats.total_ms = (time.perf_counter() - started) * 1e3
@@ -467,24 +469,26 @@ class InfiniGenEngine:
         attention needs no copy of the keys per query head, and at one token no causal mask: `valid`
         (InfiniGen's alpha mask over ranked rows) is the only mask there is.
         """
+        if keys.dim() == 3:  # [kv, S, dim] (a pool view); a gather hands over [kv, 1, S, dim] already
+            keys, values = keys.unsqueeze(1), values.unsqueeze(1)
         kv_heads, dim = keys.shape[0], keys.shape[-1]
         grouped = query.view(kv_heads, 1, -1, dim)  # [kv, 1, group, dim]
         window = self.adapter.sliding_window(layer)
         if window is not None and selected is None:  # a sliding layer reads its last `window` positions only
             if self.pool.slots_are_positions:
-                keys, values = keys[:, -window:], values[:, -window:]  # slot i holds position i: a slice
+                keys, values = keys[:, :, -window:], values[:, :, -window:]  # slot i holds position i: a slice
             else:
                 positions = self.pool.positions(layer).to(self.device).view(1, -1)
                 valid = positions > self.pool.total_tokens - 1 - window
         softcap = self.adapter.softcap
         if self.policy.needs_attention_weights or softcap is not None:  # SDPA cannot soft-cap
             mask = None if valid is None else valid.view(1, 1, 1, -1)
-            out, probs = grouped_attention(query[0], keys, values, scaling, mask, softcap)
+            out, probs = grouped_attention(query[0], keys[:, 0], values[:, 0], scaling, mask, softcap)
             if self.policy.needs_attention_weights:
                 self.policy.on_attention(layer, selected, probs, new_slots)
         else:
             out = F.scaled_dot_product_attention(
-                grouped, keys.unsqueeze(1), values.unsqueeze(1), attn_mask=valid, scale=scaling
+                grouped, keys, values, attn_mask=valid, scale=scaling
             )
         return out.view(1, 1, -1, dim)
 

@@ -30,7 +30,7 @@ from .kv_pool import KVPool
 
 @dataclass
 class FetchedRows:
-    keys: torch.Tensor  # [kv_heads, rows, dim] on the compute device, the new token included
+    keys: torch.Tensor  # [kv_heads, rows, dim] or [kv_heads, 1, rows, dim] on the compute device, new token included
     values: torch.Tensor
     wait_ms: float
 
@@ -89,7 +89,8 @@ class _GatherAtWait(PendingFetch):
     def _rows(self, new_keys, new_values, new_slots):
         index = torch.cat([self.new_slot_columns(new_slots), self.slots], dim=1)
         self.on_gather(index.numel())
-        return self.pool.gather(self.layer, index)
+        heads, rows = index.shape
+        return self.pool.gather(self.layer, index, shape=(heads, 1, rows, self.pool.head_dim))
 
 
 class DirectFetcher:

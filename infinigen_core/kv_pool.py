@@ -228,16 +228,17 @@ class KVPool:
         return (slot_index + self._head_offsets).view(-1)
 
     @torch.inference_mode()
-    def gather(self, layer: int, slot_index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the rows `slot_index` [kv_heads, k] (on the pool's device) out of the pool, into `out` if given.
+    def gather(self, layer: int, slot_index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+               shape: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the rows `slot_index` [kv_heads, k] (on the pool's device) out of the pool, into `out` if given,
+        as [kv_heads, k, head_dim] (or `shape`, e.g. [kv_heads, 1, k, head_dim] for attention).
 
         One flat index_select per tensor: much cheaper than 2-D advanced indexing. Counts the fetch when
         eviction needs the counts.
         """
         store = self._layers[layer]
         rows = self.flat_rows(slot_index)
-        shape = (*slot_index.shape, self.head_dim)
+        shape = shape or (*slot_index.shape, self.head_dim)
         if out is None:
             keys = store.flat_keys.index_select(0, rows)
             values = store.flat_values.index_select(0, rows)

@@ -16,7 +16,7 @@ def _chooser(**settings):
     policy.ctx = type("Ctx", (), {"config": EngineConfig(**settings), "compute_device": torch.device("cpu"),
                                   "adapter": type("Adapter", (), {"num_heads": 4, "num_layers": 0})(), "pool": None})()
     policy._rank_thresholds = torch.empty(1, 0, dtype=torch.int64)
-    policy.partial_keys_t = []
+    policy.partial_keys_t, policy._partial_all, policy.sparse_layers = [], None, []
     policy.is_sparse = lambda layer: False
     return policy
 

@@ -73,6 +73,9 @@ class KVPolicy:
     def on_attention(self, layer: int, slots: torch.Tensor | None, probs: torch.Tensor, new_slots: torch.Tensor) -> None:
         """Attention probabilities [kv_heads, group, n, k(+n)] over `slots` (None: all rows) then the new tokens."""
 
+    def finish_step(self, completed: bool) -> None:
+        """A forward step ended (`completed` False: it failed and its tokens were taken back)."""
+
     def rebuild(self) -> None:
         """The pool's slots were reordered or restored: recompute any per-slot state from it."""
 

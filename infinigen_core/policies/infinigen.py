@@ -44,7 +44,13 @@ class InfiniGenPolicy(KVPolicy):
         self.rotary = [adapter.plain_rotary_query(layer) for layer in range(adapter.num_layers)]
         if any(self.rotary):
             self._init_rotary_rehearsal(device)
-        self.partial_keys_t: list[torch.Tensor | None] = [None] * adapter.num_layers
+        self.sparse_layers = [layer for layer in range(adapter.num_layers) if self.is_sparse(layer)]
+        # every sparse layer's key projection in one batch: a decode step's new partial keys are one product
+        self._stacked_key_projections = (torch.cat([self.key_projections[layer] for layer in self.sparse_layers])
+                                         if self.sparse_layers else None)
+        self._partial_all: torch.Tensor | None = None  # [sparse layers, kv_heads, r, capacity]
+        self.partial_keys_t: list[torch.Tensor | None] = [None] * adapter.num_layers  # views into it
+        self._pending_keys: list[torch.Tensor] = []  # this step's new keys, written in one go at its end
         self._rank_thresholds = torch.empty(1, 0, dtype=torch.int64, device=device)
         self.rebuild()
 
@@ -52,16 +58,16 @@ class InfiniGenPolicy(KVPolicy):
     # Stored channel-major, [kv_heads, r, capacity]: the score product then reads a plain strided slice
     # [:, :, :size] without copying it, which at 8k tokens saves tens of MB of copies per decode step.
     def ensure_capacity(self, capacity: int) -> None:
-        for layer in range(self.ctx.adapter.num_layers):
-            cache = self.partial_keys_t[layer]
-            if not self.is_sparse(layer) or (cache is not None and cache.shape[2] >= capacity):
-                continue
-            projection = self.key_projections[layer]
-            bigger = torch.zeros(projection.shape[0], projection.shape[2], capacity, device=projection.device,
-                                 dtype=self.partial_dtype)
+        cache = self._partial_all
+        if self.sparse_layers and (cache is None or cache.shape[3] < capacity):
+            projection = self.key_projections[self.sparse_layers[0]]
+            bigger = torch.zeros(len(self.sparse_layers), projection.shape[0], projection.shape[2], capacity,
+                                 device=projection.device, dtype=self.partial_dtype)
             if cache is not None:
-                bigger[:, :, : cache.shape[2]] = cache
-            self.partial_keys_t[layer] = bigger
+                bigger[..., : cache.shape[3]] = cache
+            self._partial_all = bigger
+            for index, layer in enumerate(self.sparse_layers):
+                self.partial_keys_t[layer] = bigger[index]
         if self._rank_thresholds.shape[1] < capacity + 1:
             # rank r of the selected rows (the new token is rank -1) is kept while r * heads < heads' total
             # count within alpha, i.e. r < the mean count: a compare against one device scalar
@@ -83,8 +89,25 @@ class InfiniGenPolicy(KVPolicy):
         device = self.ctx.compute_device
         if keys.dtype != self.partial_dtype or keys.device != device:
             keys = keys.to(device=device, dtype=self.partial_dtype)
+        if keys.shape[1] == 1 and self.ctx.pool.last_reserved_contiguous:
+            # one token in the same slot of every layer: kept for finish_step, which writes them all at once
+            # (nothing reads this token's partial key before the next step)
+            self._pending_keys.append(keys)
+            self._pending_slots = slots
+            return
         partial = torch.bmm(keys, self.key_projections[layer])
         self.partial_keys_t[layer].index_copy_(2, slots, partial.transpose(1, 2))
+
+    def finish_step(self, completed: bool) -> None:
+        pending, self._pending_keys = self._pending_keys, []
+        if not completed or not pending:
+            return
+        if len(pending) != len(self.sparse_layers):  # not a whole step's worth: cannot happen, but stay exact
+            raise RuntimeError("a decode step wrote the keys of only some sparse layers")
+        heads, dim = pending[0].shape[0], pending[0].shape[2]
+        keys = torch.stack(pending).view(-1, 1, dim)  # [sparse layers * kv_heads, 1, dim]
+        partial = torch.bmm(keys, self._stacked_key_projections)  # [sparse layers * kv_heads, 1, r]
+        self._partial_all.index_copy_(3, self._pending_slots, partial.view(len(pending), heads, -1, 1))
 
     def partial_keys(self, layer: int) -> torch.Tensor:
         """[kv_heads, slots, r]: the layer's skewed partial keys, slot by slot (a view)."""
@@ -160,8 +183,11 @@ class InfiniGenPolicy(KVPolicy):
         weights = torch.softmax(logits, dim=-1).sum(dim=1)  # [kv_heads, slots]
         if new_slots is not None:  # weights that underflow to 0 must still never pick the slot being written
             weights.index_fill_(1, new_slots, -1.0)
-        top = weights.topk(k, dim=-1, sorted=True)
+        # ranked: an unsorted top-k then a sort of its k values is several times cheaper than a sorted top-k
+        top = weights.topk(k, dim=-1, sorted=False)
+        scores, order = top.values.sort(dim=-1, descending=True)
+        slots = top.indices.gather(1, order)
         if self._rank_thresholds.shape[1] < k + 1:
             self.ensure_capacity(k)
         valid = self._rank_thresholds[:, : k + 1] < alpha_total  # [1, k + 1]
-        return Selection(top.indices, scores=top.values, valid=valid, alpha_total=alpha_total)
+        return Selection(slots, scores=scores, valid=valid, alpha_total=alpha_total)
