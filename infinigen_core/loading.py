@@ -192,9 +192,24 @@ def load_model(model_path: str | None, cache_dir: Path, device: torch.device, qu
 
 
 # ---------------------------------------------------------------------------------- fingerprints, skew
+# Config entries that say where or how a checkpoint was read, not what it computes: a GGUF read for the
+# first time and its dequantised copy read later must get one fingerprint, or saved sessions go stale.
+_CONFIG_KEYS_NOT_FINGERPRINTED = ("_name_or_path", "transformers_version")
+
+
+def _architecture_config(model) -> dict:
+    config = model.config.to_dict()
+    for key in _CONFIG_KEYS_NOT_FINGERPRINTED:
+        config.pop(key, None)
+    if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
+        config.pop("quantization_config")  # a GGUF is dequantised on loading: its weights are plain floats
+    return config
+
+
 def model_fingerprint(model) -> str:
-    """Changes whenever the weights or the architecture do; cheap (hashes a few tensors, not all)."""
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    """Changes whenever the weights or the architecture do, not with the path a model was read from; cheap
+    (hashes a few tensors, not all)."""
+    digest = hashlib.sha256(json.dumps(_architecture_config(model), sort_keys=True, default=str).encode())
     adapter = ModelAdapter.for_model(model)
     for module in (adapter.attention_modules(model)[0], adapter.attention_modules(model)[-1]):
         for weight in adapter.query_key_weights(module):

@@ -131,7 +131,9 @@ class ChatSession:
         del tensors  # views of the mapped files: let the mappings go
         self._saved_ids = list(engine.token_ids)
         summary = self.store.get(self.id)
-        if not problem and summary.message_count and restored < max(summary.token_count, 1):
+        # (a cache brought back from an earlier visit is measured against the conversation below, not against
+        # the token count that the other model wrote)
+        if not problem and not unparked and summary.message_count and restored < max(summary.token_count, 1):
             problem = ("its KV cache was dropped to stay within the disk limit" if summary.kv_dropped
                        else "its KV cache was not on disk")
         prefilled = 0

@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from infinigen_core.arch import UnsupportedModelError
 from infinigen_core.config import ConfigError, EngineConfig, pool_limit_tokens
-from infinigen_core.loading import ModelLoadError, load_engine
+from infinigen_core.loading import ModelLoadError, load_engine, model_fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,6 +84,23 @@ def test_a_local_llama_checkpoint_loads_calibrates_once_and_generates(tmp_path, 
     messages.clear()
     load_engine(str(checkpoint), device="cpu", cache_dir=tmp_path / "cache", progress=messages.append).close()
     assert not any("Calibrating" in m for m in messages)  # the skew cache was reused
+
+
+def test_the_fingerprint_follows_the_weights_not_the_path_or_how_they_were_read(tmp_path, tiny_llama):
+    # A GGUF is read from its file the first time and from its dequantised copy afterwards; saved sessions
+    # are keyed by the fingerprint, so both readings (and a moved checkpoint) must agree.
+    model, _ = tiny_llama
+    model.save_pretrained(tmp_path / "here")
+    model.save_pretrained(tmp_path / "moved")
+    here, moved = (LlamaForCausalLM.from_pretrained(tmp_path / name) for name in ("here", "moved"))
+    assert model_fingerprint(here) == model_fingerprint(moved) == model_fingerprint(model)
+    moved.config.quantization_config = {"quant_method": "gguf", "gguf_file": "x.gguf", "dequantize": False}
+    assert model_fingerprint(moved) == model_fingerprint(here)
+    with torch.no_grad():
+        moved.model.layers[-1].self_attn.k_proj.weight[0, 0] += 1e-3
+    assert model_fingerprint(moved) != model_fingerprint(here)
+    moved.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    assert model_fingerprint(moved) != model_fingerprint(here)
 
 
 def test_cli_rejects_bad_input_before_loading_anything():

@@ -30,7 +30,6 @@ def other_engine(real_engine_shared):
     engine.close()
 
 
-@pytest.mark.xfail(strict=False, reason="known failure after merging issues 12-14 (a restore sees the saved KV signature as another model's); see the closing note of 2026-11-23")
 def test_switching_back_restores_each_models_own_cache(tmp_path, real_engine, other_engine):
     store = SessionStore(tmp_path / "data")
     session_id = store.create("Switching", system_prompt="You are terse.")
@@ -72,7 +71,6 @@ def test_switching_back_restores_each_models_own_cache(tmp_path, real_engine, ot
     real_engine.reset()
 
 
-@pytest.mark.xfail(strict=False, reason="known failure after merging issues 12-14 (a restore sees the saved KV signature as another model's); see the closing note of 2026-11-23")
 def test_the_app_controller_switches_models_and_back(tmp_path, real_engine_shared):
     """The model picker's path: unload, load another, reopen the session under it; a bad choice goes back."""
     from infinigen_core.loading import ModelLoadError

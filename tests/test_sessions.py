@@ -361,7 +361,6 @@ def kill_worker_at(store, session_id, mode, marker):
     return turn1_tokens
 
 
-@pytest.mark.xfail(strict=False, reason="known failure after merging issues 12-14 (a restore sees the saved KV signature as another model's); see the closing note of 2026-11-23")
 def test_kill_9_during_generation_loses_at_most_the_turn_in_flight(store, real_engine):
     session_id = store.create("Crash")
     turn1_tokens = kill_worker_at(store, session_id, "generation", "TOKEN")
@@ -374,7 +373,6 @@ def test_kill_9_during_generation_loses_at_most_the_turn_in_flight(store, real_e
         assert events[-1].finish_reason is not None and len(chat.messages) == 4
 
 
-@pytest.mark.xfail(strict=False, reason="known failure after merging issues 12-14 (a restore sees the saved KV signature as another model's); see the closing note of 2026-11-23")
 def test_kill_9_during_a_snapshot_write_keeps_every_message(store, real_engine):
     session_id = store.create("Crash while saving")
     turn1_tokens = kill_worker_at(store, session_id, "snapshot", "SNAPSHOT WRITING")
