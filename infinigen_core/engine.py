@@ -275,7 +275,8 @@ class InfiniGenEngine:
         """Restore exported chunks (in order) after the current tokens, rebuilding partial keys; no model run.
 
         A chunk's K/V are in any dtype, or int8 codes with `k_scale.L` / `v_scale.L` [kv_heads, rows] beside
-        them (row = codes * scale); either way they are written straight into the pool's slots.
+        them (row = codes * scale) and perhaps `k_channel_scale.L` [kv_heads, dim] (each key channel times
+        its scale); either way they are written straight into the pool's slots.
         """
         self.fetcher.flush()
         restored = 0
@@ -288,7 +289,8 @@ class InfiniGenEngine:
                     raise ValueError("chunk positions overlap the tokens already cached")
                 # int8 chunks carry per-row scales; the pool widens the codes as it copies them in
                 self.pool.append_rows(layer, chunk[f"k.{layer}"], chunk[f"v.{layer}"], positions,
-                                      chunk.get(f"k_scale.{layer}"), chunk.get(f"v_scale.{layer}"))
+                                      chunk.get(f"k_scale.{layer}"), chunk.get(f"v_scale.{layer}"),
+                                      chunk.get(f"k_channel_scale.{layer}"))
             self.token_ids.extend(ids)
             self.pool.set_total_tokens(len(self.token_ids))
             restored += len(ids)

@@ -284,13 +284,15 @@ class KVPool:
 
     @torch.inference_mode()
     def append_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                    key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None) -> None:
+                    key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None,
+                    key_channel_scale: torch.Tensor | None = None) -> None:
         """Restore rows of one layer (e.g. from a saved session) without running the model.
 
         With `key_scale`/`value_scale` [kv_heads, n], `keys`/`values` are integer codes and each row is
-        codes * scale, computed straight into the pool's slots (no full-size temporary). Call it for every
-        layer with rows of the same positions, then `set_total_tokens`. Under a limit, the newest rows are
-        kept (sinks always).
+        codes * scale, computed straight into the pool's slots (no full-size temporary); with
+        `key_channel_scale` [kv_heads, dim] too, each key channel is then multiplied by its scale. Call it
+        for every layer with rows of the same positions, then `set_total_tokens`. Under a limit, the newest
+        rows are kept (sinks always).
         """
         n = positions.numel()
         if n == 0:
@@ -300,7 +302,8 @@ class KVPool:
             self._append_start = self._size
         start = self._append_start
         if self.limit_tokens is not None and start + n > self.limit_tokens:
-            self._append_limited(layer, self._widen(keys, key_scale), self._widen(values, value_scale), positions, start)
+            self._append_limited(layer, self._widen(keys, key_scale, key_channel_scale), self._widen(values, value_scale),
+                                 positions, start)
             return
         if layer == 0:
             self.ensure_capacity(start + n)
@@ -312,15 +315,22 @@ class KVPool:
                 target[:, window] = rows.to(self.device, self.dtype)
             else:
                 torch.mul(rows.to(self.device), scale.to(self.device, self.dtype).unsqueeze(-1), out=target[:, window])
+        if key_channel_scale is not None:
+            store.keys[:, window].mul_(key_channel_scale.to(self.device, self.dtype).unsqueeze(1))
         self._positions[layer, window] = positions
         self._fetch_counts[layer, window] = 0
         if int(positions[0]) != start or int(positions[-1]) != start + n - 1:
             self._slots_are_positions = False
 
-    def _widen(self, rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        """Rows in the pool's dtype and device (int8 codes times their per-row scale)."""
+    def _widen(self, rows: torch.Tensor, scale: torch.Tensor | None,
+               channel_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows in the pool's dtype and device (int8 codes times their per-row and per-channel scales)."""
         rows = rows.to(self.device, self.dtype)
-        return rows if scale is None else rows * scale.to(self.device, self.dtype).unsqueeze(-1)
+        if scale is not None:
+            rows = rows * scale.to(self.device, self.dtype).unsqueeze(-1)
+        if channel_scale is not None:
+            rows = rows * channel_scale.to(self.device, self.dtype).unsqueeze(1)
+        return rows
 
     def _append_limited(self, layer, keys, values, positions, start) -> None:
         """append_rows past the limit: keep the sinks and the newest rows of the old and the new together."""

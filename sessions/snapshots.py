@@ -10,10 +10,16 @@ Two encodings, told apart by the `format` metadata, so every chunk says how to r
 
 - `exact` (`infinigen-kv-chunk/1`, what every earlier version wrote): K/V rows in the engine's compute
   dtype, positions per layer. Restores bit for bit.
-- `int8` (`infinigen-kv-chunk/2`, the default): each K/V row of one head is stored as int8 codes with one
-  float16 scale (max |x| / 127, symmetric), i.e. per token and head. A layer that holds every position of
-  the chunk (no pool limit evicted anything) stores no position list. For SmolLM2-135M that is 11,889
-  bytes per token against 46,329 (measured perplexity change after a resume: docs/BENCHMARKS.md).
+- `int8` (`infinigen-kv-chunk/3`, the default): each K/V row of one head is stored as int8 codes with one
+  float16 scale (max |x| / 127, symmetric), i.e. per token and head. Keys have a few channels far larger
+  than the rest, which would leave the others only a handful of int8 steps, so in a chunk of at least
+  `KEY_SMOOTHING_MIN_ROWS` rows each key channel of a head is first divided by its largest magnitude in the
+  chunk (`k_channel_scale.L`, float16 [kv_heads, dim]); the per-token codes are taken of what remains and
+  a key is codes * token scale * channel scale. That halves the keys' error for 2 bytes per channel and
+  chunk. A layer that holds every position of the chunk (no pool limit evicted anything) stores no
+  position list. For SmolLM2-135M that is about 11,890 bytes per token against 46,329 (measured
+  perplexity change after a resume: docs/BENCHMARKS.md).
+- `int8` as the previous version wrote it (`infinigen-kv-chunk/2`: per-token scales only) is still read.
 
 Reading maps the file into memory: the checksum runs over the mapping and the tensors handed to the
 engine are views of it, so the only copy is the one into the pool.
@@ -36,8 +42,12 @@ from safetensors.torch import save as save_safetensors
 from .paths import atomic_write_bytes
 
 EXACT_FORMAT = "infinigen-kv-chunk/1"
-INT8_FORMAT = "infinigen-kv-chunk/2"
-KV_FORMATS = {"int8": INT8_FORMAT, "exact": EXACT_FORMAT}  # setting name -> chunk format
+INT8_PER_TOKEN_FORMAT = "infinigen-kv-chunk/2"  # read, no longer written
+INT8_FORMAT = "infinigen-kv-chunk/3"
+KV_FORMATS = {"int8": INT8_FORMAT, "exact": EXACT_FORMAT}  # setting name -> chunk format written
+_QUANTIZED_FORMATS = (INT8_FORMAT, INT8_PER_TOKEN_FORMAT)
+_READABLE_FORMATS = (EXACT_FORMAT, *_QUANTIZED_FORMATS)
+KEY_SMOOTHING_MIN_ROWS = 512  # from here the channel scales cost at most 0.4% of the key codes (2 bytes a channel)
 CHUNK_FORMAT = EXACT_FORMAT  # the format earlier versions knew; kept for readers of the old name
 INT8_MAX = 127
 _SCALE_DTYPE = torch.float16
@@ -90,13 +100,23 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+def channel_scales(keys: torch.Tensor) -> torch.Tensor:
+    """[heads, n, dim] -> float16 [heads, dim]: each channel's largest magnitude over the rows (1 where 0)."""
+    scale = keys.float().abs().amax(dim=1).clamp(max=torch.finfo(_SCALE_DTYPE).max).to(_SCALE_DTYPE)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
 def _int8_tensors(rows: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
     tensors = {"token_ids": rows["token_ids"]}
     every_position = torch.arange(start, end, dtype=torch.int64)
     layers = sum(1 for name in rows if name.startswith("pos."))
     for layer in range(layers):
-        for kind in ("k", "v"):
-            tensors[f"{kind}.{layer}"], tensors[f"{kind}_scale.{layer}"] = quantize_rows(rows[f"{kind}.{layer}"])
+        keys = rows[f"k.{layer}"]
+        if keys.shape[1] >= KEY_SMOOTHING_MIN_ROWS:
+            smoothing = tensors[f"k_channel_scale.{layer}"] = channel_scales(keys)
+            keys = keys.float() / smoothing.float().unsqueeze(1)  # divided by the scale as stored
+        tensors[f"k.{layer}"], tensors[f"k_scale.{layer}"] = quantize_rows(keys)
+        tensors[f"v.{layer}"], tensors[f"v_scale.{layer}"] = quantize_rows(rows[f"v.{layer}"])
         positions = rows[f"pos.{layer}"]
         if not torch.equal(positions, every_position):
             tensors[f"pos.{layer}"] = positions
@@ -107,8 +127,9 @@ def _int8_tensors(rows: dict[str, torch.Tensor], start: int, end: int) -> dict[s
 def read_chunk(data_dir: Path, record: ChunkRecord, signature: dict[str, str]) -> dict[str, torch.Tensor]:
     """The chunk as engine.import_rows takes it: views of the memory-mapped file, checked end to end.
 
-    K/V are either in the signature's dtype or int8 codes with `k_scale.L` / `v_scale.L` beside them;
-    positions are always present (filled in where the file leaves them out).
+    K/V are either in the signature's dtype or int8 codes with `k_scale.L` / `v_scale.L` beside them (and,
+    where the keys were smoothed, `k_channel_scale.L`); positions are always present (filled in where the
+    file leaves them out).
     """
     return parse_chunk(map_chunk(data_dir, record), signature, record.start, record.end)
 
@@ -203,7 +224,7 @@ def parse_chunk(data: bytes | memoryview, signature: dict[str, str], start: int,
     """Decode and validate a chunk blob against the engine's signature and its expected range."""
     metadata = chunk_metadata(data)
     kv_format = metadata.get("format")
-    if kv_format not in KV_FORMATS.values():
+    if kv_format not in _READABLE_FORMATS:
         raise ChunkError("not a KV chunk of this application")
     for key, expected in signature.items():
         if metadata.get(key) != expected:
@@ -211,9 +232,10 @@ def parse_chunk(data: bytes | memoryview, signature: dict[str, str], start: int,
     if metadata.get("start") != str(start) or metadata.get("end") != str(end):
         raise ChunkError(f"chunk covers {metadata.get('start')}-{metadata.get('end')}, expected {start}-{end}")
     tensors = _tensor_views(data)
-    if kv_format == INT8_FORMAT:
+    quantized = kv_format in _QUANTIZED_FORMATS
+    if quantized:
         _fill_positions(tensors, signature, start, end)
-    check_shapes(tensors, signature, start, end, quantized=kv_format == INT8_FORMAT)
+    check_shapes(tensors, signature, start, end, quantized, smoothed_keys=kv_format == INT8_FORMAT)
     return tensors
 
 
@@ -224,12 +246,15 @@ def _fill_positions(tensors: dict[str, torch.Tensor], signature: dict[str, str],
 
 
 def check_shapes(tensors: dict[str, torch.Tensor], signature: dict[str, str], start: int, end: int,
-                 quantized: bool = False) -> None:
+                 quantized: bool = False, smoothed_keys: bool = False) -> None:
+    """Every tensor a chunk must hold for this model, in its shape and dtype; `smoothed_keys`: a layer may
+    also hold key channel scales (format /3 writes them for chunks of KEY_SMOOTHING_MIN_ROWS rows or more)."""
     layers, heads, dim = (int(signature[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
     dtype = torch.int8 if quantized else getattr(torch, signature["dtype"])
     kinds = ("k", "v", "pos", "k_scale", "v_scale") if quantized else ("k", "v", "pos")
     expected_names = {"token_ids"} | {f"{kind}.{l}" for l in range(layers) for kind in kinds}
-    if set(tensors) != expected_names:
+    smoothing = {f"k_channel_scale.{l}" for l in range(layers)} if smoothed_keys else set()
+    if not expected_names <= set(tensors) <= expected_names | smoothing:
         raise ChunkError("chunk does not hold the expected tensors for this model")
     ids = tensors["token_ids"]
     if ids.dtype != torch.int64 or ids.shape != (end - start,):
@@ -248,5 +273,9 @@ def check_shapes(tensors: dict[str, torch.Tensor], signature: dict[str, str], st
                 scale = tensors[f"{kind}_scale.{layer}"]
                 if scale.shape != (heads, rows) or scale.dtype != _SCALE_DTYPE or not bool(torch.isfinite(scale).all()):
                     raise ChunkError(f"chunk {kind.upper()} scales of layer {layer} are malformed")
+            smoothing = tensors.get(f"k_channel_scale.{layer}")
+            if smoothing is not None and (smoothing.shape != (heads, dim) or smoothing.dtype != _SCALE_DTYPE
+                                          or not bool(torch.isfinite(smoothing).all())):
+                raise ChunkError(f"chunk key channel scales of layer {layer} are malformed")
         if rows and (int(positions.min()) < start or int(positions.max()) >= end):
             raise ChunkError(f"chunk positions of layer {layer} fall outside {start}-{end}")

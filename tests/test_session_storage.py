@@ -17,7 +17,8 @@ from infinigen_core.config import SamplingConfig
 from sessions import ChatSession, SessionStore, StorageConfig, parse_size
 from sessions.budget import enforce_disk_limit
 from sessions.lock import session_lock
-from sessions.snapshots import EXACT_FORMAT, KV_FORMATS, ChunkError, ChunkRecord, read_chunk, write_chunk
+from sessions.snapshots import (EXACT_FORMAT, INT8_PER_TOKEN_FORMAT, KEY_SMOOTHING_MIN_ROWS, KV_FORMATS, ChunkError,
+                                ChunkRecord, quantize_rows, read_chunk, write_chunk)
 
 
 @pytest.fixture
@@ -74,6 +75,62 @@ def test_chunks_written_by_the_earlier_version_still_restore(tiny, tmp_path):
         assert torch.equal(k, keys) and torch.equal(v, values)
 
 
+def _long_rows_with_an_outlier_channel(tiny_llama):
+    """Rows of a chunk long enough to be smoothed, whose keys have one channel 40x the others (as real keys do)."""
+    engine = make_tiny_engine(tiny_llama)
+    engine.prefill(random_tokens(KEY_SMOOTHING_MIN_ROWS + 40, seed=6))
+    rows = {name: tensor.clone() for name, tensor in engine.export_rows(0, engine.num_tokens).items()}
+    for layer in range(engine.adapter.num_layers):
+        rows[f"k.{layer}"][:, :, 3] *= 40
+    return engine, rows
+
+
+def test_int8_smooths_key_channels_in_long_chunks(tiny_llama, tmp_path):
+    engine, rows = _long_rows_with_an_outlier_channel(tiny_llama)
+    signature, n = engine.kv_signature(), engine.num_tokens
+    record = write_chunk(tmp_path, "s", rows, signature, 0, "int8")
+    chunk = read_chunk(tmp_path, record, signature)
+    assert all(f"k_channel_scale.{l}" in chunk for l in range(engine.adapter.num_layers))
+    engine.reset()
+    engine.import_rows([chunk])
+    for layer in range(engine.adapter.num_layers):
+        keys, restored = rows[f"k.{layer}"], engine.pool.keys(layer)
+        codes, scale = quantize_rows(keys)  # what per-token scales alone would give
+        per_token_error = codes * scale.float().unsqueeze(-1) - keys
+        smoothed_error = restored - keys
+        others = [c for c in range(keys.shape[-1]) if c != 3]  # the channels the outlier starved of int8 steps
+        assert smoothed_error[..., others].norm() < per_token_error[..., others].norm() / 4
+        assert smoothed_error.norm() < per_token_error.norm()
+        values = rows[f"v.{layer}"]
+        step = values.abs().amax(dim=-1, keepdim=True) / 127  # values keep their per-token scales
+        assert ((engine.pool.values(layer) - values).abs() <= step / 2 + 1e-3 * step + 1e-7).all()
+
+
+def test_int8_chunks_of_the_previous_version_still_restore(tiny_llama, tmp_path):
+    """Format /2 had per-token scales only (no key channel scales); it must keep reading."""
+    engine, rows = _long_rows_with_an_outlier_channel(tiny_llama)
+    signature, n = engine.kv_signature(), engine.num_tokens
+    tensors = {"token_ids": rows["token_ids"]}
+    for layer in range(engine.adapter.num_layers):
+        for kind in ("k", "v"):
+            tensors[f"{kind}.{layer}"], tensors[f"{kind}_scale.{layer}"] = quantize_rows(rows[f"{kind}.{layer}"])
+    data = save_safetensors(tensors, metadata={"format": INT8_PER_TOKEN_FORMAT, "start": "0", "end": str(n), **signature})
+    (tmp_path / "v2.safetensors").write_bytes(data)
+    record = ChunkRecord("v2.safetensors", 0, n, hashlib.sha256(data).hexdigest(), len(data))
+    engine.reset()
+    engine.import_rows([read_chunk(tmp_path, record, signature)])
+    for layer in range(engine.adapter.num_layers):
+        keys = rows[f"k.{layer}"]
+        step = keys.abs().amax(dim=-1, keepdim=True) / 127
+        assert ((engine.pool.keys(layer) - keys).abs() <= step / 2 + 1e-3 * step + 1e-7).all()
+        assert torch.equal(engine.pool.positions(layer), torch.arange(n))
+    tensors["k_channel_scale.0"] = torch.ones(engine.adapter.num_kv_heads, engine.adapter.head_dim, dtype=torch.float16)
+    data = save_safetensors(tensors, metadata={"format": INT8_PER_TOKEN_FORMAT, "start": "0", "end": str(n), **signature})
+    (tmp_path / "v2.safetensors").write_bytes(data)
+    with pytest.raises(ChunkError, match="expected tensors"):  # /2 never had channel scales
+        read_chunk(tmp_path, ChunkRecord("v2.safetensors", 0, n, hashlib.sha256(data).hexdigest(), len(data)), signature)
+
+
 def test_int8_keeps_positions_of_a_pool_that_evicted(tiny_llama, tmp_path):
     engine = make_tiny_engine(tiny_llama, pool_limit_tokens=96)
     engine.prefill(random_tokens(80, seed=2))
@@ -88,7 +145,7 @@ def test_int8_keeps_positions_of_a_pool_that_evicted(tiny_llama, tmp_path):
         assert torch.equal(p, expected)
 
 
-def test_damaged_or_forged_int8_chunks_are_refused(tiny, tmp_path):
+def test_damaged_or_forged_int8_chunks_are_refused(tiny, tiny_llama, tmp_path):
     signature = tiny.kv_signature()
     record = write_chunk(tmp_path, "s", tiny.export_rows(0, tiny.num_tokens), signature, 0, "int8")
     path = tmp_path / record.file
@@ -97,6 +154,18 @@ def test_damaged_or_forged_int8_chunks_are_refused(tiny, tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ChunkError, match="checksum"):
         read_chunk(tmp_path, record, signature)
+    engine, rows = _long_rows_with_an_outlier_channel(tiny_llama)
+    long_record = write_chunk(tmp_path, "u", rows, signature, 0, "int8")
+    path = tmp_path / long_record.file
+    tensors = dict(read_chunk(tmp_path, long_record, signature))
+    tensors = {name: t.clone() for name, t in tensors.items() if not name.startswith("pos.")}
+    tensors["k_channel_scale.1"] = tensors["k_channel_scale.1"][:, :-1].contiguous()
+    data = save_safetensors(tensors, metadata={"format": KV_FORMATS["int8"], "start": "0", "end": str(long_record.end),
+                                               **signature})
+    path.write_bytes(data)
+    forged = ChunkRecord(long_record.file, 0, long_record.end, hashlib.sha256(data).hexdigest(), len(data))
+    with pytest.raises(ChunkError, match="channel scales of layer 1 are malformed"):
+        read_chunk(tmp_path, forged, signature)
     with pytest.raises(ChunkError, match="another head dim"):
         read_chunk(tmp_path, write_chunk(tmp_path, "t", tiny.export_rows(0, tiny.num_tokens), signature, 0, "int8"),
                    {**signature, "head_dim": "32"})
