@@ -471,27 +471,28 @@ class InfiniGenEngine:
         attention needs no copy of the keys per query head, and at one token no causal mask: `valid`
         (InfiniGen's alpha mask over ranked rows) is the only mask there is.
         """
-        if keys.dim() == 3:  # [kv, S, dim] (a pool view); a gather hands over [kv, 1, S, dim] already
-            keys, values = keys.unsqueeze(1), values.unsqueeze(1)
+        # keys/values: [kv, S, dim] (a pool view) or [kv, 1, S, dim] (a gather, already in SDPA's shape)
         kv_heads, dim = keys.shape[0], keys.shape[-1]
-        grouped = query.view(kv_heads, 1, -1, dim)  # [kv, 1, group, dim]
         window = self.adapter.sliding_window(layer)
         if window is not None and selected is None:  # a sliding layer reads its last `window` positions only
             if self.pool.slots_are_positions:
-                keys, values = keys[:, :, -window:], values[:, :, -window:]  # slot i holds position i: a slice
+                keys, values = keys[..., -window:, :], values[..., -window:, :]  # slot i holds position i: a slice
             else:
                 positions = self.pool.positions(layer).to(self.device).view(1, -1)
                 valid = positions > self.pool.total_tokens - 1 - window
         softcap = self.adapter.softcap
         if self.policy.needs_attention_weights or softcap is not None:  # SDPA cannot soft-cap
+            if keys.dim() == 4:
+                keys, values = keys[:, 0], values[:, 0]
             mask = None if valid is None else valid.view(1, 1, 1, -1)
-            out, probs = grouped_attention(query[0], keys[:, 0], values[:, 0], scaling, mask, softcap)
+            out, probs = grouped_attention(query[0], keys, values, scaling, mask, softcap)
             if self.policy.needs_attention_weights:
                 self.policy.on_attention(layer, selected, probs, new_slots)
         else:
-            out = F.scaled_dot_product_attention(
-                grouped, keys, values, attn_mask=valid, scale=scaling
-            )
+            if keys.dim() == 3:
+                keys, values = keys.unsqueeze(1), values.unsqueeze(1)
+            grouped = query.view(kv_heads, 1, -1, dim)  # [kv, 1, group, dim]: a query group per KV head
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid, scale=scaling)
         return out.view(1, 1, -1, dim)
 
     def _record_selection(self, layer, query, key, scaling, selection, stats, step) -> None:

@@ -6,7 +6,9 @@
 
 `generate` first makes the cache hold exactly `prompt_ids` (reusing the longest cached prefix, so a chat
 turn only prefills its new tokens), then decodes. When it returns, every generated token, the last one
-included, is in the cache, so the next turn continues from it.
+included, is in the cache, so the next turn continues from it. `cancel` is checked before every token and
+between prefill chunks (`EngineConfig.prefill_chunk`), so a long prompt stops within one chunk too; the
+chunks already read stay cached.
 """
 
 from __future__ import annotations
@@ -73,6 +75,24 @@ def _end_token_ids(tokenizer) -> set[int]:
     return ids
 
 
+class _PrefillCancelled(Exception):
+    """Raised between prefill chunks when the reply was cancelled before its first token."""
+
+
+def _cancellable(progress: Callable[[int, int], None] | None, cancel: threading.Event | None):
+    """A prefill progress callback that also stops the prefill at the next chunk once `cancel` is set."""
+    if cancel is None:
+        return progress
+
+    def report(done: int, total: int) -> None:
+        if progress is not None:
+            progress(done, total)
+        if cancel.is_set() and done < total:
+            raise _PrefillCancelled
+
+    return report
+
+
 def generate(
     engine: InfiniGenEngine,
     prompt_ids: list[int],
@@ -86,7 +106,11 @@ def generate(
     if prompt_ids[-1:] and engine.token_ids == list(prompt_ids):
         # everything is cached, but the logits after the last token are needed: run it again
         engine.truncate(len(prompt_ids) - 1)
-    logits = engine.sync_to(list(prompt_ids), on_prefill_progress)
+    try:
+        logits = engine.sync_to(list(prompt_ids), _cancellable(on_prefill_progress, cancel))
+    except _PrefillCancelled:  # the cache keeps the chunks read so far: a prefix the next turn reuses
+        yield GenerationEvent(None, "", "", engine.history[-1] if engine.history else None, finish_reason="cancelled")
+        return
     engine.prepare(sampling.max_new_tokens + 1)  # room for the whole reply now, not in the middle of a token
     generated: list[int] = []
     text = ""  # the reply so far, cut at a stop string

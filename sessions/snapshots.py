@@ -45,6 +45,8 @@ EXACT_FORMAT = "infinigen-kv-chunk/1"
 INT8_PER_TOKEN_FORMAT = "infinigen-kv-chunk/2"  # read, no longer written
 INT8_FORMAT = "infinigen-kv-chunk/3"
 KV_FORMATS = {"int8": INT8_FORMAT, "exact": EXACT_FORMAT}  # setting name -> chunk format written
+# what the resume benchmark can also write, to compare against: the previous default
+BENCHMARK_FORMATS = {**KV_FORMATS, "int8-per-token": INT8_PER_TOKEN_FORMAT}
 _QUANTIZED_FORMATS = (INT8_FORMAT, INT8_PER_TOKEN_FORMAT)
 _READABLE_FORMATS = (EXACT_FORMAT, *_QUANTIZED_FORMATS)
 KEY_SMOOTHING_MIN_ROWS = 512  # from here the channel scales cost at most 0.4% of the key codes (2 bytes a channel)
@@ -82,11 +84,12 @@ def write_chunk(data_dir: Path, session_id: str, rows: dict[str, torch.Tensor], 
 
 
 def encode_chunk(rows: dict[str, torch.Tensor], signature: dict[str, str], start: int, kv_format: str) -> bytes:
-    if kv_format not in KV_FORMATS:
+    if kv_format not in BENCHMARK_FORMATS:
         raise ValueError(f"unknown KV format {kv_format!r}: choose {' or '.join(KV_FORMATS)}")
     end = start + int(rows["token_ids"].numel())
-    metadata = {"format": KV_FORMATS[kv_format], "start": str(start), "end": str(end), **signature}
-    tensors = rows if kv_format == "exact" else _int8_tensors(rows, start, end)
+    metadata = {"format": BENCHMARK_FORMATS[kv_format], "start": str(start), "end": str(end), **signature}
+    smooth_keys = BENCHMARK_FORMATS[kv_format] == INT8_FORMAT
+    tensors = rows if kv_format == "exact" else _int8_tensors(rows, start, end, smooth_keys)
     return save_safetensors({name: t.contiguous() for name, t in tensors.items()}, metadata=metadata)
 
 
@@ -106,13 +109,13 @@ def channel_scales(keys: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def _int8_tensors(rows: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
+def _int8_tensors(rows: dict[str, torch.Tensor], start: int, end: int, smooth_keys: bool) -> dict[str, torch.Tensor]:
     tensors = {"token_ids": rows["token_ids"]}
     every_position = torch.arange(start, end, dtype=torch.int64)
     layers = sum(1 for name in rows if name.startswith("pos."))
     for layer in range(layers):
         keys = rows[f"k.{layer}"]
-        if keys.shape[1] >= KEY_SMOOTHING_MIN_ROWS:
+        if smooth_keys and keys.shape[1] >= KEY_SMOOTHING_MIN_ROWS:
             smoothing = tensors[f"k_channel_scale.{layer}"] = channel_scales(keys)
             keys = keys.float() / smoothing.float().unsqueeze(1)  # divided by the scale as stored
         tensors[f"k.{layer}"], tensors[f"k_scale.{layer}"] = quantize_rows(keys)

@@ -18,14 +18,15 @@ def resume_versus_reprefill(engine, context: int, data_dir=None, formats=("int8"
     """sessions.benchmark.measure_resume's rows; the first (the first format, cold) also at the top level."""
     try:
         from sessions.benchmark import measure_resume
-        from sessions.snapshots import KV_FORMATS
+        from sessions.snapshots import BENCHMARK_FORMATS
     except ImportError as error:
         raise EvalError(f"the resume benchmark needs the sessions package (sessions.benchmark): {error}") from None
     if context < 64:
         raise EvalError(f"--context must be at least 64 tokens, got {context}")
-    unknown = [f for f in formats if f not in KV_FORMATS]
+    unknown = [f for f in formats if f not in BENCHMARK_FORMATS]
     if not formats or unknown:
-        raise EvalError(f"unknown KV format {', '.join(unknown) or '(none given)'}: choose from {', '.join(KV_FORMATS)}")
+        raise EvalError(f"unknown KV format {', '.join(unknown) or '(none given)'}: choose from "
+                        f"{', '.join(BENCHMARK_FORMATS)}")
     if ppl_tokens < 2:
         raise EvalError(f"--ppl-tokens must be at least 2, got {ppl_tokens}")
     result = measure_resume(engine, context, data_dir, tuple(formats), text, ppl_tokens, progress)
