@@ -114,6 +114,7 @@ class InfiniGenEngine:
             self.dtype = torch.float16
         self.skew_set = skew_set
         self.fingerprint = fingerprint
+        self.legacy_fingerprints: tuple[str, ...] = ()  # what earlier versions called this model (loading.py)
         self.token_ids: list[int] = []
         self.history: deque[StepStats] = deque(maxlen=config.history_steps)
         self.steps_run = 0
@@ -296,6 +297,10 @@ class InfiniGenEngine:
             restored += len(ids)
         self.policy.rebuild()
         return restored
+
+    def legacy_kv_signatures(self) -> list[dict[str, str]]:
+        """The signatures earlier versions wrote for this very pool (the model under an older fingerprint)."""
+        return [{**self.kv_signature(), "model_fingerprint": old} for old in self.legacy_fingerprints]
 
     def kv_signature(self) -> dict[str, str]:
         """What a saved pool must match to be reused."""

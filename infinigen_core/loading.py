@@ -209,7 +209,17 @@ def _architecture_config(model) -> dict:
 def model_fingerprint(model) -> str:
     """Changes whenever the weights or the architecture do, not with the path a model was read from; cheap
     (hashes a few tensors, not all)."""
-    digest = hashlib.sha256(json.dumps(_architecture_config(model), sort_keys=True, default=str).encode())
+    return _fingerprint(model, json.dumps(_architecture_config(model), sort_keys=True, default=str))
+
+
+def legacy_model_fingerprint(model) -> str:
+    """The fingerprint versions before 2026-11-23 gave the model: it also hashed the checkpoint's path and
+    the transformers version. Sessions saved under it are taken over (see sessions.chat), not re-read."""
+    return _fingerprint(model, model.config.to_json_string(use_diff=False))
+
+
+def _fingerprint(model, config_text: str) -> str:
+    digest = hashlib.sha256(config_text.encode())
     adapter = ModelAdapter.for_model(model)
     for module in (adapter.attention_modules(model)[0], adapter.attention_modules(model)[-1]):
         for weight in adapter.query_key_weights(module):
@@ -223,10 +233,16 @@ def load_or_calibrate_skew(model, tokenizer, cache_dir: Path, fingerprint: str, 
     if token_ids is None:
         token_ids = tokenizer(calibration_text())["input_ids"]
         token_ids = token_ids[: ModelAdapter.for_model(model).max_context]
-    path = cache_dir / "skew" / f"{fingerprint}-{calibration_digest(token_ids)}.safetensors"
+    digest = calibration_digest(token_ids)
+    path = cache_dir / "skew" / f"{fingerprint}-{digest}.safetensors"
     num_layers = ModelAdapter.for_model(model).num_layers
     cached = load_skew(path, num_layers)
     if cached is not None:
+        return cached
+    legacy = cache_dir / "skew" / f"{legacy_model_fingerprint(model)}-{digest}.safetensors"
+    cached = load_skew(legacy, num_layers) if legacy != path else None
+    if cached is not None:  # calibrated by an earlier version: the same model, under its old fingerprint
+        legacy.replace(path)
         return cached
     progress(f"Calibrating InfiniGen's skew matrices on {len(token_ids)} tokens (once per model)...")
     skew_set = calibrate(model, token_ids, device)
@@ -245,5 +261,6 @@ def load_engine(model: str | None = None, *, device: str = "auto", config: Engin
     skew_set = load_or_calibrate_skew(loaded, tokenizer, cache, fingerprint, compute_device, progress)
     engine = InfiniGenEngine(loaded, tokenizer, config or EngineConfig(), skew_set=skew_set,
                              device=compute_device, fingerprint=fingerprint)
+    engine.legacy_fingerprints = (legacy_model_fingerprint(loaded),)
     engine.model_name = name
     return engine

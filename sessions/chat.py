@@ -23,7 +23,7 @@ from infinigen_core.generation import GenerationEvent, chat_token_ids, generate
 from .budget import enforce_disk_limit
 from .errors import ContextWindowError, SessionError
 from .lock import SessionLock, session_lock
-from .snapshots import ChunkError, ChunkRecord, read_chunk, write_chunk
+from .snapshots import ChunkError, ChunkRecord, read_chunk, resign_chunk, write_chunk
 from .store import Message, SessionStore
 
 Progress = Callable[[int, int], None]
@@ -103,6 +103,8 @@ class ChatSession:
         engine, signature = self.engine, self.engine.kv_signature()
         engine.reset()
         self.store.remove_leftovers(self.id)
+        if self.store.kv_signature(self.id) in engine.legacy_kv_signatures():
+            self._take_over_legacy_chunks(self.store.kv_signature(self.id), signature)
         problem = ""
         if self.store.chunks(self.id) and self.store.kv_signature(self.id) != signature:
             # another model (or dtype) wrote them: set them aside for when it comes back, never drop them
@@ -146,6 +148,19 @@ class ChatSession:
             prefilled = engine.num_tokens - min(before, engine.num_tokens)
             self._persist_new_rows()
         return RestoreReport(restored, prefilled, time.perf_counter() - started, bool(problem), problem)
+
+    def _take_over_legacy_chunks(self, old: dict[str, str], new: dict[str, str]) -> None:
+        """Chunks an earlier version saved for this same model under its older fingerprint: each is checked
+        and rewritten under the current signature, so the session restores instead of being re-read."""
+        written: list[ChunkRecord] = []
+        try:
+            for record in self.store.chunks(self.id):
+                written.append(resign_chunk(self.store.data_dir, self.id, record, old, new))
+        except ChunkError:  # a damaged chunk: leave them all; the restore finds it and re-reads from there
+            for record in written:
+                (self.store.data_dir / record.file).unlink(missing_ok=True)
+            return
+        self.store.replace_chunks(self.id, written, new)
 
     # ------------------------------------------------------------------ conversation
     @property

@@ -6,7 +6,7 @@ database keeps its size and SHA-256; `read_chunk` checks all of it before any te
 Files are named by session and range and written atomically, so a crash leaves either the whole chunk
 or nothing.
 
-Two encodings, told apart by the `format` metadata, so every chunk says how to read it:
+The encodings, told apart by the `format` metadata, so every chunk says how to read it:
 
 - `exact` (`infinigen-kv-chunk/1`, what every earlier version wrote): K/V rows in the engine's compute
   dtype, positions per layer. Restores bit for bit.
@@ -75,9 +75,22 @@ class ChunkRecord:
 def write_chunk(data_dir: Path, session_id: str, rows: dict[str, torch.Tensor], signature: dict[str, str],
                 start: int, kv_format: str = "int8") -> ChunkRecord:
     """Persist exported rows (engine.export_rows) for positions [start, start + len(token_ids))."""
-    data = encode_chunk(rows, signature, start, kv_format)
-    digest = hashlib.sha256(data).hexdigest()
     end = start + int(rows["token_ids"].numel())
+    return _write_blob(data_dir, session_id, start, end, encode_chunk(rows, signature, start, kv_format))
+
+
+def resign_chunk(data_dir: Path, session_id: str, record: ChunkRecord, old_signature: dict[str, str],
+                 new_signature: dict[str, str]) -> ChunkRecord:
+    """A copy of a chunk, checked whole under `old_signature`, that names `new_signature` instead (for a pool
+    an earlier version saved under another name for the same model). The old file is left for the caller."""
+    data = map_chunk(data_dir, record)
+    parse_chunk(data, old_signature, record.start, record.end)
+    blob = save_safetensors(_tensor_views(data), metadata={**chunk_metadata(data), **new_signature})
+    return _write_blob(data_dir, session_id, record.start, record.end, blob)
+
+
+def _write_blob(data_dir: Path, session_id: str, start: int, end: int, data: bytes) -> ChunkRecord:
+    digest = hashlib.sha256(data).hexdigest()
     name = f"kv/{session_id}/{start:08d}-{end:08d}-{digest[:12]}.safetensors"
     atomic_write_bytes(data_dir / name, data)
     return ChunkRecord(name, start, end, digest, len(data))

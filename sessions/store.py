@@ -314,6 +314,19 @@ class SessionStore:
             self.db["sessions"].update(session_id, {"token_count": token_count, "updated": time.time()})
 
     @_locked
+    def replace_chunks(self, session_id: str, records: list[ChunkRecord], signature: dict[str, str]) -> None:
+        """Swap the session's chunks for `records` (durable files) under `signature`, in one transaction;
+        the old files go unless another session shares them."""
+        old = [c.file for c in self.chunks(session_id)]
+        with self.db.atomic():
+            self.db.execute("DELETE FROM chunks WHERE session_id = ?", [session_id])
+            for record in records:
+                self.db["chunks"].insert({"session_id": session_id, **record.__dict__})
+            self.db["kv_signatures"].upsert({"session_id": session_id, "signature": json.dumps(signature)},
+                                            pk="session_id")
+        self.remove_unreferenced([name for name in old if name not in {r.file for r in records}])
+
+    @_locked
     def drop_chunks_from(self, session_id: str, position: int) -> None:
         """Forget chunks that end after `position` (the conversation diverged there)."""
         doomed = [c.file for c in self.chunks(session_id) if c.end > position]

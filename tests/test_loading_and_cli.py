@@ -84,6 +84,13 @@ def test_a_local_llama_checkpoint_loads_calibrates_once_and_generates(tmp_path, 
     messages.clear()
     load_engine(str(checkpoint), device="cpu", cache_dir=tmp_path / "cache", progress=messages.append).close()
     assert not any("Calibrating" in m for m in messages)  # the skew cache was reused
+    # a skew an earlier version cached under the model's older fingerprint is found and renamed, not redone
+    (skew_file,) = (tmp_path / "cache" / "skew").iterdir()
+    legacy_name = skew_file.name.replace(engine.fingerprint, engine.legacy_fingerprints[0])
+    skew_file.rename(skew_file.with_name(legacy_name))
+    load_engine(str(checkpoint), device="cpu", cache_dir=tmp_path / "cache", progress=messages.append).close()
+    assert not any("Calibrating" in m for m in messages)
+    assert [f.name for f in (tmp_path / "cache" / "skew").iterdir()] == [skew_file.name]
 
 
 def test_the_fingerprint_follows_the_weights_not_the_path_or_how_they_were_read(tmp_path, tiny_llama):

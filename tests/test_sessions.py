@@ -118,6 +118,35 @@ def test_damaged_or_foreign_snapshots_are_detected_and_rebuilt(store, real_engin
         assert not chat.restore.rebuilt and chat.restore.tokens_restored == store.get(session_id).token_count
 
 
+def test_a_session_saved_under_the_models_older_fingerprint_is_taken_over_not_re_read(store, real_engine):
+    """Versions before 2026-11-23 fingerprinted the model with its path and transformers version; their
+    sessions of the same model restore (their chunks rewritten under the new signature), no re-read."""
+    from infinigen_core.loading import legacy_model_fingerprint
+
+    legacy = legacy_model_fingerprint(real_engine.model)
+    assert legacy in real_engine.legacy_fingerprints and legacy != real_engine.fingerprint
+    current = real_engine.fingerprint
+    session_id = store.create("Old", system_prompt="You are a terse assistant.")
+    real_engine.fingerprint = legacy  # the earlier version writes the session
+    try:
+        with ChatSession.open(store, real_engine, session_id) as chat:
+            run_turn(chat, "What is the capital of France?")
+            tokens = list(real_engine.token_ids)
+    finally:
+        real_engine.fingerprint = current
+    old_files = [c.file for c in store.chunks(session_id)]
+    assert store.kv_signature(session_id)["model_fingerprint"] == legacy
+    real_engine.reset()
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        assert not chat.restore.rebuilt and chat.restore.tokens_restored == len(tokens)
+        assert real_engine.token_ids == tokens
+    assert store.kv_signature(session_id) == real_engine.kv_signature()
+    assert not any((store.data_dir / name).exists() for name in old_files)  # rewritten, the old files gone
+    real_engine.reset()
+    with ChatSession.open(store, real_engine, session_id) as chat:  # and they read as this version's own
+        assert not chat.restore.rebuilt and chat.restore.tokens_restored == len(tokens)
+
+
 def test_one_writer_per_session(store, real_engine, two_turn_session):
     session_id, _ = two_turn_session
     with ChatSession.open(store, real_engine, session_id):

@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--context", type=int, default=8192)
     resume.add_argument("--text", type=Path, help="real text: the document and the text scored after the resume "
                                                   "(default: the shipped calibration text, repeated)")
-    resume.add_argument("--formats", default="int8,exact", help="KV chunk formats to measure (default int8,exact; int8-per-token: the previous int8 format, "
-                             "without the key channel smoothing)")
+    resume.add_argument("--formats", default="int8,exact",
+                        help="KV chunk formats to measure (default int8,exact; int8-per-token: the previous int8 "
+                             "format, without the key channel smoothing)")
     resume.add_argument("--ppl-tokens", type=int, default=128, help="tokens scored after the resume (default 128)")
 
     gpu = commands.add_parser("gpu", help="random-weight Llama-2-7B/Llama-3-8B shapes on a CUDA device")
