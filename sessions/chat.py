@@ -153,13 +153,11 @@ class ChatSession:
         """Chunks an earlier version saved for this same model under its older fingerprint: each is checked
         and rewritten under the current signature, so the session restores instead of being re-read."""
         written: list[ChunkRecord] = []
-        try:
-            for record in self.store.chunks(self.id):
+        for record in self.store.chunks(self.id):
+            try:
                 written.append(resign_chunk(self.store.data_dir, self.id, record, old, new))
-        except ChunkError:  # a damaged chunk: leave them all; the restore finds it and re-reads from there
-            for record in written:
-                (self.store.data_dir / record.file).unlink(missing_ok=True)
-            return
+            except ChunkError:  # damaged or missing: keep the intact chunks before it; the rest is re-read
+                break
         self.store.replace_chunks(self.id, written, new)
 
     # ------------------------------------------------------------------ conversation

@@ -147,6 +147,31 @@ def test_a_session_saved_under_the_models_older_fingerprint_is_taken_over_not_re
         assert not chat.restore.rebuilt and chat.restore.tokens_restored == len(tokens)
 
 
+def test_a_damaged_chunk_of_an_older_version_keeps_the_intact_ones_and_re_reads_the_rest(store, real_engine):
+    from infinigen_core.loading import legacy_model_fingerprint
+
+    current = real_engine.fingerprint
+    session_id = store.create("Old and damaged")
+    real_engine.fingerprint = legacy_model_fingerprint(real_engine.model)
+    try:
+        with ChatSession.open(store, real_engine, session_id) as chat:
+            run_turn(chat, "What is the capital of France?")
+            run_turn(chat, "And of Italy?")
+            tokens = list(real_engine.token_ids)
+    finally:
+        real_engine.fingerprint = current
+    chunks = store.chunks(session_id)
+    (store.data_dir / chunks[2].file).unlink()  # the second turn's prompt chunk is gone
+    real_engine.reset()
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        assert chat.restore.tokens_restored == chunks[1].end  # the first turn came back from disk
+        assert chat.restore.rebuilt and 0 < chat.restore.tokens_prefilled
+        assert len(chat.messages) == 4 and real_engine.token_ids[: len(tokens) - 4] == tokens[: len(tokens) - 4]
+    assert store.kv_signature(session_id) == real_engine.kv_signature()
+    assert sorted(p.name for p in (store.data_dir / "kv" / session_id).iterdir()) == \
+        sorted(Path(c.file).name for c in store.chunks(session_id))  # no stray files
+
+
 def test_one_writer_per_session(store, real_engine, two_turn_session):
     session_id, _ = two_turn_session
     with ChatSession.open(store, real_engine, session_id):
