@@ -125,6 +125,7 @@ class InfiniGenEngine:
             for module in self._attention_modules
         ]
         self.pool: KVPool | None = None
+        self.fetcher = None
         self._ones: torch.Tensor | None = None
         self.configure(config)
 
@@ -146,8 +147,8 @@ class InfiniGenEngine:
             recent_window=config.recent_window,
         )
         old_pool = self.pool
-        if getattr(self, "fetcher", None) is not None:
-            self.fetcher.flush()
+        if self.fetcher is not None:
+            self.fetcher.flush()  # every pending write lands in the old pool first
         if old_pool is None or not old_pool.same_layout(**layout):
             self.pool = KVPool(
                 num_layers=self.adapter.num_layers,
@@ -163,7 +164,7 @@ class InfiniGenEngine:
         self.history = deque(self.history, maxlen=config.history_steps)
         context = PolicyContext(self.pool, config, self.adapter, self._attention_modules, self.device, self.skew_set)
         self.policy = policy_class(context)
-        if getattr(self, "fetcher", None) is not None:
+        if self.fetcher is not None:
             self.fetcher.close()
         self.fetcher = make_fetcher(self.pool, self.device, max_rows=config.budget_tokens_for(self.max_context) + 1)
 
@@ -436,11 +437,9 @@ class InfiniGenEngine:
             pending, selection = step.prefetched.pop(layer, None) or self._start_fetch(layer, step)
             fetched = pending.wait(new_keys, new_values, slots)
             stats.fetch_wait_ms = fetched.wait_ms
-            if selection is None:
-                out = self._attend_decode(layer, query, fetched.keys, fetched.values, scaling, None, slots, None)
-            else:
-                out = self._attend_decode(layer, query, fetched.keys, fetched.values, scaling, selection.valid,
-                                          slots, selection.slots)
+            valid, selected = (None, None) if selection is None else (selection.valid, selection.slots)
+            out = self._attend_decode(layer, query, fetched.keys, fetched.values, scaling, valid, slots, selected)
+            if selection is not None:
                 self._record_selection(layer, query, key, scaling, selection, stats, step)
         stats.compute_ms = (time.perf_counter() - started) * 1e3 - stats.fetch_wait_ms
         step.stats.layers.append(stats)

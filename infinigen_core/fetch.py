@@ -100,7 +100,7 @@ class DirectFetcher:
         self.pool, self.device = pool, device
         self.host = HostChannel(device)
         self.bytes_fetched = 0
-        self._row_bytes = 2 * pool.head_dim * torch.empty(0, dtype=pool.dtype).element_size()
+        self._row_bytes = pool.bytes_per_row()
         self._columns_source: torch.Tensor | None = None
         self._columns: torch.Tensor | None = None
 
@@ -160,7 +160,7 @@ class StreamFetcher:
         self.pool, self.device = pool, device
         self.host = HostChannel(device)
         self.bytes_fetched = 0
-        self._row_bytes = 2 * pool.head_dim * torch.empty(0, dtype=pool.dtype).element_size()
+        self._row_bytes = pool.bytes_per_row()
         self._stream = torch.cuda.Stream(device=device)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
         shape = (2, pool.num_kv_heads, max_rows, pool.head_dim)  # two buffers: one fills while one uploads
@@ -190,12 +190,11 @@ class StreamFetcher:
         index, self._next_staging = self._next_staging, 1 - self._next_staging
         if self._staging_free[index] is not None:
             self._staging_free[index].synchronize()  # the upload that last read this buffer is done
-        k = host_slots.shape[1]
-        staged_keys = self._staging_keys[index, :, :k]
-        staged_values = self._staging_values[index, :, :k]
-        if k < self._staging_keys.shape[2]:  # out= needs a contiguous buffer: use the front of this one
-            staged_keys = self._staging_keys[index].view(-1)[: staged_keys.numel()].view(staged_keys.shape)
-            staged_values = self._staging_values[index].view(-1)[: staged_values.numel()].view(staged_values.shape)
+        # out= needs a contiguous buffer: the front of this one, shaped [kv_heads, k, dim]
+        shape = (*host_slots.shape, self.pool.head_dim)
+        count = host_slots.numel() * self.pool.head_dim
+        staged_keys = self._staging_keys[index].view(-1)[:count].view(shape)
+        staged_values = self._staging_values[index].view(-1)[:count].view(shape)
         self.pool.gather(layer, host_slots, out=(staged_keys, staged_values))
         with torch.cuda.stream(self._stream):
             keys = staged_keys.to(self.device, non_blocking=True)

@@ -380,7 +380,11 @@ class KVPool:
         return self._size * self.bytes_per_token()
 
     def bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        return self.num_layers * self.num_kv_heads * self.bytes_per_row()
+
+    def bytes_per_row(self) -> int:
+        """A key row and a value row of one KV head in one layer: what fetching one slot moves."""
+        return 2 * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
 
 def release_pinned_memory(pool: KVPool) -> None:

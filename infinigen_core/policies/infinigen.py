@@ -129,7 +129,6 @@ class InfiniGenPolicy(KVPolicy):
         rotate[torch.arange(half) + half, torch.arange(half)] = -1.0  # out[c] = -q[c + half]   (c < half)
         rotate[torch.arange(half), torch.arange(half) + half] = 1.0  # out[c] = q[c - half]    (c >= half)
         self._rotate_pairs = torch.cat([torch.eye(dim), rotate], dim=1).to(device=device, dtype=self.partial_dtype)
-        self.single_query_projections = self.query_projections
         self.query_projections = [torch.cat([p, p], dim=1) for p in self.query_projections]  # [kv, 2 dim, r]
         self._rope_source: torch.Tensor | None = None
         self._rope_factors: torch.Tensor | None = None
