@@ -25,13 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from infinigen_core.calibration import calibration_text
 from infinigen_core.config import SamplingConfig
+from infinigen_core.eval.common import mean_nll
 
 from .chat import REPLY_RESERVE_TOKENS, ChatSession
-from .snapshots import KV_FORMATS, write_chunk
+from .snapshots import KV_FORMATS, ChunkRecord, write_chunk
 from .storage import StorageConfig
 from .store import SessionStore
 
@@ -59,11 +58,8 @@ def _first_token_seconds(chat: ChatSession, question: str) -> float:
 
 def _mean_nll(engine, tokens: list[int]) -> float:
     """Mean negative log-likelihood of tokens[1:], each predicted by one decode step (the chat path)."""
-    total = 0.0
-    for token, target in zip(tokens[:-1], tokens[1:]):
-        logits = engine.decode(int(token)).float()
-        total += float(torch.nn.functional.cross_entropy(logits.view(1, -1), torch.tensor([target])))
-    return total / (len(tokens) - 1)
+    total, count = mean_nll(engine.score(tokens[:-1]), tokens[1:])
+    return total / count
 
 
 def evict_from_page_cache(path: Path) -> None:
@@ -77,14 +73,14 @@ def evict_from_page_cache(path: Path) -> None:
 
 
 def _copy_session(source: SessionStore, source_id: str, target: SessionStore, rows: dict, signature: dict,
-                  tokens: int, kv_format: str) -> str:
-    """The built conversation as a session of `target`, its KV written in `kv_format`."""
+                  tokens: int, kv_format: str) -> tuple[str, ChunkRecord]:
+    """The built conversation as a session of `target`, its KV written in `kv_format` as one chunk."""
     session_id = target.create("resume benchmark")
     for m in source.messages(source_id):
         target.add_message(session_id, m.role, m.content, m.token_start, m.token_end)
     record = write_chunk(target.data_dir, session_id, rows, signature, 0, kv_format)
     target.add_chunk(session_id, record, signature, tokens)
-    return session_id
+    return session_id, record
 
 
 def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = None, formats=tuple(KV_FORMATS),
@@ -125,12 +121,11 @@ def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = No
             # is written as the app would)
             store = SessionStore(root / kv_format, StorageConfig(kv_format=kv_format if kv_format in KV_FORMATS
                                                                  else "int8"))
-            session_id = _copy_session(build, built_id, store, rows, signature, tokens, kv_format)
-            disk_bytes = sum(c.size for c in store.chunks(session_id))
+            session_id, chunk = _copy_session(build, built_id, store, rows, signature, tokens, kv_format)
+            delta = None  # scored after the cold reopen; the warm one reads the same chunk
             for cold in (True, False):
                 if cold:
-                    for chunk in store.chunks(session_id):
-                        evict_from_page_cache(store.data_dir / chunk.file)
+                    evict_from_page_cache(store.data_dir / chunk.file)
                 say(f"{kv_format}: reopening {'cold' if cold else 'warm'}")
                 engine.reset()  # drop every in-memory trace of the conversation
                 started = time.perf_counter()
@@ -139,7 +134,6 @@ def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = No
                     if chat.restore.tokens_restored != tokens or chat.restore.rebuilt:
                         raise RuntimeError(f"the {kv_format} session did not restore: {chat.restore}")
                     resume_s = open_s + _first_token_seconds(chat, QUESTION)
-                    delta = None
                     if cold:
                         say(f"{kv_format}: scoring the following text after the resume")
                         engine.truncate(tokens)
@@ -149,13 +143,9 @@ def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = No
                 store.delete_messages_from(session_id, 2)
                 store.update(session_id, token_count=tokens)
                 results.append({
-                    "format": kv_format, "cold": cold, "tokens": tokens, "disk_bytes_per_token": disk_bytes / tokens,
+                    "format": kv_format, "cold": cold, "tokens": tokens, "disk_bytes_per_token": chunk.size / tokens,
                     "open_s": open_s, "resume_s": resume_s, "reprefill_s": reprefill_s,
                     "speedup": reprefill_s / resume_s, "resumed_ppl_delta": delta,
                 })
         engine.reset()
-    for row in results:  # the warm row scores the same chunks as the cold one
-        if row["resumed_ppl_delta"] is None:
-            row["resumed_ppl_delta"] = next(r["resumed_ppl_delta"] for r in results
-                                            if r["format"] == row["format"] and r["cold"])
     return {"rows": results, "scored_tokens": ppl_tokens, "text": "given" if text else "calibration text"}

@@ -16,6 +16,8 @@ from .lock import session_lock
 def enforce_disk_limit(store) -> list[str]:
     used = store.kv_bytes()
     limit = store.storage.limit_bytes(store.data_dir, used)
+    if used <= limit:
+        return []
     dropped = []
     for session_id in store.sessions_with_chunks_least_recent_first():
         if used <= limit:
@@ -24,7 +26,7 @@ def enforce_disk_limit(store) -> list[str]:
         if not lock.try_acquire():
             continue
         try:
-            store.drop_all_chunks(session_id, for_budget=True)
+            store.drop_all_chunks(session_id)
         finally:
             lock.release()
         dropped.append(session_id)

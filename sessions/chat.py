@@ -103,10 +103,12 @@ class ChatSession:
         engine, signature = self.engine, self.engine.kv_signature()
         engine.reset()
         self.store.remove_leftovers(self.id)
-        if self.store.kv_signature(self.id) in engine.legacy_kv_signatures():
-            self._take_over_legacy_chunks(self.store.kv_signature(self.id), signature)
+        stored = self.store.kv_signature(self.id)
+        if stored in engine.legacy_kv_signatures():
+            self._take_over_legacy_chunks(stored, signature)
+            stored = signature
         problem = ""
-        if self.store.chunks(self.id) and self.store.kv_signature(self.id) != signature:
+        if self.store.chunks(self.id) and stored != signature:
             # another model (or dtype) wrote them: set them aside for when it comes back, never drop them
             self.store.park_chunks(self.id)
             problem = ("the conversation was last read by another model or precision (its KV cache is kept for "
@@ -232,12 +234,13 @@ class ChatSession:
         whole conversation. Checked against the window first; the messages are stored in one transaction."""
         tokenizer = self.engine.tokenizer
         conversation, rows = self._conversation(), []
+        end = len(self._conversation_ids()) if conversation else 0
         for role, content in turns:
             if role not in ("user", "assistant"):
                 raise SessionError(f"a stored message is from the user or the assistant, not {role!r}")
-            start = len(chat_token_ids(tokenizer, conversation, add_generation_prompt=False)) if conversation else 0
             conversation.append({"role": role, "content": content})
-            rows.append([role, content, start, len(chat_token_ids(tokenizer, conversation, False))])
+            start, end = end, len(chat_token_ids(tokenizer, conversation, add_generation_prompt=False))
+            rows.append([role, content, start, end])
         prompt_ids = chat_token_ids(tokenizer, conversation, add_generation_prompt=True)
         if len(prompt_ids) + 1 > self.engine.max_context:
             users = sum(1 for turn in conversation if turn["role"] == "user")

@@ -50,7 +50,6 @@ BENCHMARK_FORMATS = {**KV_FORMATS, "int8-per-token": INT8_PER_TOKEN_FORMAT}
 _QUANTIZED_FORMATS = (INT8_FORMAT, INT8_PER_TOKEN_FORMAT)
 _READABLE_FORMATS = (EXACT_FORMAT, *_QUANTIZED_FORMATS)
 KEY_SMOOTHING_MIN_ROWS = 512  # from here the channel scales cost at most 0.4% of the key codes (2 bytes a channel)
-CHUNK_FORMAT = EXACT_FORMAT  # the format earlier versions knew; kept for readers of the old name
 INT8_MAX = 127
 _SCALE_DTYPE = torch.float16
 _MAX_HEADER_BYTES = 100_000_000
@@ -170,12 +169,7 @@ def map_chunk(data_dir: Path, record: ChunkRecord) -> memoryview:
 
 def read_chunk_bytes(data_dir: Path, record: ChunkRecord) -> bytes:
     """The chunk file's bytes, checked against the size and checksum on record (not yet decoded)."""
-    try:
-        data = (data_dir / record.file).read_bytes()
-    except OSError as error:
-        raise ChunkError(f"chunk {record.start}-{record.end} is missing ({error.strerror})") from error
-    check_integrity(data, record.size, record.sha256, f"chunk {record.start}-{record.end}")
-    return data
+    return bytes(map_chunk(data_dir, record))
 
 
 def check_integrity(data: bytes | memoryview, size: int, sha256: str, what: str) -> None:

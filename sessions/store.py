@@ -246,18 +246,8 @@ class SessionStore:
         return [Message(r["id"], r["role"], r["content"], r["position"], r["token_start"], r["token_end"],
                         r["created"], r["parent_id"]) for r in rows]
 
-    @_locked
-    def add_message(self, session_id: str, role: str, content: str, token_start: int, token_end: int) -> Message:
-        previous = self.messages(session_id)
-        row = {
-            "session_id": session_id, "role": role, "content": content, "position": len(previous),
-            "token_start": token_start, "token_end": token_end, "created": time.time(),
-            "parent_id": previous[-1].id if previous else None,
-        }
-        with self.db.atomic():
-            message_id = self.db["messages"].insert(row).last_pk
-            self.db["sessions"].update(session_id, {"updated": time.time()})
-        return self.messages(session_id)[-1] if message_id else None
+    def add_message(self, session_id: str, role: str, content: str, token_start: int, token_end: int) -> None:
+        self.add_messages(session_id, [(role, content, token_start, token_end)])
 
     @_locked
     def add_messages(self, session_id: str, messages: list[tuple[str, str, int, int]]) -> None:
@@ -335,16 +325,15 @@ class SessionStore:
         self.remove_unreferenced(doomed)
 
     @_locked
-    def drop_all_chunks(self, session_id: str, for_budget: bool = False) -> None:
-        """Forget every chunk of the session (its messages stay); `for_budget` records why, for the sidebar."""
+    def drop_all_chunks(self, session_id: str) -> None:
+        """Forget every chunk of the session, other models' parked ones too (its messages stay), for the disk
+        budget, and mark it for the sidebar."""
         self.drop_chunks_from(session_id, -1)
-        if for_budget:  # the budget counts other models' parked chunks too: they go as well
-            parked = [r["file"] for r in self.db.query("SELECT file FROM parked_chunks WHERE session_id = ?",
-                                                       [session_id])]
-            with self.db.atomic():
-                self.db.execute("DELETE FROM parked_chunks WHERE session_id = ?", [session_id])
-                self.db["session_usage"].upsert({"session_id": session_id, "kv_dropped": 1}, pk="session_id")
-            self.remove_unreferenced(parked)
+        parked = [r["file"] for r in self.db.query("SELECT file FROM parked_chunks WHERE session_id = ?", [session_id])]
+        with self.db.atomic():
+            self.db.execute("DELETE FROM parked_chunks WHERE session_id = ?", [session_id])
+            self.db["session_usage"].upsert({"session_id": session_id, "kv_dropped": 1}, pk="session_id")
+        self.remove_unreferenced(parked)
 
     @_locked
     def kv_bytes(self) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import socket
 import subprocess
 import sys
@@ -91,10 +90,10 @@ def _first_token(url: str, messages: list[dict]) -> tuple[float, str, int, int]:
 
 
 def _drop_from_page_cache(data_dir: Path) -> None:
+    from sessions.benchmark import evict_from_page_cache
+
     for path in (data_dir / "kv").rglob("*.safetensors"):
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        evict_from_page_cache(path)
 
 
 def measure(context: int, text_dir: Path | None) -> dict:
