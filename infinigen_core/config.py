@@ -124,10 +124,15 @@ class SamplingConfig:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-_SIZE_UNITS = {
-    "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "k": 2**10, "m": 2**20, "g": 2**30,
-}
+BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}
+_TOKEN_UNITS = ("", "t", "tok", "tokens")  # in a pool limit, a bare number or these mean tokens
+
+
+def split_size(text: str) -> tuple[float, str] | None:
+    """'512 MiB' -> (512.0, 'mib'); None when `text` is not a number with an optional unit."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    return (float(match.group(1)), match.group(2).lower()) if match else None
 
 
 def parse_pool_limit(text: str | int | None) -> tuple[str, int] | None:
@@ -136,17 +141,15 @@ def parse_pool_limit(text: str | int | None) -> tuple[str, int] | None:
         return None
     if isinstance(text, int):
         return ("tokens", text)
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match:
+    parsed = split_size(text)
+    if parsed is None:
         raise ConfigError(f"pool limit {text!r} is not a size: use a token count like 8192 or bytes like 512MiB")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    if unit in ("t", "tok", "tokens"):
+    number, unit = parsed
+    if unit in _TOKEN_UNITS:
         return ("tokens", int(number))
-    if unit not in _SIZE_UNITS:
+    if unit not in BYTE_UNITS:
         raise ConfigError(f"unknown size unit {unit!r} in pool limit {text!r}: use tokens, KiB, MiB, GiB, KB, MB or GB")
-    if unit == "":
-        return ("tokens", int(number))
-    return ("bytes", int(number * _SIZE_UNITS[unit]))
+    return ("bytes", int(number * BYTE_UNITS[unit]))
 
 
 def pool_limit_tokens(text: str | int | None, bytes_per_token: int) -> int | None:

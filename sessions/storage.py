@@ -6,16 +6,15 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from infinigen_core.config import BYTE_UNITS, split_size
+
 from .snapshots import KV_FORMATS
 
 DEFAULT_FREE_FRACTION = 0.25  # of (free space + what the chunks already take): room left for everything else
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}
 
 
 def parse_size(text: str | int) -> int:
@@ -24,10 +23,10 @@ def parse_size(text: str | int) -> int:
         if text < 0:
             raise ValueError(f"a size cannot be negative, got {text}")
         return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
+    parsed = split_size(text)
+    if parsed is None or parsed[1] not in BYTE_UNITS:
         raise ValueError(f"{text!r} is not a size: use bytes like 20GiB, 500MB or 1048576")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return int(parsed[0] * BYTE_UNITS[parsed[1]])
 
 
 def format_size(size: int) -> str:
