@@ -86,3 +86,34 @@ def test_the_page_and_the_api_take_turns_with_the_engine(loaded):
     history = list(loaded.send("And another one."))[-1]
     assert [m["role"] for m in history] == ["user", "assistant"] * 2
     assert loaded.chat.restore.tokens_restored > 0 and not loaded.chat.restore.rebuilt  # read back, not recomputed
+
+
+def test_the_pages_stop_button_does_not_turn_away_a_request_waiting_for_its_turn(loaded):
+    client = api_client(loaded, max_waiting=1)
+    answers = []
+    with loaded._turn():  # the page's turn is running
+        waiting = threading.Thread(target=lambda: answers.append(client.post("/v1/chat/completions", json=HELLO)))
+        waiting.start()
+        while loaded._waiting == 0:
+            time.sleep(0.01)
+        loaded.cancel.set()  # the user stops the page's own reply
+        time.sleep(0.5)  # the waiting request sees the flag several times
+    waiting.join(timeout=120)
+    assert answers[0].status_code == 200 and answers[0].json()["choices"][0]["message"]["content"]
+
+
+def test_switching_models_closes_the_apis_session_too(loaded, real_engine):
+    """Every open session holds the old engine: after a switch none is kept, so the API's next request
+    reopens its conversation in the new engine (here the same one, loaded again) and continues it."""
+    client = api_client(loaded)
+    first = client.post("/v1/chat/completions", json=HELLO)
+    api_session = first.headers["x-infinigen-session"]
+    assert loaded.api_chat is not None
+    loaded.switch_model("another")  # the test's loader hands back the same engine
+    assert loaded.api_chat is None and loaded._holder is loaded.chat
+    follow_up = {"messages": HELLO["messages"] + [
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Again."}], "max_tokens": 4}
+    again = client.post("/v1/chat/completions", json=follow_up)
+    assert again.status_code == 200 and again.headers["x-infinigen-session"] == api_session
+    assert loaded.api_chat.engine is loaded.engine

@@ -125,3 +125,17 @@ def test_the_kv_storage_setting_applies_at_once_and_spares_the_open_session(tmp_
         assert summaries[first].message_count == 2  # its text stays
     finally:
         controller.chat.close()
+
+
+def test_deleting_the_open_session_opens_the_latest_page_session_not_an_api_one(tmp_path, real_engine):
+    store = SessionStore(tmp_path)
+    kept = store.create("kept")
+    controller = _controller(tmp_path, real_engine)
+    try:
+        doomed = controller.new_session()
+        store.create("an API conversation", origin="api")  # the most recent, but the API's
+        assert controller.chat.id == doomed
+        controller.delete_session()
+        assert controller.chat.id == kept and doomed not in [s.id for s in store.list()]
+    finally:
+        controller.chat.close()

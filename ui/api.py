@@ -140,7 +140,7 @@ class _Generation:
         self._loop = asyncio.get_running_loop()
         self._items: asyncio.Queue = asyncio.Queue()
         args = (chat_request.system, list(chat_request.turns), prompt_ids, chat_request.sampling,
-                _EitherSet(self.cancel, controller.cancel), self.turn, max_waiting)
+                self.cancel, self.turn, max_waiting)
         self._thread = threading.Thread(target=self._run, args=(controller, args), daemon=True,
                                         name="api-generation")
         self._thread.start()
@@ -174,16 +174,6 @@ class _Generation:
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     self.cancel.set()  # the worker stops at the next token and stores what it has
-
-
-class _EitherSet:
-    """A cancel flag set by the client going away or by the page's Stop button."""
-
-    def __init__(self, *events: threading.Event) -> None:
-        self._events = events
-
-    def is_set(self) -> bool:
-        return any(event.is_set() for event in self._events)
 
 
 # ---------------------------------------------------------------------- the reply, in OpenAI's shapes

@@ -48,13 +48,22 @@ class Abandoned(UserError):
     """The API client went away before its turn came."""
 
 
+class _EitherSet:
+    """A cancel flag that is set when any of its events is: the API client going away, the page's Stop button."""
+
+    def __init__(self, *events: threading.Event) -> None:
+        self._events = events
+
+    def is_set(self) -> bool:
+        return any(event.is_set() for event in self._events)
+
+
 @dataclass
 class ApiTurn:
     """What an API request ran as: filled in while its turn runs, read by the API for headers and usage."""
 
     session_id: str = ""
     continued: bool = False  # True: it extended a stored API conversation; False: a new session
-    shared_tokens: int = 0  # tokens of the prompt whose KV came from disk (shared chunks, or the session's own)
     prefilled_tokens: int = 0  # tokens of the prompt that the model actually read
 
 
@@ -209,9 +218,10 @@ class ChatController:
         failure = None
         with self._turn():
             session_id = self.chat.id if self.chat is not None else None
-            if self.chat is not None:
-                self.chat.close()
-                self.chat = None
+            # every open session holds the old engine: close them all (the API's too), the new one starts empty
+            for chat in {id(chat): chat for chat in (self.chat, self.api_chat) if chat is not None}.values():
+                chat.close()
+            self.chat = self.api_chat = self._holder = None
             previous = self.model_path
             previous_name = self.engine.model_name if self.engine is not None else None
             if self.engine is not None:
@@ -401,8 +411,7 @@ class ChatController:
                 self.api_chat = None
             self._release(doomed)
             self.store.delete(doomed.id)
-        remaining = self.store.list()
-        self.open_session(remaining[0].id if remaining else self.new_session())
+        self._open_latest_free_session()
 
     def export_session(self, folder: Path) -> Path:
         self._require_chat()
@@ -545,9 +554,10 @@ class ChatController:
         or starts a new API session that shares the longest stored token prefix's chunks. Raises QueueFull
         when `max_waiting` requests already wait, Abandoned when `cancel` is set before the turn comes."""
         self._require_engine()
-        self._wait_for_turn(cancel, max_waiting)
+        self._wait_for_turn(cancel, max_waiting)  # only this client going away ends the wait
         try:
             self.cancel.clear()  # a Stop pressed before this turn is not meant for it
+            cancel = _EitherSet(cancel, self.cancel)  # from now on the page's Stop button stops it too
             chat, new_turns = self._api_session(system, turns, prompt_ids, turn)
             self._apply_pending_config(chat)
             self.progress = TurnProgress(phase="prefill", started=time.perf_counter())
@@ -556,7 +566,6 @@ class ChatController:
                 self.progress.done, self.progress.total = done, total
                 turn.prefilled_tokens = total
 
-            turn.prefilled_tokens = 0
             for event in chat.extend(new_turns, sampling, cancel, on_prefill):
                 if self.progress.first_token_at is None:
                     self.progress.first_token_at = time.perf_counter()
@@ -596,7 +605,7 @@ class ChatController:
                 chat = self._api_chat(summary.id)
             except SessionLockedError:  # another app process has it open: start a new one beside it
                 continue
-            turn.session_id, turn.continued, turn.shared_tokens = chat.id, True, self.engine.num_tokens
+            turn.session_id, turn.continued = chat.id, True
             return chat, turns[len(stored):]
         match = self.prefixes.longest(self.engine.kv_signature(), prompt_ids)
         title = next((content for role, content in turns if role == "user" and content.strip()), "API chat")
@@ -611,8 +620,9 @@ class ChatController:
         rest = [record for record in match.chunks if record.end > shared]
         # reading a chunk is far cheaper per token than computing it, but not free: only for a good share of it
         worth_reading = rest and (match.tokens - rest[0].start) * 4 >= rest[0].end - rest[0].start
-        taken = chat.import_prefix(rest[0], match.tokens) if worth_reading else 0
-        turn.session_id, turn.continued, turn.shared_tokens = chat.id, False, shared + taken
+        if worth_reading:
+            chat.import_prefix(rest[0], match.tokens)
+        turn.session_id, turn.continued = chat.id, False
         return chat, turns
 
     def _api_chat(self, session_id: str) -> ChatSession:
