@@ -137,7 +137,7 @@ class ModelAdapter:
         windows = tuple(_window(family, config, module, max_context) for module in modules)
         rope_layers = tuple(bool(getattr(module, "use_rope", family.rope)) for module in modules)
         softcap = getattr(config, "attn_logit_softcapping", None) if family.softcap else None
-        rotary = getattr(_language_model(model, model_type), "rotary_emb", None)
+        rotary = getattr(_language_model(model), "rotary_emb", None)
         per_type = rotary is not None and hasattr(rotary, "layer_types") and getattr(config, "layer_types", None)
         return ModelAdapter(
             model_type=model_type,
@@ -206,7 +206,7 @@ class ModelAdapter:
         return apply_rope(query, cos[0].unsqueeze(0), sin[0].unsqueeze(0))  # cos [1, n, rotary]
 
 
-def _language_model(model: torch.nn.Module, model_type: str) -> torch.nn.Module:
+def _language_model(model: torch.nn.Module) -> torch.nn.Module:
     """The module holding the decoder layers and the rotary embedding."""
     return getattr(model.model, "language_model", model.model)
 
@@ -214,7 +214,7 @@ def _language_model(model: torch.nn.Module, model_type: str) -> torch.nn.Module:
 def _decoder_layers(model: torch.nn.Module, model_type: str) -> list[torch.nn.Module]:
     if model_type == "opt":
         return list(model.model.decoder.layers)
-    return list(_language_model(model, model_type).layers)
+    return list(_language_model(model).layers)
 
 
 def _window(family: Family, config, attention: torch.nn.Module, max_context: int) -> int | None:

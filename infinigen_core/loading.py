@@ -209,27 +209,33 @@ def _architecture_config(model) -> dict:
 def model_fingerprint(model) -> str:
     """Changes whenever the weights or the architecture do, not with the path a model was read from; cheap
     (hashes a few tensors, not all)."""
-    return _fingerprint(model, json.dumps(_architecture_config(model), sort_keys=True, default=str))
+    return model_fingerprints(model)[0]
 
 
 def legacy_model_fingerprint(model) -> str:
     """The fingerprint versions before 2026-11-23 gave the model: it also hashed the checkpoint's path and
     the transformers version. Sessions saved under it are taken over (see sessions.chat), not re-read."""
-    return _fingerprint(model, model.config.to_json_string(use_diff=False))
+    return model_fingerprints(model)[1]
 
 
-def _fingerprint(model, config_text: str) -> str:
-    digest = hashlib.sha256(config_text.encode())
+def model_fingerprints(model) -> tuple[str, str]:
+    """(fingerprint, legacy fingerprint): the same sampled weights, hashed once, after either config text."""
+    digests = [hashlib.sha256(json.dumps(_architecture_config(model), sort_keys=True, default=str).encode()),
+               hashlib.sha256(model.config.to_json_string(use_diff=False).encode())]
     adapter = ModelAdapter.for_model(model)
-    for module in (adapter.attention_modules(model)[0], adapter.attention_modules(model)[-1]):
-        for weight in adapter.query_key_weights(module):
-            digest.update(weight.detach().float().cpu().contiguous().numpy().tobytes())
-    digest.update(model.get_input_embeddings().weight[:256].detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:20]
+    attention = adapter.attention_modules(model)
+    weights = [w for module in (attention[0], attention[-1]) for w in adapter.query_key_weights(module)]
+    weights.append(model.get_input_embeddings().weight[:256])
+    for weight in weights:
+        data = weight.detach().float().cpu().contiguous().numpy().tobytes()
+        for digest in digests:
+            digest.update(data)
+    return digests[0].hexdigest()[:20], digests[1].hexdigest()[:20]
 
 
 def load_or_calibrate_skew(model, tokenizer, cache_dir: Path, fingerprint: str, device: torch.device,
-                           progress: Progress = print, token_ids: list[int] | None = None) -> SkewSet:
+                           progress: Progress = print, token_ids: list[int] | None = None,
+                           legacy_fingerprint: str | None = None) -> SkewSet:
     if token_ids is None:
         token_ids = tokenizer(calibration_text())["input_ids"]
         token_ids = token_ids[: ModelAdapter.for_model(model).max_context]
@@ -239,7 +245,7 @@ def load_or_calibrate_skew(model, tokenizer, cache_dir: Path, fingerprint: str, 
     cached = load_skew(path, num_layers)
     if cached is not None:
         return cached
-    legacy = cache_dir / "skew" / f"{legacy_model_fingerprint(model)}-{digest}.safetensors"
+    legacy = cache_dir / "skew" / f"{legacy_fingerprint or legacy_model_fingerprint(model)}-{digest}.safetensors"
     cached = load_skew(legacy, num_layers) if legacy != path else None
     if cached is not None:  # calibrated by an earlier version: the same model, under its old fingerprint
         legacy.replace(path)
@@ -257,10 +263,11 @@ def load_engine(model: str | None = None, *, device: str = "auto", config: Engin
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     compute_device = resolve_device(device)
     loaded, tokenizer, name = load_model(model, cache, compute_device, quantize, progress)
-    fingerprint = model_fingerprint(loaded)
-    skew_set = load_or_calibrate_skew(loaded, tokenizer, cache, fingerprint, compute_device, progress)
+    fingerprint, legacy = model_fingerprints(loaded)
+    skew_set = load_or_calibrate_skew(loaded, tokenizer, cache, fingerprint, compute_device, progress,
+                                      legacy_fingerprint=legacy)
     engine = InfiniGenEngine(loaded, tokenizer, config or EngineConfig(), skew_set=skew_set,
                              device=compute_device, fingerprint=fingerprint)
-    engine.legacy_fingerprints = (legacy_model_fingerprint(loaded),)
+    engine.legacy_fingerprints = (legacy,)
     engine.model_name = name
     return engine

@@ -175,13 +175,13 @@ def run_recall(args) -> tuple[str, dict]:
 
 
 def run_speed(args) -> tuple[str, dict]:
-    from .speed import decode_speed
+    from .speed import decode_speed, tokens_needed
 
     configs = _configs(args)
     contexts = parse_numbers(args.context, int)
     text = read_text(args.text)  # bad input fails before the model loads
     engine = _load_engine(args)
-    ids = load_token_ids(engine.tokenizer, text, max(contexts) + args.decode_tokens + args.rounds, args.text)
+    ids = load_token_ids(engine.tokenizer, text, tokens_needed(max(contexts), args.decode_tokens, args.rounds), args.text)
     rows = []
     for context in contexts:
         rows += decode_speed(engine, ids, context, configs, args.decode_tokens, args.rounds,

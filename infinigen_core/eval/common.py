@@ -133,12 +133,19 @@ def all_layer_fetched_ratio(step) -> float:
     return sum(ratios) / len(ratios) if ratios else 1.0
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device, so a timed step ends when its work does (a GPU runs behind the host)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def decode_tokens(engine, tokens: Sequence[int]) -> DecodeRun:
     """Append `tokens` one decode step each (exactly what `engine.score` does) and keep each step's stats."""
     logits, run = [], DecodeRun(logits=torch.empty(0))
     for token in tokens:
         started = time.perf_counter()
         logits.append(engine.decode(int(token)))
+        synchronize(engine.device)
         run.step_ms.append((time.perf_counter() - started) * 1e3)
         step = engine.history[-1]
         run.fetched_ratios.append(all_layer_fetched_ratio(step))

@@ -8,7 +8,7 @@ On a GPU each aten op is a kernel launch and, at batch 1, the launch rate sets t
 `SYNCING_OPS` makes the CPU wait until the GPU has caught up. On the CPU nothing waits, but the same ops
 run, so counting them here shows what a decode step would cost on a GPU. Host-bound copies that are
 invisible to a dispatch mode on the CPU (`.cpu()` of a CPU tensor does nothing) go through
-`infinigen_core.transfer.to_host`, which keeps its own count.
+`fetch.HostChannel.to_host`, which keeps its own count.
 """
 
 from __future__ import annotations

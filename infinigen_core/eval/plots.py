@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-POLICY_ORDER = ["full", "offload", "infinigen", "h2o", "streaming", "transformers"]
+POLICY_ORDER = ["full", "offload", "infinigen", "h2o", "streaming", "transformers", "hf-offload"]
 
 
 def _load(path: Path) -> dict | None:
@@ -77,7 +77,7 @@ def plot_speed(result: dict, out: Path) -> Path:
     for policy in POLICY_ORDER:
         points = sorted((r["context"], r["ms_per_token"]) for r in rows if r["policy"] == policy)
         if points:
-            axis.plot(*zip(*points), marker="o", label=policy, linestyle="--" if policy == "transformers" else "-")
+            axis.plot(*zip(*points), marker="o", label=policy, linestyle="--" if policy in ("transformers", "hf-offload") else "-")
     axis.set_xlabel("context (tokens)")
     axis.set_ylabel("decode ms per token (median)")
     axis.set_ylim(bottom=0)

@@ -21,19 +21,24 @@ from collections.abc import Sequence
 import torch
 
 from ..config import EngineConfig
-from .common import EvalError, decode_tokens, load_prefix
-
+from .common import EvalError, decode_tokens, load_prefix, synchronize
 from .opcount import OpCounter
 
 REFERENCE = "transformers"
 HF_OFFLOAD = "hf-offload"
 
 
+def tokens_needed(context: int, decode_tokens_n: int, rounds: int) -> int:
+    """Tokens of text one context's run reads: the prefix, every round's steps, the counted step."""
+    return context + decode_tokens_n + rounds + 2
+
+
 def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, EngineConfig], decode_tokens_n: int,
                  rounds: int = 2, reference: bool = True, progress=None) -> list[dict]:
     """Rows for one context: policy, ms_per_token (median), mean_ms, ratio_to_full, prefill_s, pool/device bytes."""
-    if len(ids) < context + decode_tokens_n + rounds + 2:
-        raise EvalError(f"{context + decode_tokens_n + rounds + 2} tokens are needed for context {context}, the text has {len(ids)}")
+    needed = tokens_needed(context, decode_tokens_n, rounds)
+    if len(ids) < needed:
+        raise EvalError(f"{needed} tokens are needed for context {context}, the text has {len(ids)}")
     if decode_tokens_n < rounds:
         raise EvalError(f"--decode-tokens ({decode_tokens_n}) must be at least --rounds ({rounds})")
     per_round = decode_tokens_n // rounds
@@ -54,13 +59,16 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
             if progress:
                 progress(f"context {context}: round {round_index + 1}/{rounds}, {name}")
             load_prefix(engine, config, prefix)
+            engine.prepare(per_round + 2)  # as a reply does: no pool growth inside a timed step
             # each round decodes the same next tokens: the same work for every policy
             run = decode_tokens(engine, ids[context : context + per_round + 1])
             times[name] += run.step_ms[1:]
             splits[name] += [step.time_split_ms() for step in list(engine.history)[-per_round:]]
-            step = engine.history[-1]
-            facts[name] = {"fetched_ratio": run.fetched_ratio, "pool_bytes": step.pool_bytes,
-                           "device_bytes": step.device_bytes, **count_decode_step(engine, ids[context + per_round + 1])}
+            if round_index == rounds - 1:  # the same in every round: counted once (the count is slow)
+                step = engine.history[-1]
+                facts[name] = {"fetched_ratio": run.fetched_ratio, "pool_bytes": step.pool_bytes,
+                               "device_bytes": step.device_bytes,
+                               **count_decode_step(engine, ids[context + per_round + 1])}
     engine.reset()
     rows = []
     for name in configs:
@@ -105,21 +113,26 @@ def transformers_reference(model, ids: Sequence[int], context: int, steps: int, 
         for start in range(0, context, chunk):
             piece = torch.tensor([list(ids[start : min(start + chunk, context)])], device=model.device)
             model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        synchronize(model.device)
         prefill_s = time.perf_counter() - started
         step_ms = []
         for token in ids[context : context + steps + 1]:
             started = time.perf_counter()
             model(input_ids=torch.tensor([[int(token)]], device=model.device), past_key_values=cache, use_cache=True)
+            synchronize(model.device)
             step_ms.append((time.perf_counter() - started) * 1e3)
         with OpCounter() as ops:
             model(input_ids=torch.tensor([[int(ids[context + steps + 1])]], device=model.device),
                   past_key_values=cache, use_cache=True)
-        cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        cache_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        # offloaded, most layers sit on the host between steps: count what is on the device
+        device_bytes = sum(t.numel() * t.element_size() for t in tensors if t.device == model.device)
         del cache
     finally:
         model.set_attn_implementation(previous)
     timed = step_ms[1:]
     return {"policy": HF_OFFLOAD if offloading else REFERENCE, "context": context,
             "ms_per_token": statistics.median(timed), "mean_ms": statistics.fmean(timed), "decode_steps": len(timed),
-            "prefill_s": prefill_s, "fetched_ratio": 1.0, "pool_bytes": cache_bytes, "device_bytes": cache_bytes,
+            "prefill_s": prefill_s, "fetched_ratio": 1.0, "pool_bytes": cache_bytes, "device_bytes": device_bytes,
             "ops_per_step": ops.total, "syncs_per_step": ops.syncs, "host_copies_per_step": None}
