@@ -102,18 +102,35 @@ def test_the_pages_stop_button_does_not_turn_away_a_request_waiting_for_its_turn
     assert answers[0].status_code == 200 and answers[0].json()["choices"][0]["message"]["content"]
 
 
-def test_switching_models_closes_the_apis_session_too(loaded, real_engine):
+def test_switching_models_closes_the_apis_session_too(tmp_path, real_engine):
     """Every open session holds the old engine: after a switch none is kept, so the API's next request
-    reopens its conversation in the new engine (here the same one, loaded again) and continues it."""
-    client = api_client(loaded)
-    first = client.post("/v1/chat/completions", json=HELLO)
-    api_session = first.headers["x-infinigen-session"]
-    assert loaded.api_chat is not None
-    loaded.switch_model("another")  # the test's loader hands back the same engine
-    assert loaded.api_chat is None and loaded._holder is loaded.chat
-    follow_up = {"messages": HELLO["messages"] + [
-        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
-        {"role": "user", "content": "Again."}], "max_tokens": 4}
-    again = client.post("/v1/chat/completions", json=follow_up)
-    assert again.status_code == 200 and again.headers["x-infinigen-session"] == api_session
-    assert loaded.api_chat.engine is loaded.engine
+    reopens its conversation in the new engine (here another engine over the same model) and continues it."""
+    from infinigen_core.engine import InfiniGenEngine
+
+    def loader(model, device, config, quantize, progress):  # a fresh engine per load; closing it spares the shared one
+        engine = InfiniGenEngine(real_engine.model, real_engine.tokenizer, config, skew_set=real_engine.skew_set,
+                                 fingerprint=real_engine.fingerprint)
+        engine.model_name = model or "SmolLM2-135M-Instruct"
+        return engine
+
+    controller = ChatController(tmp_path, loader=loader)
+    controller.load(progress=lambda message: None)
+    try:
+        client = api_client(controller)
+        first = client.post("/v1/chat/completions", json=HELLO)
+        api_session = first.headers["x-infinigen-session"]
+        assert controller.api_chat is not None
+        old_engine = controller.engine
+        controller.switch_model("another")
+        assert controller.engine is not old_engine and controller.api_chat is None
+        assert controller._holder is controller.chat and controller.chat.engine is controller.engine
+        follow_up = {"messages": HELLO["messages"] + [
+            {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Again."}], "max_tokens": 4}
+        again = client.post("/v1/chat/completions", json=follow_up)
+        assert again.status_code == 200 and again.headers["x-infinigen-session"] == api_session
+        assert controller.api_chat.engine is controller.engine
+    finally:
+        for chat in {controller.chat, controller.api_chat} - {None}:
+            chat.close()
+        controller.engine.close()
