@@ -27,6 +27,7 @@ from .config import ConfigError, EngineConfig
 from .fetch import PendingFetch, make_fetcher
 from .kv_pool import KVPool, release_pinned_memory
 from .policies import POLICIES, PolicyContext, Selection
+from .prefix import common_prefix_length
 from .stats import DeferredValues, LayerStats, StepStats
 
 ATTENTION_NAME = "infinigen"
@@ -234,11 +235,7 @@ class InfiniGenEngine:
 
         Returns None when nothing new had to be run (the cache already held them all).
         """
-        common = 0
-        for cached, wanted in zip(self.token_ids, token_ids):
-            if cached != wanted:
-                break
-            common += 1
+        common = common_prefix_length(self.token_ids, token_ids)
         if common < len(self.token_ids):
             self.truncate(common)
         if common == len(token_ids):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from infinigen_core.config import SamplingConfig
 from infinigen_core.generation import GenerationEvent, chat_token_ids, generate
+from infinigen_core.prefix import common_prefix_length
 
 from .budget import enforce_disk_limit
 from .errors import ContextWindowError, SessionError
@@ -310,11 +311,7 @@ class ChatSession:
         the prompt's chunk); drop chunks the cache no longer has."""
         engine = self.engine
         ids = engine.token_ids
-        common = 0
-        for saved, current in zip(self._saved_ids, ids):
-            if saved != current:
-                break
-            common += 1
+        common = common_prefix_length(self._saved_ids, ids)
         if common < len(self._saved_ids):
             self.store.drop_chunks_from(self.id, common)
             chunks = self.store.chunks(self.id)
