@@ -1,0 +1,19 @@
+"""Attached files as text for the model: convert a file once, then place it in any chat's prompt.
+
+    from documents import convert_file, message_with_attachments
+    document = convert_file(path)                       # raises DocumentError with a message for the user
+    prompt = message_with_attachments("Summarise it.", [document])
+
+Imports nothing from ui/ or sessions/, and no conversion library until a file needs one.
+"""
+
+from documents.convert import MAX_FILE_BYTES, MAX_TEXT_CHARS, attachment_name, convert_bytes, convert_file
+from documents.document import DOCUMENT_KINDS, Document, DocumentError, DocumentKind
+from documents.prompt import attachment_text, message_with_attachments
+from documents.sniff import MAX_UNZIPPED_BYTES
+
+__all__ = [
+    "DOCUMENT_KINDS", "MAX_FILE_BYTES", "MAX_TEXT_CHARS", "MAX_UNZIPPED_BYTES", "Document", "DocumentError",
+    "DocumentKind", "attachment_name", "attachment_text", "convert_bytes", "convert_file",
+    "message_with_attachments",
+]

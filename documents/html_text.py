@@ -1,0 +1,90 @@
+"""HTML to plain text for the model: the visible text with its block structure, nothing else.
+
+Scripts, styles and other non-text content are dropped; headings become Markdown '#' lines, list
+items '- ' lines and table cells are joined with ' | ', because small models read Markdown well.
+Built on the standard library's tolerant `html.parser` (it treats script and style bodies as raw
+text, as browsers do), so broken HTML still gives its text.
+"""
+
+from __future__ import annotations
+
+import re
+from html.parser import HTMLParser
+
+_DROPPED = {"script", "style", "noscript", "template", "svg", "math", "iframe", "object", "canvas"}
+# <head> itself is not dropped: its only text is <title> (its scripts and styles are dropped above), and
+# sloppy pages that never close it would lose their body.
+_BLOCKS = {
+    "address", "article", "aside", "blockquote", "dd", "details", "div", "dl", "dt", "fieldset",
+    "figcaption", "figure", "footer", "form", "header", "hr", "main", "nav", "ol", "p", "pre",
+    "section", "summary", "table", "title", "ul",
+}
+_HEADINGS = {"h1": 1, "h2": 2, "h3": 3, "h4": 4, "h5": 5, "h6": 6}
+_WHITESPACE_RUN = re.compile(r"\s+")
+_BLANK_LINE_RUN = re.compile(r"\n{3,}")
+
+
+def html_to_text(html: str) -> str:
+    collector = _TextCollector()
+    collector.feed(html)
+    collector.close()
+    return collector.text()
+
+
+class _TextCollector(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self._parts: list[str] = []
+        self._dropped_depth = 0
+        self._pre_depth = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in _DROPPED:
+            self._dropped_depth += 1
+        if self._dropped_depth:
+            return
+        if tag in _BLOCKS:
+            self._parts.append("\n\n")
+        elif tag in _HEADINGS:
+            self._parts.append("\n\n" + "#" * _HEADINGS[tag] + " ")
+        elif tag == "li":
+            self._parts.append("\n- ")
+        elif tag in ("br", "tr"):
+            self._parts.append("\n")
+        elif tag in ("td", "th") and not self._at_line_start():
+            self._parts.append(" | ")
+        if tag == "pre":
+            self._pre_depth += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in _DROPPED:
+            self._dropped_depth = max(0, self._dropped_depth - 1)
+            return
+        if self._dropped_depth:
+            return
+        if tag in _BLOCKS or tag in _HEADINGS:
+            self._parts.append("\n\n")
+        if tag == "pre":
+            self._pre_depth = max(0, self._pre_depth - 1)
+
+    def handle_data(self, data: str) -> None:
+        if self._dropped_depth:
+            return
+        if self._pre_depth:
+            self._parts.append(data)
+            return
+        collapsed = _WHITESPACE_RUN.sub(" ", data)
+        if self._at_line_start():
+            collapsed = collapsed.lstrip()
+        self._parts.append(collapsed)
+
+    def _at_line_start(self) -> bool:
+        for part in reversed(self._parts):
+            if part:
+                return part.endswith("\n")
+        return True
+
+    def text(self) -> str:
+        lines = "".join(self._parts).split("\n")
+        joined = "\n".join(line.rstrip() for line in lines)
+        return _BLANK_LINE_RUN.sub("\n\n", joined).strip()
