@@ -19,6 +19,7 @@ _BLOCKS = {
     "figcaption", "figure", "footer", "form", "header", "hr", "main", "nav", "ol", "p", "pre",
     "section", "summary", "table", "title", "ul",
 }
+_CELLS = {"td", "th"}
 _HEADINGS = {"h1": 1, "h2": 2, "h3": 3, "h4": 4, "h5": 5, "h6": 6}
 _WHITESPACE_RUN = re.compile(r"\s+")
 _BLANK_LINE_RUN = re.compile(r"\n{3,}")
@@ -37,13 +38,16 @@ class _TextCollector(HTMLParser):
         self._parts: list[str] = []
         self._dropped_depth = 0
         self._pre_depth = 0
+        self._cell_depth = 0
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if tag in _DROPPED:
             self._dropped_depth += 1
         if self._dropped_depth:
             return
-        if tag in _BLOCKS:
+        if tag in _BLOCKS and self._cell_depth:
+            self._append_space()  # a table row stays one line, even with paragraphs in its cells
+        elif tag in _BLOCKS:
             self._parts.append("\n\n")
         elif tag in _HEADINGS:
             self._parts.append("\n\n" + "#" * _HEADINGS[tag] + " ")
@@ -51,8 +55,11 @@ class _TextCollector(HTMLParser):
             self._parts.append("\n- ")
         elif tag in ("br", "tr"):
             self._parts.append("\n")
-        elif tag in ("td", "th") and not self._at_line_start():
-            self._parts.append(" | ")
+        elif tag in _CELLS:
+            if not self._at_line_start():
+                self._trim_trailing_space()
+                self._parts.append(" | ")
+            self._cell_depth += 1
         if tag == "pre":
             self._pre_depth += 1
 
@@ -62,7 +69,11 @@ class _TextCollector(HTMLParser):
             return
         if self._dropped_depth:
             return
-        if tag in _BLOCKS or tag in _HEADINGS:
+        if tag in _CELLS:
+            self._cell_depth = max(0, self._cell_depth - 1)
+        elif self._cell_depth and (tag in _BLOCKS or tag in _HEADINGS):
+            self._append_space()
+        elif tag in _BLOCKS or tag in _HEADINGS:
             self._parts.append("\n\n")
         if tag == "pre":
             self._pre_depth = max(0, self._pre_depth - 1)
@@ -74,15 +85,29 @@ class _TextCollector(HTMLParser):
             self._parts.append(data)
             return
         collapsed = _WHITESPACE_RUN.sub(" ", data)
-        if self._at_line_start():
+        if self._last_char() in "\n ":
             collapsed = collapsed.lstrip()
         self._parts.append(collapsed)
 
-    def _at_line_start(self) -> bool:
+    def _last_char(self) -> str:
+        """The last character written so far; a newline at the start."""
         for part in reversed(self._parts):
             if part:
-                return part.endswith("\n")
-        return True
+                return part[-1]
+        return "\n"
+
+    def _at_line_start(self) -> bool:
+        return self._last_char() == "\n"
+
+    def _append_space(self) -> None:
+        if self._last_char() not in "\n ":
+            self._parts.append(" ")
+
+    def _trim_trailing_space(self) -> None:
+        while self._parts and self._parts[-1].endswith(" "):
+            self._parts[-1] = self._parts[-1].rstrip(" ")
+            if not self._parts[-1]:
+                self._parts.pop()
 
     def text(self) -> str:
         lines = "".join(self._parts).split("\n")

@@ -62,6 +62,8 @@ def detect_kind(name: str, data: bytes) -> DocumentKind:
     """The file's kind from its content, checked against its name; raises `DocumentError`."""
     expected = expected_kind(name)
     actual = _content_kind(data)
+    if expected in ("pdf", "docx") and actual != expected:
+        raise _mismatch(name, expected, data)
     if actual == "binary":
         raise DocumentError(
             f"{name} cannot be attached: its content is {describe(data)}, not text. Attach {SUPPORTED}."
@@ -78,13 +80,17 @@ def detect_kind(name: str, data: bytes) -> DocumentKind:
     if expected == "html" and actual == "text":
         return "html"
     if expected != actual:
-        raise DocumentError(
-            f"{name} is not {_KIND_LABELS[expected]}: its content is {describe(data)}. "
-            f"Attach the original file, or give it the extension that matches its content."
-        )
+        raise _mismatch(name, expected, data)
     if actual == "docx":
         _check_unpacked_size(name, data)
     return actual
+
+
+def _mismatch(name: str, expected: DocumentKind, data: bytes) -> DocumentError:
+    return DocumentError(
+        f"{name} is not {_KIND_LABELS[expected]}: its content is {describe(data)}. "
+        f"Attach the original file, or give it the extension that matches its content."
+    )
 
 
 def describe(data: bytes) -> str:
