@@ -41,6 +41,11 @@ _KNOWN_MAGIC = (
     (_ZIP_MAGIC, "a zip archive"),
     (_PDF_MAGIC, "a PDF"),
 )
+_OFFICE_ZIP_PARTS = (
+    ("xl/workbook.xml", "an Excel workbook"),
+    ("ppt/presentation.xml", "a PowerPoint presentation"),
+    ("content.xml", "an OpenDocument file"),
+)
 _KIND_LABELS = {"pdf": "a PDF", "docx": "a Word (.docx) document", "html": "an HTML page", "text": "text"}
 
 
@@ -74,7 +79,10 @@ def detect_kind(name: str, data: bytes) -> DocumentKind:
             f"Save it as UTF-8 and attach it again."
         )
     if actual == "zip" and expected in (None, "text"):
-        raise DocumentError(f"{name} is a zip archive, not a document. Unpack it and attach {SUPPORTED}.")
+        raise DocumentError(
+            f"{name} cannot be attached: its content is {describe(data)}. Attach {SUPPORTED} "
+            f"(a spreadsheet or presentation can be saved as PDF; an archive, unpacked)."
+        )
     if expected is None:
         return "html" if actual == "text" and _looks_like_html(data) else actual
     if expected == "html" and actual == "text":
@@ -98,6 +106,11 @@ def describe(data: bytes) -> str:
     kind = _content_kind(data)
     if kind in _KIND_LABELS:
         return _KIND_LABELS[kind]
+    if kind == "zip":
+        names = _zip_names(data)
+        for part, label in _OFFICE_ZIP_PARTS:
+            if part in names:
+                return label
     for magic, label in _KNOWN_MAGIC:
         if data.startswith(magic):
             return label

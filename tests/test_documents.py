@@ -273,7 +273,21 @@ def test_docx_name_on_something_else_is_refused():
         archive.writestr("data.csv", "a,b\n1,2\n")
     assert error_of("plan.docx", other_zip.getvalue()).startswith(
         "plan.docx is not a Word (.docx) document: its content is a zip archive.")
-    assert "archive.zip is a zip archive, not a document" in error_of("archive.zip", other_zip.getvalue())
+    assert error_of("archive.zip", other_zip.getvalue()).startswith(
+        "archive.zip cannot be attached: its content is a zip archive.")
+
+
+def test_other_office_files_are_named_for_what_they_are():
+    workbook = io.BytesIO()
+    with zipfile.ZipFile(workbook, "w") as archive:
+        archive.writestr("xl/workbook.xml", "<workbook/>")
+    assert error_of("sales.xlsx", workbook.getvalue()).startswith(
+        "sales.xlsx cannot be attached: its content is an Excel workbook.")
+    # Word saves a password-protected .docx as an OLE container, the format of the old .doc.
+    ole = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1" + bytes(504)
+    assert error_of("secret.docx", ole).startswith("secret.docx is not a Word (.docx) document: its content is "
+                                                   "an old-style Office file (.doc, .xls, .ppt) or a "
+                                                   "password-protected Office document.")
 
 
 def test_text_name_on_a_pdf_is_refused():
