@@ -4,6 +4,8 @@ The format is fixed so that the same file attached again gives the same prompt t
 the same tokens: a later chat about the same file then shares the document's KV cache with earlier
 ones as a common token prefix. For that reason the documents come BEFORE the question (a new
 question only changes the tokens after them). A message without attachments is left unchanged.
+Checked with SmolLM2's tokenizer and chat template: two questions after the same documents share
+every token up to and including the last `</document>`.
 
     <document name="report.pdf" kind="pdf" pages="12">
     ...the document's text...
