@@ -194,7 +194,7 @@ def _poisoned(shape, dtype) -> torch.Tensor:
 
 class ThreadedCpuOps:
     """Streams as threads, events as futures, every copy after `delay_s` (seconds, or a function returning
-    them, called once per copy: jitter). See the module docstring."""
+    them, called once per copy in the stream's thread: jitter). See the module docstring."""
 
     def __init__(self, delay_s: float | Callable[[], float] = 0.0) -> None:
         self.device = torch.device("cpu")
@@ -203,10 +203,11 @@ class ThreadedCpuOps:
         self._counting = threading.Lock()
         self._stopping = threading.Event()  # cuts every delay short
         self._streams: list[_CpuStream] = []
-        self._compute_to_host = self.stream()  # the copies a compute stream would enqueue towards the host
+        self._compute_to_host = self.stream("cpu-ops-to-host")  # the copies a compute stream enqueues towards the host
 
-    def stream(self) -> _CpuStream:
-        stream = _CpuStream(f"cpu-ops-stream-{len(self._streams)}")
+    def stream(self, name: str | None = None) -> _CpuStream:
+        """A stream's thread is named after it, so a delay function can tell streams apart."""
+        stream = _CpuStream(name or f"cpu-ops-stream-{len(self._streams)}")
         self._streams.append(stream)
         return stream
 
