@@ -7,12 +7,14 @@ the new token was written), a whole layer with the new token in its reserved slo
 
 - `DirectFetcher`: the pool lives on the compute device (the CPU; `full` on a GPU). A whole layer is the
   pool's own view, selected rows are one gather, done at `wait`, after the new token has been written.
-- `StreamFetcher`: the pool lives in pinned host memory and the model on a GPU. One worker thread does all
-  host-side work in order: it copies new K/V into the pool once their device-to-host copy has landed, and
-  gathers selected rows into double-buffered pinned staging (`index_select(..., out=)`) once their indices
-  have reached the host, then copies them up on a side stream of the engine's device. Whole layers (the
-  `offload` baseline and the dense layers under sparse policies) are copied contiguously, one layer ahead.
-  The compute stream waits for a fetch's event, never for the device as a whole.
+- `StreamFetcher`: the pool lives in host memory and the model on another device. One worker thread does
+  all host-side work in order: it copies new K/V into the pool once their copy to the host has landed, and
+  gathers selected rows into double-buffered staging (`index_select(..., out=)`) once their indices have
+  reached the host, then copies them up on a side stream. Whole layers (the `offload` baseline and the
+  dense layers under sparse policies) are copied contiguously, one layer ahead. The compute side waits for
+  a fetch's event, never for the device as a whole. It knows devices only through a
+  `transfer.DeviceOps`: `CudaOps` on a GPU (pinned memory, CUDA streams), `ThreadedCpuOps` to run the very
+  same ordering on the CPU with delayed copies (tests: `make_fetcher(..., ops=ThreadedCpuOps(delay_s=...))`).
 
 Every copy towards the host in the decode loop goes through `HostChannel.to_host`, which counts them.
 """
@@ -20,12 +22,14 @@ Every copy towards the host in the decode loop goes through `HostChannel.to_host
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from .kv_pool import KVPool
+from .transfer import CudaOps, DeviceOps, Worker
 
 
 @dataclass
@@ -36,24 +40,21 @@ class FetchedRows:
 
 
 class HostChannel:
-    """The one way device values travel to the host during decoding: a non-blocking copy into pinned memory.
+    """The one way device values travel to the host during decoding: `ops.to_host` (on CUDA a non-blocking
+    copy into pinned memory); without ops the values are already there.
 
     Returns the host tensor and an event to wait on before reading it (None where the copy was immediate).
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, ops: DeviceOps | None) -> None:
+        self.ops = ops
         self.copies = 0
 
     def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, object | None]:
         self.copies += 1
-        if tensor.device.type == "cpu":
+        if self.ops is None:
             return tensor, None
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(tensor.device))
-        return host, ready
+        return self.ops.to_host(tensor)
 
 
 class PendingFetch:
@@ -98,7 +99,7 @@ class DirectFetcher:
 
     def __init__(self, pool: KVPool, device: torch.device) -> None:
         self.pool, self.device = pool, device
-        self.host = HostChannel(device)
+        self.host = HostChannel(CudaOps(device) if device.type == "cuda" else None)
         self.bytes_fetched = 0
         self._row_bytes = pool.bytes_per_row()
         self._columns_source: torch.Tensor | None = None
@@ -131,16 +132,13 @@ class DirectFetcher:
 
 
 class _Streamed(PendingFetch):
-    def __init__(self, future: Future, whole_layer: bool, contiguous_new: int | None) -> None:
-        self.future, self.whole_layer, self.contiguous_new = future, whole_layer, contiguous_new
+    def __init__(self, ops: DeviceOps, future: Future, whole_layer: bool, contiguous_new: int | None) -> None:
+        self.ops, self.future = ops, future
+        self.whole_layer, self.contiguous_new = whole_layer, contiguous_new
 
     def _rows(self, new_keys, new_values, new_slots):
         keys, values, copied = self.future.result()
-        compute = torch.cuda.current_stream(keys.device)
-        compute.wait_event(copied)
-        # allocated on the copy stream, read on the compute stream: tell the caching allocator
-        keys.record_stream(compute)
-        values.record_stream(compute)
+        self.ops.wait(copied, keys, values)
         if not self.whole_layer:
             return torch.cat([new_keys, keys], dim=1), torch.cat([new_values, values], dim=1)
         # the layer was copied before this step's token was written: put it in its slot on the device
@@ -154,26 +152,32 @@ class _Streamed(PendingFetch):
 
 
 class StreamFetcher:
-    """The pool is in pinned host memory, the model on a GPU (see the module docstring)."""
+    """The pool is in host memory, the model on a device reached through `ops` (see the module docstring)."""
 
-    def __init__(self, pool: KVPool, device: torch.device, max_rows: int) -> None:
-        self.pool, self.device = pool, device
-        self.host = HostChannel(device)
+    def __init__(self, pool: KVPool, ops: DeviceOps, max_rows: int) -> None:
+        self.pool, self.ops, self.device = pool, ops, ops.device
+        self.host = HostChannel(ops)
         self.bytes_fetched = 0
         self._row_bytes = pool.bytes_per_row()
-        self._stream = torch.cuda.Stream(device=device)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
+        # The engine's prefill attends over the pool in place when the pool is on the compute device (only
+        # with ThreadedCpuOps): there a write of several tokens must have landed before `write` returns.
+        self._prefill_reads_pool = pool.device == ops.device
+        self._stream = ops.stream()
+        self._worker = Worker("kv-fetch")
+        self._closed = False
         shape = (2, pool.num_kv_heads, max_rows, pool.head_dim)  # two buffers: one fills while one uploads
-        self._staging_keys = torch.empty(shape, dtype=pool.dtype, pin_memory=True)
-        self._staging_values = torch.empty(shape, dtype=pool.dtype, pin_memory=True)
-        self._staging_free: list[torch.cuda.Event | None] = [None, None]
+        self._staging_keys = ops.host_empty(shape, pool.dtype)
+        self._staging_values = ops.host_empty(shape, pool.dtype)
+        self._staging_free: list[object | None] = [None, None]
         self._next_staging = 0
 
-    # -- writes: device -> pinned staging (non-blocking) -> pool, in the worker once the copy has landed
+    # -- writes: device -> host (non-blocking) -> pool, in the worker once the copy has landed
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        host_keys, ready = self.host.to_host(keys)
-        host_values, _ = self.host.to_host(values)
-        self._worker.submit(self._write_rows, layer, slots, host_keys, host_values, ready)
+        host_keys, _ = self.host.to_host(keys)
+        host_values, ready = self.host.to_host(values)  # the later copy on the same stream: both have landed
+        written = self._worker.submit(self._write_rows, layer, slots, host_keys, host_values, ready)
+        if self._prefill_reads_pool and keys.shape[1] > 1:
+            written.result()
 
     def _write_rows(self, layer, slots, host_keys, host_values, ready) -> None:
         ready.synchronize()  # only these copies, in the worker: the decode loop goes on
@@ -183,7 +187,7 @@ class StreamFetcher:
     def start_rows(self, layer: int, slots: torch.Tensor) -> PendingFetch:
         host_slots, ready = self.host.to_host(slots)
         self.bytes_fetched += slots.numel() * self._row_bytes
-        return _Streamed(self._worker.submit(self._upload_rows, layer, host_slots, ready), False, None)
+        return _Streamed(self.ops, self._worker.submit(self._upload_rows, layer, host_slots, ready), False, None)
 
     def _upload_rows(self, layer, host_slots, ready):
         ready.synchronize()
@@ -196,11 +200,11 @@ class StreamFetcher:
         staged_keys = self._staging_keys[index].view(-1)[:count].view(shape)
         staged_values = self._staging_values[index].view(-1)[:count].view(shape)
         self.pool.gather(layer, host_slots, out=(staged_keys, staged_values))
-        with torch.cuda.stream(self._stream):
-            keys = staged_keys.to(self.device, non_blocking=True)
-            values = staged_values.to(self.device, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self._stream)
+        keys = self.ops.empty(shape, self.pool.dtype, self._stream)
+        values = self.ops.empty(shape, self.pool.dtype, self._stream)
+        self.ops.copy(keys, staged_keys, self._stream)
+        self.ops.copy(values, staged_values, self._stream)
+        copied = self.ops.record(self._stream)
         self._staging_free[index] = copied
         return keys, values, copied
 
@@ -210,30 +214,40 @@ class StreamFetcher:
         self.bytes_fetched += size * self.pool.num_kv_heads * self._row_bytes
         reserved = self.pool.last_reserved[layer]
         contiguous_new = size - reserved.numel() if self.pool.last_reserved_contiguous else None
-        return _Streamed(self._worker.submit(self._upload_layer, layer, size), True, contiguous_new)
+        return _Streamed(self.ops, self._worker.submit(self._upload_layer, layer, size), True, contiguous_new)
 
     def _upload_layer(self, layer, size):
-        with torch.cuda.stream(self._stream):
-            shape = (self.pool.num_kv_heads, size, self.pool.head_dim)
-            keys = torch.empty(shape, dtype=self.pool.dtype, device=self.device)
-            values = torch.empty(shape, dtype=self.pool.dtype, device=self.device)
-            host_keys, host_values = self.pool.keys(layer), self.pool.values(layer)
-            for head in range(shape[0]):  # each head's rows are contiguous in the pool: a true async copy
-                keys[head].copy_(host_keys[head], non_blocking=True)
-                values[head].copy_(host_values[head], non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self._stream)
-        return keys, values, copied
+        shape = (self.pool.num_kv_heads, size, self.pool.head_dim)
+        keys = self.ops.empty(shape, self.pool.dtype, self._stream)
+        values = self.ops.empty(shape, self.pool.dtype, self._stream)
+        host_keys, host_values = self.pool.keys(layer), self.pool.values(layer)
+        for head in range(shape[0]):  # each head's rows are contiguous in the pool: a true async copy
+            self.ops.copy(keys[head], host_keys[head], self._stream)
+            self.ops.copy(values[head], host_values[head], self._stream)
+        return keys, values, self.ops.record(self._stream)
 
     def flush(self) -> None:
         """Wait until every write and fetch started so far has been done on the host side."""
-        self._worker.submit(lambda: None).result()
+        if not self._closed:
+            self._worker.submit(lambda: None).result()
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        """Stop the worker and the streams, waiting a bounded time. A fetch in flight either completes or
+        fails with RuntimeError when waited on; writes already started still land. Never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        streams_stopped = self.ops.close()  # cuts copy delays short first: the worker may be waiting on one
+        self._worker.stop()
+        if not (self._worker.join() and streams_stopped):
+            warnings.warn("a KV fetch thread did not stop in time and was left behind", RuntimeWarning, stacklevel=2)
 
 
-def make_fetcher(pool: KVPool, device: torch.device, max_rows: int):
+def make_fetcher(pool: KVPool, device: torch.device, max_rows: int, ops: DeviceOps | None = None):
+    """The fetcher for a pool and a compute device; `ops` forces the streamed pipeline over those device
+    operations (tests run it on the CPU with `transfer.ThreadedCpuOps`)."""
+    if ops is not None:
+        return StreamFetcher(pool, ops, max_rows)
     if device.type == "cuda" and pool.device.type == "cpu":
-        return StreamFetcher(pool, device, max_rows)
+        return StreamFetcher(pool, CudaOps(device), max_rows)
     return DirectFetcher(pool, device)

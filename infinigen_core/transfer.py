@@ -1,0 +1,257 @@
+"""Copies between the compute device and host memory, ordered by streams and events, behind one small interface.
+
+The fetch pipeline (`fetch.StreamFetcher`) decides *what* moves and in which order; a `DeviceOps` decides
+what a copy, a stream and an event are:
+
+- `CudaOps`: CUDA side streams and events, pinned host staging. Nothing in it makes the host wait except
+  an event's `synchronize()`, which only the fetch worker (and the stats reader) calls.
+- `ThreadedCpuOps`: the same ordering on the CPU, so the pipeline runs and is tested without a GPU. Each
+  stream is a thread that runs its copies in order, each after an injectable delay; an event is set once
+  every copy enqueued on its stream before it has run. The compute side is the calling thread, so its
+  `wait` blocks. Buffers it hands out are poisoned (NaN, or -1 for integers) until a copy fills them, so
+  a read that skips a wait shows up as wrong numbers instead of passing by luck.
+
+>>> ops = ThreadedCpuOps(delay_s=0.001)
+>>> side = ops.stream()
+>>> dst = ops.empty((2,), torch.float32, side)
+>>> ops.copy(dst, torch.ones(2), side)
+>>> ops.wait(ops.record(side), dst)
+>>> dst.tolist()
+[1.0, 1.0]
+>>> ops.close()
+True
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Protocol
+
+import torch
+
+CLOSE_TIMEOUT_S = 5.0  # a closing thread that has not finished by then is left behind (daemon), never waited on
+
+
+class Event(Protocol):
+    """A point in a stream's work: `synchronize` makes the calling host thread wait until it is reached."""
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+
+class DeviceOps(Protocol):
+    """What the fetch pipeline needs from a device (see the module docstring)."""
+
+    device: torch.device  # where fetched rows end up (the compute device)
+
+    def stream(self) -> object:
+        """A new side stream: copies enqueued on it run in order, concurrently with the compute side."""
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Host memory a copy to the device can read asynchronously (pinned on CUDA)."""
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, stream: object) -> torch.Tensor:
+        """Device memory to be filled by copies on `stream`."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: object) -> None:
+        """Enqueue `dst.copy_(src)` on `stream`; returns at once."""
+
+    def record(self, stream: object) -> Event:
+        """An event reached once everything enqueued on `stream` so far has run."""
+
+    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
+        """A copy of a compute-side tensor as it is now, landing in host memory; read it after the event."""
+
+    def wait(self, event: Event, *tensors: torch.Tensor) -> None:
+        """The compute side goes on only once `event` is reached; `tensors` (filled on a side stream) are
+        then read by the compute side."""
+
+    def close(self) -> bool:
+        """Stop the streams (what was enqueued still runs, without delays); later copies raise.
+        Returns whether every stream stopped in time."""
+
+
+class Worker:
+    """One daemon thread running submitted calls in order: a one-thread executor whose close has a time
+    limit, so a stuck call can never hang the program (or its exit)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # a call is either queued before the stop marker or refused
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """Queue `fn(*args)`; raises RuntimeError once stopped (a call queued then would never run)."""
+        future: Future = Future()
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"{self._thread.name} is closed")
+            self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                with torch.inference_mode():  # the pool's tensors are inference tensors
+                    result = fn(*args)
+            except BaseException as error:  # kept for whoever waits on the future; never leaks from the thread
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+    def stop(self) -> None:
+        """Run what was submitted so far, then end."""
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                self._calls.put(None)
+
+    def join(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """Returns whether the thread has ended (waiting at most `timeout`)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+class CudaOps:
+    """CUDA streams and events; staging in pinned host memory (see the module docstring)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+
+    def stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=self.device)
+
+    def host_empty(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def empty(self, shape, dtype, stream) -> torch.Tensor:
+        with torch.cuda.stream(stream):  # allocated on the stream that fills it (see `wait`)
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def copy(self, dst, src, stream) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self, stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def to_host(self, tensor):
+        if tensor.device.type == "cpu":
+            return tensor, None
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))
+        return host, ready
+
+    def wait(self, event, *tensors) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(event)  # the compute stream waits, the host does not
+        for tensor in tensors:  # allocated on a side stream, read on the compute stream: tell the allocator
+            tensor.record_stream(compute)
+
+    def close(self) -> bool:
+        return True
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+class _CpuEvent:
+    def __init__(self, reached: Future) -> None:
+        self._reached = reached
+
+    def synchronize(self) -> None:
+        self._reached.result()
+
+    def query(self) -> bool:
+        return self._reached.done()
+
+
+class _CpuStream:
+    def __init__(self, name: str) -> None:
+        self.worker = Worker(name)
+        self.error: BaseException | None = None  # the first failed copy: every later event raises it (as CUDA's sticky errors)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"a copy on this stream failed: {self.error!r}") from self.error
+
+
+def _poisoned(shape, dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype)
+
+
+class ThreadedCpuOps:
+    """Streams as threads, events as futures, every copy after `delay_s` (seconds, or a function returning
+    them, called once per copy in the stream's thread: jitter). See the module docstring."""
+
+    def __init__(self, delay_s: float | Callable[[], float] = 0.0) -> None:
+        self.device = torch.device("cpu")
+        self.delay_s = delay_s
+        self.copies = 0  # copies run so far, on every stream
+        self._counting = threading.Lock()
+        self._stopping = threading.Event()  # cuts every delay short
+        self._streams: list[_CpuStream] = []
+        self._compute_to_host = self.stream("cpu-ops-to-host")  # the copies a compute stream enqueues towards the host
+
+    def stream(self, name: str | None = None) -> _CpuStream:
+        """A stream's thread is named after it, so a delay function can tell streams apart."""
+        stream = _CpuStream(name or f"cpu-ops-stream-{len(self._streams)}")
+        self._streams.append(stream)
+        return stream
+
+    def host_empty(self, shape, dtype) -> torch.Tensor:
+        return _poisoned(shape, dtype)
+
+    def empty(self, shape, dtype, stream) -> torch.Tensor:
+        return _poisoned(shape, dtype)
+
+    def copy(self, dst, src, stream) -> None:
+        stream.worker.submit(self._copy, dst, src, stream)  # raises once closed
+
+    def _copy(self, dst, src, stream) -> None:
+        delay = self.delay_s() if callable(self.delay_s) else self.delay_s
+        if delay > 0:
+            self._stopping.wait(delay)
+        try:
+            dst.copy_(src)
+        except Exception as error:
+            stream.error = stream.error or error
+        with self._counting:
+            self.copies += 1
+
+    def record(self, stream) -> _CpuEvent:
+        try:
+            return _CpuEvent(stream.worker.submit(stream.check))
+        except RuntimeError:  # closed: everything enqueued has run (or was left behind)
+            reached: Future = Future()
+            reached.set_result(None)
+            return _CpuEvent(reached)
+
+    def to_host(self, tensor):
+        # A compute stream's copy reads the tensor at its place in the stream, i.e. as it is now; only its
+        # arrival is late. Snapshot now, deliver after the delay.
+        snapshot = tensor.detach().clone()
+        host = _poisoned(snapshot.shape, snapshot.dtype)
+        self.copy(host, snapshot, self._compute_to_host)
+        return host, self.record(self._compute_to_host)
+
+    def wait(self, event, *tensors) -> None:
+        event.synchronize()  # the compute side is this thread
+
+    def close(self) -> bool:
+        self._stopping.set()
+        for stream in self._streams:
+            stream.worker.stop()
+        return all([stream.worker.join() for stream in self._streams])

@@ -1,0 +1,195 @@
+"""The streamed fetch pipeline (the GPU's) run on the CPU through `ThreadedCpuOps`, with delayed copies.
+
+Whatever the delays, every layer must attend to exactly the rows `DirectFetcher` gives it (same values,
+the new token first) at every step, through restores and truncations, and `close()` must never hang.
+"""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+import infinigen_core.engine as engine_module
+from conftest import make_tiny_engine, random_tokens
+from infinigen_core.fetch import DirectFetcher, PendingFetch, StreamFetcher, make_fetcher
+from infinigen_core.kv_pool import KVPool
+from infinigen_core.transfer import ThreadedCpuOps
+
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+
+
+def jitter(seed: int, most_s: float = 0.002):
+    """A per-copy delay of 0 to `most_s` seconds: copies land in varying order relative to the compute side."""
+    rng = random.Random(seed)
+    return lambda: rng.uniform(0, most_s)
+
+
+@pytest.fixture
+def attended(monkeypatch):
+    """Every fetch's rows as the layer receives them, in order: [kv_heads, rows, dim] copies (keys, values)."""
+    rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+    wait = PendingFetch.wait
+
+    def recording_wait(self, new_keys, new_values, new_slots):
+        fetched = wait(self, new_keys, new_values, new_slots)
+        shape = (fetched.keys.shape[0], -1, fetched.keys.shape[-1])
+        rows.append((fetched.keys.reshape(shape).clone(), fetched.values.reshape(shape).clone()))
+        return fetched
+
+    monkeypatch.setattr(PendingFetch, "wait", recording_wait)
+    return rows
+
+
+def streamed(monkeypatch, delay_s):
+    """Engines built (or reconfigured) from here on fetch through StreamFetcher over ThreadedCpuOps."""
+    monkeypatch.setattr(engine_module, "make_fetcher",
+                        lambda pool, device, max_rows: make_fetcher(pool, device, max_rows, ops=ThreadedCpuOps(delay_s)))
+
+
+def conversation(engine, restore: bool) -> torch.Tensor:
+    """Prefill, decode, and (if `restore`) export/reset/import and truncate between decodes; all logits."""
+    logits = [engine.prefill(random_tokens(90, seed=3))]
+    logits += list(engine.score(random_tokens(6, seed=4)))
+    if restore:
+        saved = [engine.export_rows(0, 50), engine.export_rows(50, engine.num_tokens)]
+        engine.reset()
+        assert engine.import_rows(saved) == 96
+        logits += list(engine.score(random_tokens(4, seed=5)))
+        engine.truncate(93)  # regenerate: drop the last turns, then decode another way
+        logits += list(engine.score(random_tokens(4, seed=6)))
+        logits.append(engine.prefill(random_tokens(7, seed=7)))  # a new user turn between decodes
+        logits += list(engine.score(random_tokens(3, seed=8)))
+    return torch.stack(logits)
+
+
+def run(model, monkeypatch, attended, delay_s=None, restore=False, **settings):
+    """The conversation's logits and every layer's attended rows, direct (delay_s None) or streamed."""
+    with monkeypatch.context() as patch:
+        if delay_s is not None:
+            streamed(patch, delay_s)
+        engine = make_tiny_engine(model, prefill_chunk=40, **settings)
+        attended.clear()
+        try:
+            assert type(engine.fetcher) is (DirectFetcher if delay_s is None else StreamFetcher)
+            logits = conversation(engine, restore)
+        finally:
+            engine.close()
+    return logits, list(attended)
+
+
+def assert_same_rows(direct_rows, streamed_rows):
+    assert len(streamed_rows) == len(direct_rows) > 0
+    for index, ((keys, values), (expected_keys, expected_values)) in enumerate(zip(streamed_rows, direct_rows)):
+        assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values), f"fetch {index} differs"
+
+
+@pytest.mark.parametrize("settings", [
+    dict(policy="infinigen", budget=0.2),
+    dict(policy="offload"),
+    dict(policy="h2o", budget=0.3),
+    dict(policy="infinigen", budget=0.3, pool_limit_tokens=80, recent_window=16),  # eviction: slots per layer
+], ids=["infinigen", "offload", "h2o", "infinigen-evicting"])
+def test_delayed_copies_attend_the_rows_direct_gives(tiny_llama, monkeypatch, attended, settings):
+    direct_logits, direct_rows = run(tiny_llama, monkeypatch, attended, **settings)
+    logits, rows = run(tiny_llama, monkeypatch, attended, delay_s=jitter(seed=1), **settings)
+    assert_same_rows(direct_rows, rows)
+    torch.testing.assert_close(logits, direct_logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", ["infinigen", "offload"])
+def test_restores_interleaved_with_decoding(tiny_llama, monkeypatch, attended, policy):
+    direct_logits, direct_rows = run(tiny_llama, monkeypatch, attended, restore=True, policy=policy, budget=0.25)
+    logits, rows = run(tiny_llama, monkeypatch, attended, delay_s=jitter(seed=2), restore=True,
+                       policy=policy, budget=0.25)
+    assert_same_rows(direct_rows, rows)
+    torch.testing.assert_close(logits, direct_logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_opt"])
+def test_full_budget_streamed_equals_full(request, monkeypatch, attended, model_fixture):
+    model = request.getfixturevalue(model_fixture)
+    full_logits, _ = run(model, monkeypatch, attended, policy="full")
+    logits, _ = run(model, monkeypatch, attended, delay_s=jitter(seed=3), policy="infinigen", budget=1.0, alpha=1e9)
+    torch.testing.assert_close(logits, full_logits, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ the fetcher alone
+def filled_pool(tokens=40) -> KVPool:
+    pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    for layer, slots in enumerate(pool.reserve(tokens)):
+        pool.write(layer, slots, torch.randn(2, tokens, 4, generator=generator), torch.randn(2, tokens, 4, generator=generator))
+    return pool
+
+
+def expected_rows(pool, layer, slots, new_keys, new_values):
+    keys, values = pool.gather(layer, slots)
+    return torch.cat([new_keys, keys], dim=1), torch.cat([new_values, values], dim=1)
+
+
+def test_fetches_in_flight_at_once_keep_their_staging(monkeypatch):
+    """Three fetches without a wait in between: the third reuses the first's staging buffer only once
+    that buffer's upload is done."""
+    pool = filled_pool()
+    # indices reach the host at once, uploads take long: the third gather comes while the first uploads
+    slow_uploads = lambda: 0.0 if threading.current_thread().name == "cpu-ops-to-host" else 0.05  # noqa: E731
+    fetcher = make_fetcher(pool, torch.device("cpu"), max_rows=16, ops=ThreadedCpuOps(slow_uploads))
+    new_keys, new_values, new_slots = torch.zeros(2, 1, 4), torch.ones(2, 1, 4), torch.tensor([40])
+    try:
+        requests = [(layer, torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(seed)))
+                    for seed, layer in enumerate((0, 1, 0))]
+        pending = [fetcher.start_rows(layer, slots) for layer, slots in requests]
+        for (layer, slots), fetch in zip(requests, pending):
+            fetched = fetch.wait(new_keys, new_values, new_slots)
+            keys, values = expected_rows(pool, layer, slots, new_keys, new_values)
+            assert torch.equal(fetched.keys, keys) and torch.equal(fetched.values, values)
+    finally:
+        fetcher.close()
+
+
+def test_close_in_the_middle_of_a_fetch_does_not_hang():
+    pool = filled_pool()
+    ops = ThreadedCpuOps(delay_s=30.0)  # every copy would take half a minute: close must cut it short
+    fetcher = make_fetcher(pool, torch.device("cpu"), max_rows=16, ops=ops)
+    slots = torch.arange(10).repeat(2, 1)
+    new_keys, new_values = torch.zeros(2, 1, 4), torch.ones(2, 1, 4)
+    fetcher.write(0, torch.tensor([39]), new_keys, new_values)  # still landing when close comes
+    rows, layer = fetcher.start_rows(1, slots), fetcher.start_layer(1)
+    time.sleep(0.05)
+    started = time.perf_counter()
+    fetcher.close()
+    assert time.perf_counter() - started < 2.0
+    assert not any(thread.name.startswith(("kv-fetch", "cpu-ops")) for thread in threading.enumerate())
+    for pending in (rows, layer):  # each in flight either completed or failed cleanly: never hangs
+        try:
+            pending.wait(new_keys, new_values, torch.tensor([39]))
+        except RuntimeError as error:
+            assert "closed" in str(error)
+    assert torch.equal(pool.keys(0)[:, 39:40], new_keys), "a write started before close still lands"
+    with pytest.raises(RuntimeError, match="closed"):
+        fetcher.start_rows(1, slots)
+    fetcher.close()  # twice is harmless
+
+
+def test_closing_an_engine_in_the_middle_of_a_decode(tiny_llama, monkeypatch):
+    """The decode thread ends (done, or a RuntimeError from the closed fetcher) and nothing leaks."""
+    streamed(monkeypatch, 0.2)
+    engine = make_tiny_engine(tiny_llama, policy="infinigen", budget=0.2)
+    engine.prefill(random_tokens(60, seed=1))
+    outcome = []
+
+    def decode():
+        try:
+            outcome.append(engine.decode(5))
+        except RuntimeError as error:
+            outcome.append(error)
+
+    decoding = threading.Thread(target=decode)
+    decoding.start()
+    time.sleep(0.3)  # inside the step, waiting on a copy
+    engine.close()
+    decoding.join(5.0)
+    assert not decoding.is_alive() and len(outcome) == 1
+    assert isinstance(outcome[0], (torch.Tensor, RuntimeError))
