@@ -48,6 +48,25 @@ class WindowCheck:
     droppable_turns: int
 
 
+def conversation(system: str, turns: list[tuple[str, str]]) -> list[dict]:
+    """(role, content) turns after the system prompt (when there is one), as the chat template takes them."""
+    head = [{"role": "system", "content": system}] if system else []
+    return head + [{"role": role, "content": content} for role, content in turns]
+
+
+def reply_prompt_ids(tokenizer, turns: list[dict], window: int) -> list[int]:
+    """`turns` templated for the model's reply, which must fit the window with one token at least; raises
+    ContextWindowError (its check says how many turns could go).
+
+        ids = reply_prompt_ids(engine.tokenizer, conversation("Be brief.", [("user", "Hi")]), engine.max_context)
+    """
+    prompt_ids = chat_token_ids(tokenizer, turns, add_generation_prompt=True)
+    if len(prompt_ids) + 1 > window:
+        users = sum(1 for turn in turns if turn["role"] == "user")
+        raise ContextWindowError(WindowCheck(False, len(prompt_ids) + 1, window, max(users - 1, 0)))
+    return prompt_ids
+
+
 class ChatSession:
     def __init__(self, store: SessionStore, engine, session_id: str, lock: SessionLock) -> None:
         self.store, self.engine, self.id, self._lock = store, engine, session_id, lock
@@ -176,9 +195,8 @@ class ChatSession:
         self.store.update(self.id, system_prompt=text)  # the cache diverges at once; the next turn re-syncs
 
     def _conversation(self, messages: list[Message] | None = None, extra_user: str | None = None) -> list[dict]:
-        system = self.system_prompt
-        turns = [{"role": "system", "content": system}] if system else []
-        turns += [{"role": m.role, "content": m.content} for m in (self.messages if messages is None else messages)]
+        history = self.messages if messages is None else messages
+        turns = conversation(self.system_prompt, [(m.role, m.content) for m in history])
         if extra_user is not None:
             turns.append({"role": "user", "content": extra_user})
         return turns
@@ -234,19 +252,15 @@ class ChatSession:
         """Append (role, content) messages as an API client sends them, then stream and store the reply to the
         whole conversation. Checked against the window first; the messages are stored in one transaction."""
         tokenizer = self.engine.tokenizer
-        conversation, rows = self._conversation(), []
-        end = len(self._conversation_ids()) if conversation else 0
+        turns_so_far, rows = self._conversation(), []
+        end = len(self._conversation_ids()) if turns_so_far else 0
         for role, content in turns:
             if role not in ("user", "assistant"):
                 raise SessionError(f"a stored message is from the user or the assistant, not {role!r}")
-            conversation.append({"role": role, "content": content})
-            start, end = end, len(chat_token_ids(tokenizer, conversation, add_generation_prompt=False))
+            turns_so_far.append({"role": role, "content": content})
+            start, end = end, len(chat_token_ids(tokenizer, turns_so_far, add_generation_prompt=False))
             rows.append([role, content, start, end])
-        prompt_ids = chat_token_ids(tokenizer, conversation, add_generation_prompt=True)
-        if len(prompt_ids) + 1 > self.engine.max_context:
-            users = sum(1 for turn in conversation if turn["role"] == "user")
-            raise ContextWindowError(WindowCheck(False, len(prompt_ids) + 1, self.engine.max_context,
-                                                 max(users - 1, 0)))
+        prompt_ids = reply_prompt_ids(tokenizer, turns_so_far, self.engine.max_context)
         if rows and rows[-1][0] == "user":
             rows[-1][3] = len(prompt_ids)  # like `send`: a user message's span ends after the reply's opening
         if rows:

@@ -52,7 +52,7 @@ def test_a_model_that_failed_to_load_says_why(tmp_path):
 def test_past_the_queue_bound_a_request_gets_429_and_stores_nothing(loaded):
     client = api_client(loaded, max_waiting=0)
     sessions_before = len(loaded.store.list())
-    with loaded._turn():  # a reply is being generated (the page's, here)
+    with loaded.turns.exclusive():  # a reply is being generated (the page's, here)
         response = client.post("/v1/chat/completions", json=HELLO)
     assert response.status_code == 429 and response.headers["retry-after"] == "2"
     assert response.json()["error"]["type"] == "rate_limit_error"
@@ -63,10 +63,10 @@ def test_past_the_queue_bound_a_request_gets_429_and_stores_nothing(loaded):
 def test_requests_wait_their_turn_within_the_bound(loaded):
     client = api_client(loaded, max_waiting=1)
     answers = []
-    with loaded._turn():
+    with loaded.turns.exclusive():
         waiting = threading.Thread(target=lambda: answers.append(client.post("/v1/chat/completions", json=HELLO)))
         waiting.start()
-        while loaded._waiting == 0:  # the first request is queued behind the turn in progress
+        while loaded.turns.waiting == 0:  # the first request is queued behind the turn in progress
             time.sleep(0.01)
         second = client.post("/v1/chat/completions", json=HELLO)
         assert second.status_code == 429 and not answers  # one waits, the next is turned away
@@ -91,12 +91,12 @@ def test_the_page_and_the_api_take_turns_with_the_engine(loaded):
 def test_the_pages_stop_button_does_not_turn_away_a_request_waiting_for_its_turn(loaded):
     client = api_client(loaded, max_waiting=1)
     answers = []
-    with loaded._turn():  # the page's turn is running
+    with loaded.turns.exclusive():  # the page's turn is running
         waiting = threading.Thread(target=lambda: answers.append(client.post("/v1/chat/completions", json=HELLO)))
         waiting.start()
-        while loaded._waiting == 0:
+        while loaded.turns.waiting == 0:
             time.sleep(0.01)
-        loaded.cancel.set()  # the user stops the page's own reply
+        loaded.turns.cancel.set()  # the user stops the page's own reply
         time.sleep(0.5)  # the waiting request sees the flag several times
     waiting.join(timeout=120)
     assert answers[0].status_code == 200 and answers[0].json()["choices"][0]["message"]["content"]
@@ -123,7 +123,7 @@ def test_switching_models_closes_the_apis_session_too(tmp_path, real_engine):
         old_engine = controller.engine
         controller.switch_model("another")
         assert controller.engine is not old_engine and controller.api_chat is None
-        assert controller._holder is controller.chat and controller.chat.engine is controller.engine
+        assert controller.open_sessions.holder is controller.chat and controller.chat.engine is controller.engine
         follow_up = {"messages": HELLO["messages"] + [
             {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
             {"role": "user", "content": "Again."}], "max_tokens": 4}

@@ -1,11 +1,8 @@
-"""The OpenAI-compatible API beside the page: GET /v1/models and POST /v1/chat/completions.
+"""The OpenAI API's serving logic: the checks before a turn, the turn in a worker thread, the reply in
+OpenAI's shapes (one completion or a stream of chunks).
 
-    demo.launch(app_kwargs={"routes": api_routes(controller, ApiOptions(key="secret"))})
-
-Replies come from the same controller, engine and sessions as the page, one turn at a time: a request
-waits its turn (or gets 429 when `max_waiting` requests already wait) and is stored as an API session, so
-a conversation that comes back longer continues from its KV on disk. A generation runs in a worker thread
-that feeds the response; a client that goes away sets its cancel flag, and what was generated is stored.
+A generation runs in a worker thread that feeds the response; a client that goes away sets its cancel
+flag, and what was generated is stored.
 """
 
 from __future__ import annotations
@@ -17,16 +14,21 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.routing import BaseRoute
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
-from infinigen_core.generation import GenerationEvent, chat_token_ids
+from infinigen_core.generation import GenerationEvent
+from sessions import ContextWindowError
+from sessions.chat import conversation, reply_prompt_ids
 
-from .api_request import ApiError, ChatRequest, parse_chat_request
-from .controller import Abandoned, ApiTurn, ChatController, QueueFull, UserError
+from ..errors import Abandoned, QueueFull, UserError
+from .conversations import ApiTurn
+from .protocol import ApiError, ChatRequest
+
+if TYPE_CHECKING:
+    from ..controller import ChatController
 
 LOADING_RETRY_S = 5
 BUSY_RETRY_S = 2
@@ -34,56 +36,8 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "cancelled": "stop", "length": 
 DISCONNECT_POLL_S = 0.25
 
 
-@dataclass(frozen=True)
-class ApiOptions:
-    key: str | None = None  # a bearer token every request must carry; None: no key
-    max_waiting: int = 4  # requests that may wait for their turn; one more gets 429
-
-
-def api_routes(controller: ChatController, options: ApiOptions) -> list[BaseRoute]:
-    """The API's routes, to be handed to the Gradio app's FastAPI constructor (so they exist from the start)."""
-    router = APIRouter()
-
-    @router.get("/v1/models")
-    async def list_models(request: Request):
-        try:
-            _check_key(request, options.key)
-            model_id = _model_id(controller)
-        except ApiError as error:
-            return _error_response(error)
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(controller.loaded_at),
-                                            "owned_by": "infinigen-chat"}]}
-
-    @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        try:
-            _check_key(request, options.key)
-            body = await _json_body(request)
-            model_id = _model_id(controller)
-            chat_request = parse_chat_request(body, model_id, controller.settings.sampling)
-            prompt_ids = await asyncio.to_thread(_prompt_ids, controller, chat_request)
-        except ApiError as error:
-            return _error_response(error)
-        job = _Generation(controller, chat_request, prompt_ids, options.max_waiting)
-        try:
-            first = await job.next_item_while_connected(request)
-        except ApiError as error:
-            return _error_response(error)
-        reply = _Reply(model_id, len(prompt_ids), job.turn)
-        if chat_request.stream:
-            return StreamingResponse(reply.stream(job, first, chat_request.include_usage),
-                                     media_type="text/event-stream", headers=reply.headers())
-        try:
-            await reply.collect(job, first, request)
-        except ApiError as error:
-            return _error_response(error)
-        return JSONResponse(reply.completion(), headers=reply.headers())
-
-    return list(router.routes)
-
-
 # ---------------------------------------------------------------------- checks before a turn
-def _check_key(request: Request, key: str | None) -> None:
+def check_key(request: Request, key: str | None) -> None:
     if key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -94,7 +48,7 @@ def _check_key(request: Request, key: str | None) -> None:
         raise ApiError(401, "incorrect API key", None, "invalid_api_key")
 
 
-def _model_id(controller: ChatController) -> str:
+def served_model(controller: ChatController) -> str:
     if not controller.ready.is_set():
         raise ApiError(503, f"the model is still loading ({controller.status}); retry shortly", None,
                        "model_loading", "server_error", retry_after=LOADING_RETRY_S)
@@ -104,33 +58,32 @@ def _model_id(controller: ChatController) -> str:
     return controller.engine.model_name
 
 
-async def _json_body(request: Request):
+async def json_body(request: Request):
     try:
         return json.loads(await request.body())
     except ValueError as error:
         raise ApiError(400, f"the request body is not valid JSON ({error})", None, "invalid_json") from None
 
 
-def _prompt_ids(controller: ChatController, chat_request: ChatRequest) -> list[int]:
+def checked_prompt_ids(controller: ChatController, chat_request: ChatRequest) -> list[int]:
     """The templated conversation, checked against the model's window before anything is stored."""
     engine = controller.engine
-    conversation = [{"role": "system", "content": chat_request.system}] if chat_request.system else []
-    conversation += [{"role": role, "content": content} for role, content in chat_request.turns]
-    prompt_ids = chat_token_ids(engine.tokenizer, conversation, add_generation_prompt=True)
-    if len(prompt_ids) + 1 > engine.max_context:
-        raise ApiError(400, f"the conversation is {len(prompt_ids)} tokens long, and the model's window is "
-                            f"{engine.max_context} (including the reply): leave out older messages",
-                       "messages", "context_length_exceeded")
-    return prompt_ids
+    try:
+        return reply_prompt_ids(engine.tokenizer, conversation(chat_request.system, list(chat_request.turns)),
+                                engine.max_context)
+    except ContextWindowError as error:
+        raise ApiError(400, f"the conversation is {error.check.needed_tokens - 1} tokens long, and the model's "
+                            f"window is {error.check.window} (including the reply): leave out older messages",
+                       "messages", "context_length_exceeded") from None
 
 
-def _error_response(error: ApiError) -> JSONResponse:
+def error_response(error: ApiError) -> JSONResponse:
     headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 # ---------------------------------------------------------------------- the turn, in a worker thread
-class _Generation:
+class Generation:
     """Runs the controller's API turn in a thread and hands its events to the event loop, in order."""
 
     def __init__(self, controller: ChatController, chat_request: ChatRequest, prompt_ids: list[int],
@@ -177,7 +130,7 @@ class _Generation:
 
 
 # ---------------------------------------------------------------------- the reply, in OpenAI's shapes
-class _Reply:
+class Reply:
     def __init__(self, model_id: str, prompt_tokens: int, turn: ApiTurn) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -214,12 +167,12 @@ class _Reply:
                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
         return f"data: {json.dumps(chunk)}\n\n"
 
-    async def collect(self, job: _Generation, event: GenerationEvent | None, request: Request) -> None:
+    async def collect(self, job: Generation, event: GenerationEvent | None, request: Request) -> None:
         while event is not None:
             self.add(event)
             event = await job.next_item_while_connected(request)
 
-    async def stream(self, job: _Generation, event: GenerationEvent | None, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, job: Generation, event: GenerationEvent | None, include_usage: bool) -> AsyncIterator[str]:
         try:
             yield self._chunk({"role": "assistant", "content": ""})
             while event is not None:

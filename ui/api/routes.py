@@ -1,0 +1,68 @@
+"""The API's routes: GET /v1/models and POST /v1/chat/completions, to be handed to the Gradio app's FastAPI
+constructor (so they exist from the start).
+
+    demo.launch(app_kwargs={"routes": api_routes(controller, ApiOptions(key="secret"))})
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.routing import BaseRoute
+
+from . import serving
+from .protocol import ApiError, parse_chat_request
+
+if TYPE_CHECKING:
+    from ..controller import ChatController
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    key: str | None = None  # a bearer token every request must carry; None: no key
+    max_waiting: int = 4  # requests that may wait for their turn; one more gets 429
+
+
+def api_routes(controller: ChatController, options: ApiOptions) -> list[BaseRoute]:
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def list_models(request: Request):
+        try:
+            serving.check_key(request, options.key)
+            model_id = serving.served_model(controller)
+        except ApiError as error:
+            return serving.error_response(error)
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(controller.loaded_at),
+                                            "owned_by": "infinigen-chat"}]}
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            serving.check_key(request, options.key)
+            body = await serving.json_body(request)
+            model_id = serving.served_model(controller)
+            chat_request = parse_chat_request(body, model_id, controller.settings.sampling)
+            prompt_ids = await asyncio.to_thread(serving.checked_prompt_ids, controller, chat_request)
+        except ApiError as error:
+            return serving.error_response(error)
+        job = serving.Generation(controller, chat_request, prompt_ids, options.max_waiting)
+        try:
+            first = await job.next_item_while_connected(request)
+        except ApiError as error:
+            return serving.error_response(error)
+        reply = serving.Reply(model_id, len(prompt_ids), job.turn)
+        if chat_request.stream:
+            return StreamingResponse(reply.stream(job, first, chat_request.include_usage),
+                                     media_type="text/event-stream", headers=reply.headers())
+        try:
+            await reply.collect(job, first, request)
+        except ApiError as error:
+            return serving.error_response(error)
+        return JSONResponse(reply.completion(), headers=reply.headers())
+
+    return list(router.routes)

@@ -1,0 +1,148 @@
+"""The model this process serves: loading it (in the background at start-up), switching to another, its
+device and memory, and what the page says about it.
+
+    host = ModelHost(model=None, device="auto")
+    host.load(lambda: engine_config(settings), progress=print)
+    host.require_engine()                       # UserError while starting or after a failed load
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from infinigen_core.config import EngineConfig
+
+from .errors import UserError
+
+Report = Callable[[str], None]
+
+
+def _free_memory() -> None:
+    """Let an unloaded model's weights go before the next one loads (on a GPU, give the memory back too)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class ModelHost:
+    DEFAULT_CHOICE = "default"
+
+    def __init__(self, model: str | None = None, device: str = "auto", quantize: str | None = None,
+                 loader: Callable | None = None) -> None:
+        self.model_path, self.device, self.quantize = model, device, quantize
+        self.engine = None
+        self.status = "Starting..."
+        self.load_error: str | None = None
+        self.ready = threading.Event()
+        self.loaded_at = 0.0
+        self._loader = loader
+
+    def _reporter(self, progress: Report) -> Report:
+        def report(message: str) -> None:
+            self.status = message
+            progress(message)
+
+        return report
+
+    def _load(self, model: str | None, config: EngineConfig, report: Report):
+        from infinigen_core.loading import load_engine
+
+        loader = self._loader or load_engine
+        return loader(model, device=self.device, config=config, quantize=self.quantize, progress=report)
+
+    # ------------------------------------------------------------------ start-up
+    def load(self, config: Callable[[], EngineConfig], progress: Report = print,
+             then: Callable[[], None] = lambda: None) -> None:
+        """Load the model (download, convert and calibrate on first use), then run `then` (open a session);
+        a failure of either is kept in `load_error` and shown instead of a frozen page."""
+        report = self._reporter(progress)
+        try:
+            report("Loading the model (the first start downloads and converts it, then calibrates once)...")
+            self.engine = self._load(self.model_path, config(), report)
+            self.loaded_at = time.time()
+            then()
+            report(self.ready_line())
+        except Exception as error:  # shown in the UI instead of a frozen page
+            self.load_error = f"Could not start: {error}"
+            report(self.load_error)
+        finally:
+            self.ready.set()
+
+    def require_engine(self) -> None:
+        if not self.ready.is_set():
+            raise UserError(f"Still starting: {self.status}")
+        if self.engine is None:
+            raise UserError(self.load_error or "the model is not loaded")
+
+    def require_engine_loaded(self) -> None:
+        if self.engine is None:
+            raise UserError(self.load_error or f"Still starting: {self.status}")
+
+    # ------------------------------------------------------------------ switching
+    def wanted(self, choice: str | None) -> str | None:
+        """The model a picker's choice names: None for the default."""
+        return None if not choice or choice == self.DEFAULT_CHOICE else str(choice).strip()
+
+    def swap(self, wanted: str | None, config: Callable[[], EngineConfig], progress: Report = print) -> str | None:
+        """Unload the model (two 8B models rarely fit one GPU) and load `wanted`; if it fails, load the old one
+        again and return why. No session may hold the engine. Raises UserError when no model is left."""
+        report = self._reporter(progress)
+        previous = self.model_path
+        previous_name = self.engine.model_name if self.engine is not None else None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+            _free_memory()
+        try:
+            report(f"Loading {wanted or 'the default model'}...")
+            self.engine = self._load(wanted, config(), report)
+            self.model_path, self.load_error = wanted, None
+            return None
+        except Exception as error:  # a bad path, an unsupported family, no memory: go back
+            if previous_name is None:  # the model given at start failed too: nothing to go back to
+                self.load_error = f"Could not load {wanted or 'the default model'}: {error}"
+                report(self.load_error)
+                raise UserError(self.load_error) from None
+            failure = f"Could not load {wanted}: {error}. Back on {previous_name}."
+            report(f"Loading {previous_name} again...")
+            try:
+                self.engine = self._load(previous, config(), report)
+            except Exception as again:
+                self.load_error = f"Could not load {wanted} ({error}) nor {previous_name} again ({again})"
+                report(self.load_error)
+                raise UserError(self.load_error) from None
+            return failure
+
+    # ------------------------------------------------------------------ what the page shows
+    def model_choices(self) -> list[tuple[str, str]]:
+        """(label, value) for the model picker: the default, the supported models in the local hub cache,
+        and the model now loaded when it is a local path."""
+        from infinigen_core.hub import cached_hub_models
+        from infinigen_core.loading import DEFAULT_MODEL_NAME
+
+        choices = [(f"{DEFAULT_MODEL_NAME} (default)", self.DEFAULT_CHOICE)]
+        choices += [(repo_id, repo_id) for repo_id in cached_hub_models()]
+        if self.model_path and all(value != self.model_path for _, value in choices):
+            choices.append((self.model_path, self.model_path))
+        return choices
+
+    def model_summary(self) -> str:
+        engine = self.engine
+        if engine is None:
+            return ""
+        adapter = engine.adapter
+        sliding = sum(1 for layer in range(adapter.num_layers) if not adapter.is_global(layer))
+        nope = sum(1 for layer in range(adapter.num_layers) if not adapter.uses_rope(layer))
+        kinds = f"{adapter.num_layers - sliding} global" + (f", {sliding} sliding-window" if sliding else "")
+        kinds += f" ({nope} without RoPE)" if nope and adapter.family.rope else ""
+        dtype = str(engine.dtype).replace("torch.", "")
+        return f"{engine.model_name} · {adapter.family.label} · {kinds} layers · {dtype} on {engine.device}"
+
+    def ready_line(self) -> str:
+        return f"Ready: {self.engine.model_name} on {self.engine.device}"

@@ -1,0 +1,63 @@
+"""The sessions open in this process (the page's and the API's latest) and the one whose KV the engine holds.
+
+The engine holds one conversation at a time: before a turn, `hold` reads its session's KV back from disk
+when another session used the engine since. A session is closed (its lock released) once neither the page
+nor the API has it open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sessions import ChatSession, SessionStore
+
+from .model_host import ModelHost
+
+Progress = Callable[[int, int], None]
+
+
+class OpenSessions:
+    def __init__(self, store: SessionStore, host: ModelHost) -> None:
+        self.store, self.host = store, host
+        self.page: ChatSession | None = None  # the session the page shows
+        self.api: ChatSession | None = None  # the API's latest conversation, kept open for the next request
+        self.holder: ChatSession | None = None  # the session whose KV the engine holds now
+
+    def open(self, session_id: str, progress: Progress | None = None) -> ChatSession:
+        """Open a session, which restores its KV into the engine (whatever the engine held is gone)."""
+        self.holder = None
+        chat = ChatSession.open(self.store, self.host.engine, session_id, progress)
+        self.holder = chat
+        return chat
+
+    def hold(self, chat: ChatSession, progress: Progress | None = None) -> None:
+        """Make the engine hold `chat`'s KV: read it back from disk if another session used the engine since."""
+        if self.holder is not chat:
+            self.holder = None
+            chat.reload(progress)
+            self.holder = chat
+
+    def release(self, chat: ChatSession | None) -> None:
+        """Close a session that neither the page nor the API has open any more."""
+        if chat is not None and chat is not self.page and chat is not self.api:
+            if self.holder is chat:
+                self.holder = None
+            chat.close()
+
+    def for_api(self, session_id: str) -> ChatSession:
+        """`session_id` open for the API (shared with the page when it has it open), its KV in the engine."""
+        for chat in (self.api, self.page):
+            if chat is not None and chat.id == session_id:
+                break
+        else:
+            chat = self.open(session_id)
+        previous, self.api = self.api, chat
+        self.release(previous)
+        self.hold(chat)
+        return chat
+
+    def close_all(self) -> None:
+        """Before the engine goes: every open session holds it (the API's too)."""
+        for chat in {id(chat): chat for chat in (self.page, self.api) if chat is not None}.values():
+            chat.close()
+        self.page = self.api = self.holder = None

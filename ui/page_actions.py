@@ -1,0 +1,188 @@
+"""The page's event handlers: each calls the controller and returns what its outputs show. A `UserError` is
+shown as an error toast by `shows_errors`, written once here."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import gradio as gr
+
+from . import inspector, panels
+from .controller import ChatController, UserError
+from .page_text import find, session_choices, session_details, status_text
+
+ERROR_SECONDS = 12
+PANEL_OUTPUTS = 10  # the tick's outputs between the status line and its state: 4 plots, 2 pickers, 4 views
+
+
+def shows_errors(handler: Callable) -> Callable:
+    """A handler whose UserError is shown on the page as an error toast (a streaming handler's too)."""
+    if inspect.isgeneratorfunction(handler):
+        @functools.wraps(handler)
+        def streaming(*args):
+            try:
+                yield from handler(*args)
+            except UserError as error:
+                raise gr.Error(str(error), duration=ERROR_SECONDS) from None
+
+        return streaming
+
+    @functools.wraps(handler)
+    def plain(*args):
+        try:
+            return handler(*args)
+        except UserError as error:
+            raise gr.Error(str(error), duration=ERROR_SECONDS) from None
+
+    return plain
+
+
+class PageActions:
+    def __init__(self, controller: ChatController, export_dir: Path) -> None:
+        self.controller, self.export_dir = controller, export_dir
+
+    # ---------------------------------------------------------------- the sidebar
+    # the sidebar after an action: the session list, the open session's title, system prompt and details (a
+    # comment, not a docstring: Gradio would publish it as the description of this public endpoint)
+    def refresh_sessions(self):
+        current = self.controller.chat.id if self.controller.chat is not None else None
+        summaries = self.controller.store.list()
+        summary = find(summaries, current)
+        return gr.update(choices=session_choices(summaries), value=current), \
+            (summary.title if summary else ""), (summary.system_prompt if summary else ""), \
+            session_details(summary)
+
+    def history(self) -> list[dict]:
+        return self.controller.chat_history()
+
+    # ---------------------------------------------------------------- turns
+    @shows_errors
+    def send(self, text) -> Iterator[tuple[list[dict], str]]:
+        for history in self.controller.send(text):
+            yield history, ""
+
+    @shows_errors
+    def regenerate(self) -> Iterator[list[dict]]:
+        yield from self.controller.regenerate()
+
+    @shows_errors
+    def edit(self, text) -> Iterator[tuple[list[dict], str]]:
+        for history in self.controller.edit_last(text):
+            yield history, ""
+
+    def stop(self) -> str:
+        self.controller.stop()
+        return "Stopping after the current token; what was generated is kept."
+
+    @shows_errors
+    def drop(self, text) -> list[dict]:
+        gr.Info(self.controller.drop_oldest_turns(text))
+        return self.history()
+
+    # ---------------------------------------------------------------- sessions
+    @shows_errors
+    def open(self, session_id):
+        if session_id:
+            self.controller.open_session(session_id)
+        return self.history(), status_text(self.controller)
+
+    @shows_errors
+    def new(self) -> list[dict]:
+        self.controller.new_session()
+        return self.history()
+
+    @shows_errors
+    def rename(self, title) -> None:
+        self.controller.rename_session(title)
+
+    @shows_errors
+    def delete(self) -> list[dict]:
+        self.controller.delete_session()
+        return self.history()
+
+    @shows_errors
+    def export(self) -> str:
+        return str(self.controller.export_session(self.export_dir))
+
+    @shows_errors
+    def import_(self, path) -> list[dict]:
+        if path:
+            self.controller.import_session(path)
+        return self.history()
+
+    @shows_errors
+    def branch(self, number) -> list[dict]:
+        self.controller.branch_from(int(number or 1) - 1)
+        return self.history()
+
+    @shows_errors
+    def system_prompt(self, text) -> str:
+        self.controller.set_system_prompt(text or "")
+        return "System prompt saved; it applies from the next message."
+
+    # ---------------------------------------------------------------- model and settings
+    @shows_errors
+    def switch_model(self, choice, path):
+        controller = self.controller
+        gr.Info(controller.switch_model((path or "").strip() or choice))
+        return self.history(), controller.model_summary(), gr.update(
+            choices=controller.model_choices(), value=controller.model_path or controller.DEFAULT_CHOICE)
+
+    @shows_errors
+    def apply_settings(self, *values) -> str:
+        return self.controller.apply_settings(*values)
+
+    @shows_errors
+    def storage(self, kv_format_value, limit) -> str:
+        return self.controller.apply_storage(kv_format_value, limit)
+
+    # ---------------------------------------------------------------- live panels, inspector, scripts
+    def tick(self, last_seen):
+        """Refresh the status always, the plots only when the engine ran a new step."""
+        controller = self.controller
+        text = status_text(controller)
+        engine = controller.engine
+        seen = (engine.steps_run, controller.chat.id if controller.chat else None, id(engine),
+                controller.api_turns) if engine else None
+        if engine is None or seen == last_seen:
+            return (text, *[gr.skip()] * PANEL_OUTPUTS, last_seen)
+        # the page may have opened before the model and the last session were loaded: show them now
+        session_changed = last_seen is None or last_seen[1:3] != seen[1:3]  # another session or model
+        history = self.history() if session_changed else gr.skip()
+        picker = details = model = gr.skip()
+        if session_changed:
+            model = controller.model_summary()
+        if session_changed or last_seen[3] != seen[3]:  # an API turn may have added or grown a session
+            summaries = controller.store.list()
+            picker = gr.update(choices=session_choices(summaries), value=seen[1])
+            details = session_details(find(summaries, seen[1]))
+        data = panels.collect(engine, controller.progress.tokens_per_second())
+        figures = (panels.memory_plot(data), panels.fetch_ratio_plot(data), panels.sparsity_heatmap(data),
+                   panels.timing_plot(data))
+        panels.close_all(*figures)
+        labels = inspector.step_labels(engine)
+        steps = gr.update(choices=labels, value=labels[-1] if labels else None)
+        layers = gr.update(maximum=engine.adapter.num_layers - 1)
+        return (text, *figures, steps, layers, history, picker, details, model, seen)
+
+    def inspect(self, step_label, layer) -> str:
+        if self.controller.engine is None or not step_label:
+            return "<p>Generate a reply first.</p>"
+        return inspector.render(self.controller.engine, int(str(step_label).split(":")[0]), int(layer))
+
+    def inspect_index(self, step_index, layer) -> str:
+        if self.controller.engine is None:
+            return "<p>Still starting.</p>"
+        return inspector.render(self.controller.engine, int(step_index or 0), int(layer or 0))
+
+    def list_sessions(self) -> list[dict]:
+        return [{**s.__dict__, "reopens_instantly": s.reopens_instantly} for s in self.controller.store.list()]
+
+    def app_status(self) -> dict:
+        controller = self.controller
+        return {"ready": controller.engine is not None and controller.ready.is_set(),
+                "status": controller.status, "error": controller.load_error,
+                "restore": controller.restore_message, "session": controller.chat.id if controller.chat else None}

@@ -1,0 +1,56 @@
+"""What the page writes about the app's state: the status line and the sidebar's session labels and details."""
+
+from __future__ import annotations
+
+import time
+
+from sessions import SessionSummary, format_size
+
+from .controller import ChatController
+
+
+def session_choices(summaries: list[SessionSummary]) -> list[tuple[str, str]]:
+    """Short labels that fit the sidebar: title, tokens, KV size on disk or "re-read" when its KV is not on
+    disk (opening it re-reads the text), last used (the open session's details sit below)."""
+    choices = []
+    for s in summaries:
+        title = s.title if len(s.title) <= 20 else s.title[:19] + "…"
+        used = time.strftime("%d %b", time.localtime(s.last_used))
+        source = "API · " if s.origin == "api" else ""  # a conversation an OpenAI-API client had
+        disk = format_size(s.bytes_on_disk) if s.reopens_instantly else "re-read"
+        choices.append((f"{source}{title} · {s.token_count:,} tok · {disk} · {used}", s.id))
+    return choices
+
+
+def find(summaries: list[SessionSummary], session_id: str | None) -> SessionSummary | None:
+    return next((s for s in summaries if s.id == session_id), None)
+
+
+def session_details(summary: SessionSummary | None) -> str:
+    if summary is None:
+        return ""
+    used = time.strftime("%d %b %Y %H:%M", time.localtime(summary.last_used))
+    source = "from the API · " if summary.origin == "api" else ""
+    if summary.reopens_instantly:
+        reopening = "reopens instantly (its KV cache is on disk)"
+    elif summary.kv_dropped:
+        reopening = "its KV cache was dropped to stay within the disk limit: opening it re-reads the text"
+    else:
+        reopening = "opening it re-reads the text (its KV cache is not on disk)"
+    return (f"{source}{summary.token_count:,} tokens · {summary.message_count} messages · "
+            f"{format_size(summary.bytes_on_disk)} on disk · last used {used} · {reopening}")
+
+
+def status_text(controller: ChatController) -> str:
+    if controller.engine is None:
+        return f"**Starting:** {controller.status}"
+    progress = controller.progress
+    if progress.phase == "restore":
+        return f"**Opening the session:** {progress.done:,} / {progress.total:,} tokens of KV cache..."
+    if progress.phase == "prefill" and progress.total:
+        return f"**Reading your message:** {progress.done:,} / {progress.total:,} tokens..."
+    if progress.phase == "prefill":
+        return "**Reading your message...**"
+    if progress.phase == "generating":
+        return f"**Generating:** {progress.tokens} tokens, {progress.tokens_per_second():.1f} tokens/s"
+    return f"**{controller.status}.** {controller.restore_message}"

@@ -1,0 +1,102 @@
+"""The engine and sampling settings as the user typed them, checked, and applied from the next turn on;
+the KV storage settings, applied at once.
+
+    keeper = SettingsKeeper()
+    keeper.apply(engine, "h2o", 12, "0.3", 0.5, "", False, 0.0, 1.0, 0, 1.0, 256)   # UserError if bad
+    keeper.apply_pending(engine, store, session_id)                                 # before the next turn
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from infinigen_core.config import ConfigError, EngineConfig, SamplingConfig, parse_budget, pool_limit_tokens
+from sessions import SessionStore, StorageConfig, format_size, parse_size
+from sessions.budget import enforce_disk_limit
+
+from .errors import UserError
+
+
+@dataclass
+class Settings:
+    """The engine and sampling settings as the user typed them (validated by `SettingsKeeper.apply`)."""
+
+    policy: str = EngineConfig.policy
+    alpha: float = EngineConfig.alpha
+    budget: str = str(EngineConfig.budget)
+    partial_ratio: float = EngineConfig.partial_ratio
+    pool_limit: str = ""
+    inspect: bool = False  # recording the true attention costs a dense pass per layer
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=256))
+    min_fetch_tokens: int = EngineConfig.min_fetch_tokens
+
+
+def engine_config(settings: Settings, engine=None) -> EngineConfig:
+    """The EngineConfig of `settings` (a pool limit in bytes is counted in `engine`'s bytes per token)."""
+    budget, is_tokens = parse_budget(settings.budget)
+    limit = None
+    if settings.pool_limit.strip():
+        per_token = engine.pool.bytes_per_token() if engine is not None else 1
+        limit = pool_limit_tokens(settings.pool_limit.strip(), per_token)
+    return EngineConfig(policy=settings.policy, alpha=float(settings.alpha), budget=budget,
+                        budget_is_tokens=is_tokens, partial_ratio=float(settings.partial_ratio),
+                        min_fetch_tokens=settings.min_fetch_tokens, pool_limit_tokens=limit,
+                        record_recall=settings.inspect)
+
+
+class SettingsKeeper:
+    """The settings the next turn runs with, and the engine configuration waiting to be applied."""
+
+    def __init__(self) -> None:
+        self.current = Settings()
+        self._pending: EngineConfig | None = None
+
+    def apply(self, engine, policy: str, alpha, budget, partial_ratio, pool_limit: str, inspect: bool,
+              temperature, top_p, top_k, repetition_penalty, max_new_tokens,
+              min_fetch_tokens=EngineConfig.min_fetch_tokens) -> str:
+        """Validate and store new settings; they take effect on the next turn. Raises UserError."""
+        try:
+            sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+                                      repetition_penalty=float(repetition_penalty),
+                                      max_new_tokens=int(max_new_tokens))
+            candidate = Settings(policy, float(alpha), str(budget).strip(), float(partial_ratio),
+                                 str(pool_limit or ""), bool(inspect), sampling, float(min_fetch_tokens))
+            config = engine_config(candidate, engine)  # validates every engine setting, the floor included
+            candidate.min_fetch_tokens = config.min_fetch_tokens
+        except (ConfigError, ValueError, TypeError) as error:
+            raise UserError(f"Settings not applied: {error}") from None
+        self.current = candidate
+        self._pending = config
+        return (f"Settings saved: {config.policy}, alpha {config.alpha:g}, budget {candidate.budget}, "
+                f"at least {config.min_fetch_tokens} tokens, partial ratio {config.partial_ratio:g}; they apply "
+                "from the next message.")
+
+    def apply_pending(self, engine, store: SessionStore, session_id: str) -> None:
+        """Before a turn: configure the engine with settings applied since the last one, and record them."""
+        if self._pending is None:
+            return
+        if self._pending != engine.config:
+            engine.configure(self._pending)
+        store.update(session_id, settings=self.record())  # sampling-only changes count too
+        self._pending = None
+
+    def record(self) -> dict:
+        """The engine and sampling settings a session's turns ran with, as stored beside it."""
+        record = asdict(self.current)
+        record.update(record.pop("sampling"))  # one flat record: temperature beside policy
+        return record
+
+
+def apply_storage(store: SessionStore, kv_format: str, disk_limit: str) -> str:
+    """The format of new KV chunks and the disk limit of all of them; over the limit, the least recently
+    used sessions' chunks go at once (never an open session's). Raises UserError."""
+    try:
+        limit = parse_size(disk_limit) if str(disk_limit or "").strip() else None
+        storage = StorageConfig(kv_format=kv_format, kv_disk_limit=limit)
+    except ValueError as error:
+        raise UserError(f"KV storage not changed: {error}") from None
+    store.storage = storage
+    dropped = enforce_disk_limit(store)
+    used = format_size(store.kv_bytes())
+    freed = f"; dropped the KV cache of {len(dropped)} least recently used session(s)" if dropped else ""
+    return f"Saved: {storage.describe()}. KV chunks now take {used}{freed} (their text stays)."
