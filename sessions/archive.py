@@ -312,8 +312,9 @@ def _header_problem(head: bytes, size: int, signature: dict, start: int, end: in
         return "is not a safetensors file (unreadable header)"
     if not isinstance(metadata, dict) or metadata.get("format") not in _CHUNK_FORMATS:
         return "is not a KV chunk of this application"
-    if any(metadata.get(key) != value for key, value in signature.items()):
-        return "was made with another KV signature than its manifest names"
+    for key, expected in signature.items():
+        if metadata.get(key) != expected:
+            return f"was made with another {key.replace('_', ' ')} ({metadata.get(key)!r}) than the manifest's"
     if metadata.get("start") != str(start) or metadata.get("end") != str(end):
         return f"covers {metadata.get('start')}-{metadata.get('end')}, expected {start}-{end}"
     if 8 + header_length + data_end != size:
