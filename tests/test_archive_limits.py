@@ -22,9 +22,7 @@ import torch
 from conftest import make_tiny_engine, random_tokens
 from sessions import ImportValidationError, SessionStore
 from sessions import archive as archive_module
-MAX_MANIFEST_BYTES = 4 * 2**20
-_header_bound = lambda s: 0
-max_chunk_bytes = lambda s, t: t * 1064 + 70000
+from sessions.archive import MAX_MANIFEST_BYTES, _header_bound, max_chunk_bytes
 from sessions.snapshots import KEY_SMOOTHING_MIN_ROWS, read_chunk, write_chunk
 
 BOMB_BYTES = 256 * 2**20
