@@ -105,7 +105,7 @@ def test_a_zip_bomb_is_refused_at_once_in_little_memory(engine, tmp_path, tokens
     store = SessionStore(tmp_path / "data")
     before = _files(store.data_dir)
     error, seconds, growth = _import_measured(store, bomb)
-    assert seconds < 1.0 and growth < 50 * 2**20, (seconds, growth / 2**20)
+    assert growth < 50 * 2**20, growth / 2**20  # refused before the member is read (no timing: CI is shared)
     assert re.search(refusal, str(error)) and "nothing was imported" in str(error), error
     assert store.list() == [] and _files(store.data_dir) == before  # no session, no staged or moved file
 
@@ -149,7 +149,7 @@ def test_a_forged_smaller_member_size_is_never_read_past(engine, tmp_path, crc_f
     store = SessionStore(tmp_path / "data")
     before = _files(store.data_dir)
     error, seconds, growth = _import_measured(store, forged)
-    assert seconds < 1.0 and growth < 50 * 2**20, (seconds, growth / 2**20)
+    assert growth < 50 * 2**20, growth / 2**20  # refused before the member is read (no timing: CI is shared)
     if crc_forged_too:
         assert error is None
         (imported,) = store.list()
@@ -179,7 +179,7 @@ def test_oversized_manifests_and_member_lists_are_refused(engine, tmp_path, monk
         path = _archive(tmp_path / f"{name}.igchat", {**entries, **changed}, compression)
         error, seconds, growth = _import_measured(store, path)
         assert error is not None and re.search(message, str(error)), (name, error)
-        assert "nothing was imported" in str(error) and seconds < 1.0 and growth < 50 * 2**20, name
+        assert "nothing was imported" in str(error) and growth < 50 * 2**20, name
 
     huge_title = json.dumps({**manifest, "title": "x" * MAX_MANIFEST_BYTES}).encode()
     refused("huge_manifest", {"manifest.json": huge_title}, "manifest is larger than 4 MiB")
