@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_tiny_engine, random_tokens
 from infinigen_core.config import EngineConfig
-from infinigen_core.eval.opcount import OpCounter
+from bench.opcount import OpCounter
 
 POLICIES = ["full", "offload", "infinigen", "h2o", "streaming"]
 

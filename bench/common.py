@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import EngineConfig
-from ..policies import POLICIES
+from infinigen_core import EngineConfig
+from infinigen_core.policies import POLICIES
 
 
 class EvalError(ValueError):
