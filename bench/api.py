@@ -30,15 +30,13 @@ def _document(tokens: int, text_dir: Path | None) -> str:
     """About `tokens` tokens of prose: the files of `text_dir`, or the shipped calibration text, repeated."""
     import torch
 
-    from infinigen_core.calibration import calibration_text
     from infinigen_core.loading import default_cache_dir, load_model
 
-    source = "\n\n".join(p.read_text() for p in sorted(text_dir.glob("*.txt"))) if text_dir else calibration_text()
+    from .common import repeated_token_ids
+
+    source = "\n\n".join(p.read_text() for p in sorted(text_dir.glob("*.txt"))) if text_dir else None
     _, tokenizer, _ = load_model(None, default_cache_dir(), torch.device("cpu"), progress=lambda message: None)
-    text = source
-    while len(tokenizer(text)["input_ids"]) < tokens:
-        text += "\n\n" + source
-    return tokenizer.decode(tokenizer(text)["input_ids"][:tokens])
+    return tokenizer.decode(repeated_token_ids(tokenizer, source, tokens)[:tokens])
 
 
 def _free_port() -> int:

@@ -26,26 +26,16 @@ import time
 from pathlib import Path
 
 from infinigen_core import SamplingConfig
-from infinigen_core.calibration import calibration_text
 from sessions.chat import REPLY_RESERVE_TOKENS, ChatSession
 from sessions.snapshots import BENCHMARK_FORMATS, KV_FORMATS, ChunkRecord, write_chunk
 from sessions.storage import StorageConfig
 from sessions.store import SessionStore
 
-from .common import EvalError, mean_nll
+from .common import EvalError, mean_nll, repeated_token_ids
 
 QUESTION = "What is the first word?"
 RESUME_COLUMNS = ["format", "cold", "tokens", "disk_bytes_per_token", "open_s", "resume_s", "reprefill_s", "speedup",
                   "resumed_ppl_delta"]
-
-
-def _text_ids(tokenizer, text: str | None, needed: int) -> list[int]:
-    text = text or calibration_text()
-    ids = tokenizer(text)["input_ids"]
-    while len(ids) < needed:  # the shipped calibration text is short: repeat it
-        text += "\n\n" + text
-        ids = tokenizer(text)["input_ids"]
-    return list(ids)
 
 
 def _first_token_seconds(chat: ChatSession, question: str) -> float:
@@ -97,7 +87,7 @@ def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = No
         # leave room in the window for the scored text, the follow-up question and its reply
         target = min(context_tokens, engine.max_context - 2 * REPLY_RESERVE_TOKENS - ppl_tokens)
         document_tokens = target - 120
-        ids = _text_ids(engine.tokenizer, text, document_tokens + ppl_tokens + 1)
+        ids = repeated_token_ids(engine.tokenizer, text, document_tokens + ppl_tokens + 1)
         document, following = ids[:document_tokens], ids[document_tokens : document_tokens + ppl_tokens + 1]
         say(f"building a {target}-token conversation")
         with ChatSession.open(build, engine, built_id) as chat:
