@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from conftest import make_tiny_engine, random_tokens
-from infinigen_core.calibration import calibration_text
-from infinigen_core.config import EngineConfig
 from bench import cli
 from bench.agree import agreement
-from bench.common import (EvalError, format_table, load_prefix, parse_policies, read_text, to_json,
-                                        windows)
+from bench.common import EvalError, format_table, load_prefix, parse_policies, read_text, to_json, windows
 from bench.ppl import perplexity
 from bench.recall import attention_recall
 from bench.speed import decode_speed
 from bench.sweep import choose_defaults, sweep
+from infinigen_core import EngineConfig
+from infinigen_core.calibration import calibration_text
 
 CONTEXT = 160
 PREFILL = 128
