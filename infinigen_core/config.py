@@ -14,7 +14,9 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-POLICY_NAMES = ("full", "offload", "infinigen", "h2o", "streaming")
+from .policies import POLICIES
+
+POLICY_NAMES = tuple(POLICIES)  # the registry's names, in its order
 
 
 class ConfigError(ValueError):

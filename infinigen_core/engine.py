@@ -8,6 +8,8 @@ One forward step, in order:
      (prefill, dense layers, dense policies) or over the fetched rows plus the new token;
   4. per-layer statistics of the step are kept for the UI and the benchmarks.
 Masks come from the pool's positions, not from transformers, so the mask registration returns None.
+The attention maths of step 3 lives in attention.py; a saved session's rows are exported and imported by
+rows.py; the engine attaches to the model, runs the step in this order and keeps the conversation.
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .arch import ModelAdapter
+from .attention import PoolAttention
 from .config import ConfigError, EngineConfig
 from .fetch import PendingFetch, make_fetcher
 from .kv_pool import KVPool, release_pinned_memory
 from .policies import POLICIES, PolicyContext, Selection
 from .prefix import common_prefix_length
+from .rows import export_rows, import_rows
 from .stats import DeferredValues, LayerStats, StepStats
 
 ATTENTION_NAME = "infinigen"
@@ -58,28 +61,6 @@ class _Step:
     def past_len(self) -> int:
         """Tokens every layer held before this step (the same in every layer)."""
         return self.engine.pool.size() - self.new_tokens
-
-
-def grouped_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
-    softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """query [heads, n, dim] over keys/values [kv_heads, S, dim]; returns (out [heads, n, dim], probs [kv, group, n, S]).
-
-    `softcap` (Gemma 2) bounds the logits to (-softcap, softcap) through tanh, as the family's attention does.
-    """
-    kv_heads, n, dim = keys.shape[0], query.shape[1], query.shape[-1]
-    # Fold each KV head's query group into rows of one batched product: keys are read in place, never
-    # expanded per query head (a broadcast matmul would materialise a copy of them for every head).
-    grouped = query.reshape(kv_heads, -1, dim)  # [kv, group*n, dim]
-    logits = torch.bmm(grouped, keys.transpose(1, 2)).float().mul_(scale).view(kv_heads, -1, n, keys.shape[1])
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.bmm(probs.to(values.dtype).view(kv_heads, -1, keys.shape[1]), values).reshape(query.shape)
-    return out, probs
 
 
 def _attention_entry(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -165,6 +146,7 @@ class InfiniGenEngine:
         self.history = deque(self.history, maxlen=config.history_steps)
         context = PolicyContext(self.pool, config, self.adapter, self._attention_modules, self.device, self.skew_set)
         self.policy = policy_class(context)
+        self.attention = PoolAttention(self.pool, self.adapter, self.policy, self.device)
         if self.fetcher is not None:
             self.fetcher.close()
         self.fetcher = make_fetcher(self.pool, self.device, max_rows=config.budget_tokens_for(self.max_context) + 1)
@@ -257,42 +239,19 @@ class InfiniGenEngine:
     # ------------------------------------------------------------------ restore / export (sessions)
     @torch.inference_mode()
     def export_rows(self, start: int, end: int) -> dict[str, torch.Tensor]:
-        """K/V rows of positions [start, end) per layer, plus their token ids, as CPU tensors."""
+        """K/V rows of positions [start, end) per layer, plus their token ids, as CPU tensors (see rows.py)."""
         self.fetcher.flush()
-        tensors = {"token_ids": torch.tensor(self.token_ids[start:end], dtype=torch.int64)}
-        for layer in range(self.adapter.num_layers):
-            positions = self.pool.positions(layer)
-            rows = ((positions >= start) & (positions < end)).nonzero().squeeze(1)
-            rows = rows[torch.argsort(positions[rows])]
-            tensors[f"k.{layer}"] = self.pool.keys(layer)[:, rows].cpu().contiguous()
-            tensors[f"v.{layer}"] = self.pool.values(layer)[:, rows].cpu().contiguous()
-            tensors[f"pos.{layer}"] = positions[rows].cpu().contiguous()
-        return tensors
+        return export_rows(self.pool, self.token_ids, start, end)
 
     @torch.inference_mode()
     def import_rows(self, chunks: Iterable[dict[str, torch.Tensor]]) -> int:
         """Restore exported chunks (in order) after the current tokens, rebuilding partial keys; no model run.
 
-        A chunk's K/V are in any dtype, or int8 codes with `k_scale.L` / `v_scale.L` [kv_heads, rows] beside
-        them (row = codes * scale) and perhaps `k_channel_scale.L` [kv_heads, dim] (each key channel times
-        its scale); either way they are written straight into the pool's slots.
+        A chunk's K/V are in any dtype or int8 codes with their scales (rows.py); either way they are written
+        straight into the pool's slots.
         """
         self.fetcher.flush()
-        restored = 0
-        for chunk in chunks:
-            ids = chunk["token_ids"].tolist()
-            start = len(self.token_ids)
-            for layer in range(self.adapter.num_layers):
-                positions = chunk[f"pos.{layer}"]
-                if positions.numel() and int(positions.min()) < start:
-                    raise ValueError("chunk positions overlap the tokens already cached")
-                # int8 chunks carry per-row scales; the pool widens the codes as it copies them in
-                self.pool.append_rows(layer, chunk[f"k.{layer}"], chunk[f"v.{layer}"], positions,
-                                      chunk.get(f"k_scale.{layer}"), chunk.get(f"v_scale.{layer}"),
-                                      chunk.get(f"k_channel_scale.{layer}"))
-            self.token_ids.extend(ids)
-            self.pool.set_total_tokens(len(self.token_ids))
-            restored += len(ids)
+        restored = import_rows(self.pool, self.token_ids, chunks)
         self.policy.rebuild()
         return restored
 
@@ -429,72 +388,18 @@ class InfiniGenEngine:
         self.policy.on_write(layer, slots, new_keys)
         stats = LayerStats(layer=layer, context_len=step.past_len, fetched=step.past_len, sparse=False)
         if not step.is_decode:
-            out = self._attend_prefill(layer, query, new_keys, new_values, scaling, step, slots)
+            out = self.attention.prefill(layer, query, new_keys, new_values, scaling, step.query_positions, slots)
         else:
             pending, selection = step.prefetched.pop(layer, None) or self._start_fetch(layer, step)
             fetched = pending.wait(new_keys, new_values, slots)
             stats.fetch_wait_ms = fetched.wait_ms
             valid, selected = (None, None) if selection is None else (selection.valid, selection.slots)
-            out = self._attend_decode(layer, query, fetched.keys, fetched.values, scaling, valid, slots, selected)
+            out = self.attention.decode(layer, query, fetched.keys, fetched.values, scaling, valid, slots, selected)
             if selection is not None:
                 self._record_selection(layer, query, key, scaling, selection, stats, step)
         stats.compute_ms = (time.perf_counter() - started) * 1e3 - stats.fetch_wait_ms
         step.stats.layers.append(stats)
         return out, None
-
-    def _attend_prefill(self, layer, query, new_keys, new_values, scaling, step, new_slots) -> torch.Tensor:
-        """Several new tokens (prefill): causal attention over the pool, masked by positions."""
-        keys, values = self.pool.keys(layer), self.pool.values(layer)
-        if keys.device != self.device:  # the new rows are still on their way to the pool: use the device's
-            keys, values = keys.to(self.device), values.to(self.device)
-            keys.index_copy_(1, new_slots, new_keys)
-            values.index_copy_(1, new_slots, new_values)
-        positions = self.pool.positions(layer).to(self.device).unsqueeze(0)
-        mask = positions <= step.query_positions.unsqueeze(1)  # [n, S]
-        window = self.adapter.sliding_window(layer)
-        if window is not None:  # a sliding layer sees its last `window` positions, itself included
-            mask &= positions > step.query_positions.unsqueeze(1) - window
-        softcap = self.adapter.softcap
-        if self.policy.needs_attention_weights or softcap is not None:  # SDPA cannot soft-cap
-            out, probs = grouped_attention(query[0], keys, values, scaling, mask, softcap)
-            if self.policy.needs_attention_weights:
-                self.policy.on_attention(layer, None, probs, new_slots)
-        else:
-            out = F.scaled_dot_product_attention(
-                query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
-            )[0]
-        return out.transpose(0, 1).unsqueeze(0)  # [1, n, heads, dim]
-
-    def _attend_decode(self, layer, query, keys, values, scaling, valid, new_slots, selected) -> torch.Tensor:
-        """One new token over rows [kv_heads, S, dim] (the new token's included): [1, 1, heads, dim].
-
-        Each KV head's query group rides as the query length of one batch entry, so grouped-query
-        attention needs no copy of the keys per query head, and at one token no causal mask: `valid`
-        (InfiniGen's alpha mask over ranked rows) is the only mask there is.
-        """
-        # keys/values: [kv, S, dim] (a pool view) or [kv, 1, S, dim] (a gather, already in SDPA's shape)
-        kv_heads, dim = keys.shape[0], keys.shape[-1]
-        window = self.adapter.sliding_window(layer)
-        if window is not None and selected is None:  # a sliding layer reads its last `window` positions only
-            if self.pool.slots_are_positions:
-                keys, values = keys[..., -window:, :], values[..., -window:, :]  # slot i holds position i: a slice
-            else:
-                positions = self.pool.positions(layer).to(self.device).view(1, -1)
-                valid = positions > self.pool.total_tokens - 1 - window
-        softcap = self.adapter.softcap
-        if self.policy.needs_attention_weights or softcap is not None:  # SDPA cannot soft-cap
-            if keys.dim() == 4:
-                keys, values = keys[:, 0], values[:, 0]
-            mask = None if valid is None else valid.view(1, 1, 1, -1)
-            out, probs = grouped_attention(query[0], keys, values, scaling, mask, softcap)
-            if self.policy.needs_attention_weights:
-                self.policy.on_attention(layer, selected, probs, new_slots)
-        else:
-            if keys.dim() == 3:
-                keys, values = keys.unsqueeze(1), values.unsqueeze(1)
-            grouped = query.view(kv_heads, 1, -1, dim)  # [kv, 1, group, dim]: a query group per KV head
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid, scale=scaling)
-        return out.view(1, 1, -1, dim)
 
     def _record_selection(self, layer, query, key, scaling, selection, stats, step) -> None:
         """What a sparse layer fetched, for the panels and the inspector: no host read here."""
@@ -510,33 +415,4 @@ class InfiniGenEngine:
             stats.deferred_from = step.stats
             step.device_values.append((stats, selection.alpha_total))
         if self.config.record_recall:
-            self._measure_recall(layer, query, key, scaling, selection, stats)
-
-    def _measure_recall(self, layer, query, key, scaling, selection, stats) -> None:
-        """How much of the true (dense) attention mass the fetched rows carry; costs a dense pass."""
-        past = self.pool.keys(layer).to(self.device)[:, : self.pool.size(layer)]
-        is_past = self.pool.positions(layer).to(self.device) < stats_position(self.pool, layer)
-        keys = past[:, is_past]
-        slot_of_row = is_past.nonzero().squeeze(1)
-        _, probs = grouped_attention(query[0], torch.cat([keys, key[0]], dim=1), torch.cat([keys, key[0]], dim=1), scaling,
-                                     softcap=self.adapter.softcap)
-        probs = probs[:, :, 0, :]  # [kv, group, rows+1]
-        chosen = torch.zeros(probs.shape[0], probs.shape[-1], dtype=torch.bool, device=probs.device)
-        row_index = torch.full((self.pool.size(layer),), -1, dtype=torch.long, device=probs.device)
-        row_index[slot_of_row] = torch.arange(slot_of_row.numel(), device=probs.device)
-        attended = selection.slots if selection.valid is None else selection.slots[:, selection.valid[0, 1:]]
-        chosen.scatter_(1, row_index[attended.to(probs.device)], True)
-        chosen[:, -1] = True  # the new token is always attended
-        covered = (probs * chosen.unsqueeze(1)).sum(-1)
-        stats.attention_recall = float(covered.mean())
-        sorted_probs = probs.sort(dim=-1, descending=True).values.cumsum(-1)
-        needed = (sorted_probs < 0.9).sum(-1).float() + 1
-        stats.tokens_for_90 = int(needed.mean().round())
-        # Kept for the prefetch inspector: the dense attention of this step, averaged over heads.
-        stats.true_attention = probs[:, :, :-1].mean(dim=(0, 1)).cpu()
-        stats.true_attention_positions = self.pool.positions(layer)[slot_of_row.to(self.pool.device)].cpu()
-
-
-def stats_position(pool: KVPool, layer: int) -> int:
-    """Position of the token being decoded (the newest in the pool)."""
-    return int(pool.positions(layer).max())
+            self.attention.measure_recall(layer, query, key, scaling, selection, stats)

@@ -12,7 +12,6 @@ fingerprint; the channel scores are stored too, so any partial ratio can be deri
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,9 +88,3 @@ def is_orthogonal(matrix: torch.Tensor, tol: float = 1e-4) -> bool:
     eye = torch.eye(matrix.shape[-1], dtype=matrix.dtype)
     return bool(torch.allclose(matrix.transpose(-1, -2) @ matrix, eye.expand_as(matrix), atol=tol))
 
-
-def energy_in_partial(queries: torch.Tensor, skew: torch.Tensor, ratio: float) -> float:
-    """Share of squared query norm in the top `ratio` channels after skewing (a diagnostic)."""
-    projected = (queries.double() @ skew.double()).pow(2).sum(0)
-    k = max(1, int(math.ceil(ratio * projected.numel())))
-    return float(projected.topk(k).values.sum() / projected.sum())

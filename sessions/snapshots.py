@@ -39,6 +39,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as save_safetensors
 
+from infinigen_core.rows import (KEY_CHANNEL_SCALES, KEY_SCALES, KEYS, POSITIONS, TOKEN_IDS, VALUE_SCALES, VALUES,
+                                 layers_in, tensor_name)
+
 from .paths import atomic_write_bytes
 
 EXACT_FORMAT = "infinigen-kv-chunk/1"
@@ -74,7 +77,7 @@ class ChunkRecord:
 def write_chunk(data_dir: Path, session_id: str, rows: dict[str, torch.Tensor], signature: dict[str, str],
                 start: int, kv_format: str = "int8") -> ChunkRecord:
     """Persist exported rows (engine.export_rows) for positions [start, start + len(token_ids))."""
-    end = start + int(rows["token_ids"].numel())
+    end = start + int(rows[TOKEN_IDS].numel())
     return _write_blob(data_dir, session_id, start, end, encode_chunk(rows, signature, start, kv_format))
 
 
@@ -98,7 +101,7 @@ def _write_blob(data_dir: Path, session_id: str, start: int, end: int, data: byt
 def encode_chunk(rows: dict[str, torch.Tensor], signature: dict[str, str], start: int, kv_format: str) -> bytes:
     if kv_format not in BENCHMARK_FORMATS:
         raise ValueError(f"unknown KV format {kv_format!r}: choose {' or '.join(KV_FORMATS)}")
-    end = start + int(rows["token_ids"].numel())
+    end = start + int(rows[TOKEN_IDS].numel())
     metadata = {"format": BENCHMARK_FORMATS[kv_format], "start": str(start), "end": str(end), **signature}
     smooth_keys = BENCHMARK_FORMATS[kv_format] == INT8_FORMAT
     tensors = rows if kv_format == "exact" else _int8_tensors(rows, start, end, smooth_keys)
@@ -122,19 +125,19 @@ def channel_scales(keys: torch.Tensor) -> torch.Tensor:
 
 
 def _int8_tensors(rows: dict[str, torch.Tensor], start: int, end: int, smooth_keys: bool) -> dict[str, torch.Tensor]:
-    tensors = {"token_ids": rows["token_ids"]}
+    tensors = {TOKEN_IDS: rows[TOKEN_IDS]}
     every_position = torch.arange(start, end, dtype=torch.int64)
-    layers = sum(1 for name in rows if name.startswith("pos."))
-    for layer in range(layers):
-        keys = rows[f"k.{layer}"]
+    for layer in range(layers_in(rows)):
+        keys = rows[tensor_name(KEYS, layer)]
         if smooth_keys and keys.shape[1] >= KEY_SMOOTHING_MIN_ROWS:
-            smoothing = tensors[f"k_channel_scale.{layer}"] = channel_scales(keys)
+            smoothing = tensors[tensor_name(KEY_CHANNEL_SCALES, layer)] = channel_scales(keys)
             keys = keys.float() / smoothing.float().unsqueeze(1)  # divided by the scale as stored
-        tensors[f"k.{layer}"], tensors[f"k_scale.{layer}"] = quantize_rows(keys)
-        tensors[f"v.{layer}"], tensors[f"v_scale.{layer}"] = quantize_rows(rows[f"v.{layer}"])
-        positions = rows[f"pos.{layer}"]
+        tensors[tensor_name(KEYS, layer)], tensors[tensor_name(KEY_SCALES, layer)] = quantize_rows(keys)
+        tensors[tensor_name(VALUES, layer)], tensors[tensor_name(VALUE_SCALES, layer)] = quantize_rows(
+            rows[tensor_name(VALUES, layer)])
+        positions = rows[tensor_name(POSITIONS, layer)]
         if not torch.equal(positions, every_position):
-            tensors[f"pos.{layer}"] = positions
+            tensors[tensor_name(POSITIONS, layer)] = positions
     return tensors
 
 
@@ -252,7 +255,7 @@ def parse_chunk(data: bytes | memoryview, signature: dict[str, str], start: int,
 def _fill_positions(tensors: dict[str, torch.Tensor], signature: dict[str, str], start: int, end: int) -> None:
     every_position = torch.arange(start, end, dtype=torch.int64)
     for layer in range(int(signature["num_layers"])):
-        tensors.setdefault(f"pos.{layer}", every_position)
+        tensors.setdefault(tensor_name(POSITIONS, layer), every_position)
 
 
 def check_shapes(tensors: dict[str, torch.Tensor], signature: dict[str, str], start: int, end: int,
@@ -261,16 +264,16 @@ def check_shapes(tensors: dict[str, torch.Tensor], signature: dict[str, str], st
     also hold key channel scales (format /3 writes them for chunks of KEY_SMOOTHING_MIN_ROWS rows or more)."""
     layers, heads, dim = (int(signature[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
     dtype = torch.int8 if quantized else getattr(torch, signature["dtype"])
-    kinds = ("k", "v", "pos", "k_scale", "v_scale") if quantized else ("k", "v", "pos")
-    expected_names = {"token_ids"} | {f"{kind}.{l}" for l in range(layers) for kind in kinds}
-    smoothing = {f"k_channel_scale.{l}" for l in range(layers)} if smoothed_keys else set()
+    kinds = (KEYS, VALUES, POSITIONS, KEY_SCALES, VALUE_SCALES) if quantized else (KEYS, VALUES, POSITIONS)
+    expected_names = {TOKEN_IDS} | {tensor_name(kind, l) for l in range(layers) for kind in kinds}
+    smoothing = {tensor_name(KEY_CHANNEL_SCALES, l) for l in range(layers)} if smoothed_keys else set()
     if not expected_names <= set(tensors) <= expected_names | smoothing:
         raise ChunkError("chunk does not hold the expected tensors for this model")
-    ids = tensors["token_ids"]
+    ids = tensors[TOKEN_IDS]
     if ids.dtype != torch.int64 or ids.shape != (end - start,):
         raise ChunkError("chunk token ids have the wrong shape")
     for layer in range(layers):
-        keys, values, positions = tensors[f"k.{layer}"], tensors[f"v.{layer}"], tensors[f"pos.{layer}"]
+        keys, values, positions = (tensors[tensor_name(kind, layer)] for kind in (KEYS, VALUES, POSITIONS))
         rows = positions.shape[0] if positions.dim() == 1 else -1
         if rows < 0 or rows > end - start or positions.dtype != torch.int64:
             raise ChunkError(f"chunk positions of layer {layer} are malformed")
@@ -279,11 +282,11 @@ def check_shapes(tensors: dict[str, torch.Tensor], signature: dict[str, str], st
                 raise ChunkError(f"chunk K/V of layer {layer} have shape {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"expected {(heads, rows, dim)} {dtype}")
         if quantized:
-            for kind in ("k", "v"):
-                scale = tensors[f"{kind}_scale.{layer}"]
+            for kind, scales in ((KEYS, KEY_SCALES), (VALUES, VALUE_SCALES)):
+                scale = tensors[tensor_name(scales, layer)]
                 if scale.shape != (heads, rows) or scale.dtype != _SCALE_DTYPE or not bool(torch.isfinite(scale).all()):
                     raise ChunkError(f"chunk {kind.upper()} scales of layer {layer} are malformed")
-            smoothing = tensors.get(f"k_channel_scale.{layer}")
+            smoothing = tensors.get(tensor_name(KEY_CHANNEL_SCALES, layer))
             if smoothing is not None and (smoothing.shape != (heads, dim) or smoothing.dtype != _SCALE_DTYPE
                                           or not bool(torch.isfinite(smoothing).all())):
                 raise ChunkError(f"chunk key channel scales of layer {layer} are malformed")

@@ -13,8 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infinigen_core.config import SamplingConfig  # noqa: E402
-from infinigen_core.loading import load_engine  # noqa: E402
+from infinigen_core import SamplingConfig, load_engine  # noqa: E402
 from sessions import ChatSession, SessionStore  # noqa: E402
 
 mode = sys.argv[3] if len(sys.argv) > 3 else "generation"

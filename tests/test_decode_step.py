@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_engine, random_tokens
-from infinigen_core.config import EngineConfig
-from infinigen_core.eval.opcount import OpCounter
+from bench.opcount import OpCounter
+from infinigen_core import EngineConfig
 
 POLICIES = ["full", "offload", "infinigen", "h2o", "streaming"]
 

@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from conftest import make_tiny_engine, random_tokens
+from bench import cli
+from bench.agree import agreement
+from bench.common import EvalError, format_table, load_prefix, parse_policies, read_text, to_json, windows
+from bench.ppl import perplexity
+from bench.recall import attention_recall
+from bench.speed import decode_speed
+from bench.sweep import choose_defaults, sweep
+from infinigen_core import EngineConfig
 from infinigen_core.calibration import calibration_text
-from infinigen_core.config import EngineConfig
-from infinigen_core.eval import cli
-from infinigen_core.eval.agree import agreement
-from infinigen_core.eval.common import (EvalError, format_table, load_prefix, parse_policies, read_text, to_json,
-                                        windows)
-from infinigen_core.eval.ppl import perplexity
-from infinigen_core.eval.recall import attention_recall
-from infinigen_core.eval.speed import decode_speed
-from infinigen_core.eval.sweep import choose_defaults, sweep
 
 CONTEXT = 160
 PREFILL = 128
@@ -169,7 +168,7 @@ def test_bad_input_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the benchmark would run for real")
 def test_gpu_benchmark_without_cuda_says_so_and_exits_cleanly():
-    done = subprocess.run([sys.executable, "-m", "infinigen_core.eval", "gpu", "--json"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "bench", "gpu", "--json"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
@@ -201,8 +200,8 @@ def test_ppl_cli_on_the_real_model(real_engine, tmp_path, capsys, monkeypatch):
 
 
 def test_resume_benchmark_on_the_real_model(real_engine):
-    from infinigen_core.eval.common import EvalError
-    from infinigen_core.eval.resume import resume_versus_reprefill
+    from bench.common import EvalError
+    from bench.resume import resume_versus_reprefill
 
     result = resume_versus_reprefill(real_engine, 384, ppl_tokens=16)
     assert 250 < result["tokens"] <= 384 + 64
@@ -222,8 +221,8 @@ def test_resume_benchmark_on_the_real_model(real_engine):
 
 
 def test_plots_from_saved_results(tiny_engine, tmp_path):
-    from infinigen_core.eval.plots import make_plots
-    from infinigen_core.eval.ppl import with_ratio_to_full
+    from bench.plots import make_plots
+    from bench.ppl import with_ratio_to_full
 
     ids = random_tokens(CONTEXT, seed=10)
     saved = {
@@ -244,7 +243,7 @@ def test_random_llama_from_meta_is_fully_initialised():
     """The GPU benchmark's model builder, on the CPU with a small shape: no uninitialised memory left."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from infinigen_core.eval.gpu import ModelShape, random_llama
+    from bench.gpu import ModelShape, random_llama
 
     shape = ModelShape("small", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=100, rope_theta=500000.0)
     model = random_llama(shape, 256, device="cpu", dtype=torch.float32)
@@ -260,7 +259,7 @@ def test_random_llama_from_meta_is_fully_initialised():
 
 
 def test_gpu_rows_get_their_ratios_within_the_same_model_and_context():
-    from infinigen_core.eval.gpu import _add_ratios
+    from bench.gpu import _add_ratios
 
     rows = [{"model": "m", "context": 4096, "policy": p, "tokens_per_s": t}
             for p, t in (("full", 40.0), ("offload", 4.0), ("hf-offload", 5.0), ("infinigen", 20.0))]

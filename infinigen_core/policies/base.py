@@ -8,13 +8,15 @@ InfiniGen to prefetch), or late, when the layer itself runs (`select`). Returnin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..arch import ModelAdapter
-from ..config import EngineConfig
 from ..kv_pool import KVPool
+
+if TYPE_CHECKING:  # config validates policy names against the registry, so it imports this package
+    from ..config import EngineConfig
 
 
 @dataclass

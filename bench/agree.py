@@ -1,6 +1,6 @@
 """How often each policy's greedy continuation matches the full cache's, token by token.
 
-    python -m infinigen_core.eval agree --text essays/ --context 2048 --new-tokens 64
+    python -m bench agree --text essays/ --context 2048 --new-tokens 64
 
 Two views of one question. `agreement`: along full's greedy continuation (teacher forcing), the share
 of steps where the policy's top token is full's token; one early slip does not spoil the rest.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from ..config import EngineConfig
+from infinigen_core import EngineConfig
 from .common import EvalError, decode_tokens, load_prefix
 
 

@@ -1,7 +1,7 @@
 """Time to the first token through the OpenAI-compatible API: a ~5k-token conversation read for the first
 time, against the same conversation continued by one question after the app was restarted.
 
-    python -m ui.api_benchmark --context 5000 [--text DIR] [--rounds 3]
+    python -m bench api --context 5000 [--text DIR] [--rounds 3]
 
 Each round starts `python app.py` on an empty data directory, sends the conversation (streamed, one reply
 token), stops the app, drops the saved chunks from the page cache (so they are read from disk, as after a
@@ -12,7 +12,6 @@ seconds from the request to the first streamed token. Needs the `openai` package
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import socket
 import subprocess
@@ -31,15 +30,13 @@ def _document(tokens: int, text_dir: Path | None) -> str:
     """About `tokens` tokens of prose: the files of `text_dir`, or the shipped calibration text, repeated."""
     import torch
 
-    from infinigen_core.calibration import calibration_text
     from infinigen_core.loading import default_cache_dir, load_model
 
-    source = "\n\n".join(p.read_text() for p in sorted(text_dir.glob("*.txt"))) if text_dir else calibration_text()
+    from .common import repeated_token_ids
+
+    source = "\n\n".join(p.read_text() for p in sorted(text_dir.glob("*.txt"))) if text_dir else None
     _, tokenizer, _ = load_model(None, default_cache_dir(), torch.device("cpu"), progress=lambda message: None)
-    text = source
-    while len(tokenizer(text)["input_ids"]) < tokens:
-        text += "\n\n" + source
-    return tokenizer.decode(tokenizer(text)["input_ids"][:tokens])
+    return tokenizer.decode(repeated_token_ids(tokenizer, source, tokens)[:tokens])
 
 
 def _free_port() -> int:
@@ -90,7 +87,7 @@ def _first_token(url: str, messages: list[dict]) -> tuple[float, str, int, int]:
 
 
 def _drop_from_page_cache(data_dir: Path) -> None:
-    from sessions.benchmark import evict_from_page_cache
+    from .resume import evict_from_page_cache
 
     for path in (data_dir / "kv").rglob("*.safetensors"):
         evict_from_page_cache(path)
@@ -111,22 +108,17 @@ def measure(context: int, text_dir: Path | None) -> dict:
             "speedup": first_s / again_s}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ui.api_benchmark", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--context", type=int, default=5000, help="tokens of the document (default 5000)")
-    parser.add_argument("--text", type=Path, default=None, help="a folder of .txt files (default: shipped text)")
-    parser.add_argument("--rounds", type=int, default=1)
-    args = parser.parse_args(argv)
-    columns = ("first_prompt", "first_read", "first_ttft_s", "continued_prompt", "continued_read",
-               "continued_ttft_s", "speedup")
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "|".join("---" for _ in columns) + "|")
-    for _ in range(args.rounds):
-        row = measure(args.context, args.text)
-        print("| " + " | ".join(f"{row[c]:.2f}" if isinstance(row[c], float) else str(row[c]) for c in columns) + " |",
-              flush=True)
-    return 0
+COLUMNS = ("first_prompt", "first_read", "first_ttft_s", "continued_prompt", "continued_read", "continued_ttft_s",
+           "speedup")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def measure_rounds(context: int, text_dir: Path | None, rounds: int, show=print) -> list[dict]:
+    """`rounds` measurements; each row is shown (a Markdown table line) as soon as its round ends."""
+    show("| " + " | ".join(COLUMNS) + " |")
+    show("|" + "|".join("---" for _ in COLUMNS) + "|")
+    rows = []
+    for _ in range(rounds):
+        row = measure(context, text_dir)
+        show("| " + " | ".join(f"{row[c]:.2f}" if isinstance(row[c], float) else str(row[c]) for c in COLUMNS) + " |")
+        rows.append(row)
+    return rows

@@ -1,6 +1,6 @@
 """Per layer, the share of the true (dense) attention mass that the selected tokens carry.
 
-    python -m infinigen_core.eval recall --text essays/ --context 2048 --policies infinigen,h2o,streaming
+    python -m bench recall --text essays/ --context 2048 --policies infinigen,h2o,streaming
 
 With `record_recall` the engine runs a dense attention pass beside each sparse layer's real one and
 measures how much of its probability mass falls on the fetched rows (the new token always counts).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from ..config import EngineConfig
+from infinigen_core import EngineConfig
 from .common import decode_tokens, load_prefix
 
 

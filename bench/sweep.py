@@ -1,6 +1,6 @@
 """Alpha x budget x partial ratio for InfiniGen: perplexity against full and the share of KV fetched.
 
-    python -m infinigen_core.eval sweep --text essays/ --context 2048 --alphas 3,4,5,6 --budgets 0.1,0.2
+    python -m bench sweep --text essays/ --context 2048 --alphas 3,4,5,6 --budgets 0.1,0.2
 
 Every combination scores the same windows through the decode path (see ppl.py); the prefix's K/V is
 reused, only the partial keys are rebuilt when the partial ratio changes.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from ..config import EngineConfig
+from infinigen_core import EngineConfig
 from .ppl import perplexity
 
 

@@ -1,8 +1,9 @@
-"""`python -m infinigen_core.eval <subcommand>`: argument parsing, model loading and printing.
+"""`python -m bench <subcommand>`: argument parsing, model loading and printing.
 
-    python -m infinigen_core.eval ppl --text essays/ --context 2048 --json
-    python -m infinigen_core.eval speed --text essays/ --context 2048,4096 --save results/speed.json
-    python -m infinigen_core.eval gpu            # "no CUDA device" and exit 0 on a CPU-only machine
+    python -m bench ppl --text essays/ --context 2048 --json
+    python -m bench speed --text essays/ --context 2048,4096 --save results/speed.json
+    python -m bench gpu            # "no CUDA device" and exit 0 on a CPU-only machine
+    python -m bench api --context 5000 --rounds 2   # through the app's OpenAI API, restarting it
 
 Progress and loading messages go to stderr; the table goes to stdout, then (with --json) one JSON line.
 """
@@ -13,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..config import ConfigError, EngineConfig, parse_budget
-from ..engine import ContextOverflowError
+from infinigen_core import ConfigError, ContextOverflowError, EngineConfig
+from infinigen_core.config import parse_budget
 from .common import (EvalError, format_table, load_token_ids, machine_description, parse_numbers, parse_policies,
                      read_text, to_json, windows)
 
@@ -53,7 +54,7 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m infinigen_core.eval",
+    parser = argparse.ArgumentParser(prog="python -m bench",
                                      description="Accuracy and speed of every KV policy on the real decode path")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -110,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--json", action="store_true")
     gpu.add_argument("--save", type=Path)
 
+    api = commands.add_parser("api", help="first token through the OpenAI API, before and after an app restart")
+    api.add_argument("--context", type=int, default=5000, help="tokens of the document (default 5000)")
+    api.add_argument("--text", type=Path, default=None, help="a folder of .txt files (default: shipped text)")
+    api.add_argument("--rounds", type=int, default=1)
+    api.add_argument("--json", action="store_true")
+    api.add_argument("--save", type=Path)
+
     plot = commands.add_parser("plot", help="PNG plots from results saved with --save")
     plot.add_argument("--results", type=Path, required=True, help="directory of saved JSON results")
     plot.add_argument("--out", type=Path, default=Path("docs/plots"))
@@ -119,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_engine(args):
-    from ..loading import load_engine
+    from infinigen_core import load_engine
 
     return load_engine(args.model, device=args.device, config=_base_config(args), progress=_log)
 
@@ -248,6 +256,14 @@ def run_gpu(args) -> tuple[str, dict]:
     return f"device: {result['device']}\n{table}", result
 
 
+def run_api(args) -> tuple[None, dict]:
+    """Prints each round's row as it ends (a round restarts the app twice: minutes), so no table after."""
+    from .api import measure_rounds
+
+    rows = measure_rounds(args.context, args.text, args.rounds, show=lambda line: print(line, flush=True))
+    return None, {"context": args.context, "rows": rows}
+
+
 def run_plot(args) -> tuple[str, dict]:
     from .plots import make_plots
 
@@ -258,8 +274,7 @@ def run_plot(args) -> tuple[str, dict]:
 
 
 RUNNERS = {"ppl": run_ppl, "agree": run_agree, "recall": run_recall, "speed": run_speed, "sweep": run_sweep,
-           "resume": run_resume, "gpu": run_gpu,
-           "plot": run_plot}
+           "resume": run_resume, "gpu": run_gpu, "api": run_api, "plot": run_plot}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     result = {"command": args.command, "machine": machine_description(), **result}
-    print(table, flush=True)
+    if table is not None:
+        print(table, flush=True)
     if args.save:
         args.save.parent.mkdir(parents=True, exist_ok=True)
         args.save.write_text(to_json(result) + "\n", encoding="utf-8")

@@ -1,7 +1,7 @@
 """Resume versus re-prefill: how much sooner the first new token comes when the KV pool is read from disk,
 what the chunks cost on disk, and what a compact format does to the conversation that follows.
 
-    python -m infinigen_core.eval resume --context 8192 --text book.txt --json
+    python -m bench resume --context 8192 --text book.txt --formats int8,exact --json
 
 One long conversation is built once (a document as the first message, a short reply). Its KV rows are
 then saved in every format asked for, as a session of their own. Per format:
@@ -25,25 +25,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from infinigen_core.calibration import calibration_text
-from infinigen_core.config import SamplingConfig
-from infinigen_core.eval.common import mean_nll
+from infinigen_core import SamplingConfig
+from sessions.chat import REPLY_RESERVE_TOKENS, ChatSession
+from sessions.snapshots import BENCHMARK_FORMATS, KV_FORMATS, ChunkRecord, write_chunk
+from sessions.storage import StorageConfig
+from sessions.store import SessionStore
 
-from .chat import REPLY_RESERVE_TOKENS, ChatSession
-from .snapshots import KV_FORMATS, ChunkRecord, write_chunk
-from .storage import StorageConfig
-from .store import SessionStore
+from .common import EvalError, mean_nll, repeated_token_ids
 
 QUESTION = "What is the first word?"
-
-
-def _text_ids(tokenizer, text: str | None, needed: int) -> list[int]:
-    text = text or calibration_text()
-    ids = tokenizer(text)["input_ids"]
-    while len(ids) < needed:  # the shipped calibration text is short: repeat it
-        text += "\n\n" + text
-        ids = tokenizer(text)["input_ids"]
-    return list(ids)
+RESUME_COLUMNS = ["format", "cold", "tokens", "disk_bytes_per_token", "open_s", "resume_s", "reprefill_s", "speedup",
+                  "resumed_ppl_delta"]
 
 
 def _first_token_seconds(chat: ChatSession, question: str) -> float:
@@ -95,7 +87,7 @@ def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = No
         # leave room in the window for the scored text, the follow-up question and its reply
         target = min(context_tokens, engine.max_context - 2 * REPLY_RESERVE_TOKENS - ppl_tokens)
         document_tokens = target - 120
-        ids = _text_ids(engine.tokenizer, text, document_tokens + ppl_tokens + 1)
+        ids = repeated_token_ids(engine.tokenizer, text, document_tokens + ppl_tokens + 1)
         document, following = ids[:document_tokens], ids[document_tokens : document_tokens + ppl_tokens + 1]
         say(f"building a {target}-token conversation")
         with ChatSession.open(build, engine, built_id) as chat:
@@ -149,3 +141,19 @@ def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = No
                 })
         engine.reset()
     return {"rows": results, "scored_tokens": ppl_tokens, "text": "given" if text else "calibration text"}
+
+
+def resume_versus_reprefill(engine, context: int, data_dir=None, formats=("int8", "exact"), text: str | None = None,
+                            ppl_tokens: int = 128, progress=None) -> dict:
+    """measure_resume's rows after checking the arguments; the first row (the first format, cold) also at the
+    top level."""
+    if context < 64:
+        raise EvalError(f"--context must be at least 64 tokens, got {context}")
+    unknown = [f for f in formats if f not in BENCHMARK_FORMATS]
+    if not formats or unknown:
+        raise EvalError(f"unknown KV format {', '.join(unknown) or '(none given)'}: choose from "
+                        f"{', '.join(BENCHMARK_FORMATS)}")
+    if ppl_tokens < 2:
+        raise EvalError(f"--ppl-tokens must be at least 2, got {ppl_tokens}")
+    result = measure_resume(engine, context, data_dir, tuple(formats), text, ppl_tokens, progress)
+    return {**result["rows"][0], **result}

@@ -1,6 +1,6 @@
 """GPU decode speed of full / offload / hf-offload / InfiniGen on Llama-2-7B- and Llama-3-8B-shaped models.
 
-    python -m infinigen_core.eval gpu --models llama2-7b,llama3-8b --context 4096,8192,16384,32768 \
+    python -m bench gpu --models llama2-7b,llama3-8b --context 4096,8192,16384,32768 \
         --budgets 0.15,0.1 --save docs/results/gpu-h100.json
 
 `hf-offload` is plain transformers with `DynamicCache(offloading=True)`: what a transformers user picks to
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import EngineConfig
+from infinigen_core import EngineConfig
 from .common import EvalError
 
 NO_CUDA_MESSAGE = "no CUDA device: the GPU benchmark needs one, nothing was measured"
@@ -138,8 +138,8 @@ def _hf_offload_ms(model, ids: Sequence[int], context: int, steps: int) -> list[
 def gpu_benchmark(shape_names: Sequence[str], contexts: Sequence[int], policies: Sequence[str],
                   budgets: Sequence[float], decode_steps: int, progress=print, quantize: str | None = None) -> dict:
     """Rows per (model, context, policy, budget): tokens_per_s, speed-ups, ratio to full, bytes, waits, memory."""
-    from ..calibration import calibrate
-    from ..engine import InfiniGenEngine
+    from infinigen_core import InfiniGenEngine
+    from infinigen_core.calibration import calibrate
 
     if not torch.cuda.is_available():
         return {"cuda": False, "message": NO_CUDA_MESSAGE, "rows": []}

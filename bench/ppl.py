@@ -1,6 +1,6 @@
 """Perplexity of long text through the chat decode path, per policy.
 
-    python -m infinigen_core.eval ppl --text essays/ --context 4096 --policies full,infinigen,h2o,streaming
+    python -m bench ppl --text essays/ --context 4096 --policies full,infinigen,h2o,streaming
 
 Each window of `context` tokens: the first `prefill` are prefilled (dense, as a chat prompt is), the
 rest are fed one decode step at a time, so every scored token is predicted by the real cache and the
@@ -13,7 +13,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from ..config import EngineConfig
+from infinigen_core import EngineConfig
 from .common import EvalError, decode_tokens, load_prefix, mean_nll
 
 

@@ -1,6 +1,6 @@
 """PNG plots of saved benchmark results (the files written with --save), for docs/BENCHMARKS.md.
 
-    python -m infinigen_core.eval plot --results results/ --out docs/plots
+    python -m bench plot --results results/ --out docs/plots
 
 Reads whichever of ppl*.json, agree.json, recall.json, speed.json, sweep.json are present.
 """

@@ -1,6 +1,6 @@
 """Decode and prefill speed per policy, as ratios measured in the same run.
 
-    python -m infinigen_core.eval speed --text essays/ --context 2048,4096,8192 --policies full,offload,infinigen
+    python -m bench speed --text essays/ --context 2048,4096,8192 --policies full,offload,infinigen
 
 Per context: one prefill (dense, timed), then rounds in which every policy in turn decodes a few of the
 text's next tokens from the same prefix. Interleaving the policies means a burst of load from another
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..config import EngineConfig
+from infinigen_core import EngineConfig
 from .common import EvalError, decode_tokens, load_prefix, synchronize
 from .opcount import OpCounter
 

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import EngineConfig
-from ..policies import POLICIES
+from infinigen_core import EngineConfig
+from infinigen_core.calibration import calibration_text
+from infinigen_core.policies import POLICIES
 
 
 class EvalError(ValueError):
@@ -47,6 +48,16 @@ def load_token_ids(tokenizer, text: str, needed: int, source: str | Path = "the 
     ids = tokenizer(text)["input_ids"]
     if len(ids) < needed:
         raise EvalError(f"{source} holds {len(ids)} tokens but {needed} are needed: pass a longer text or a smaller context")
+    return list(ids)
+
+
+def repeated_token_ids(tokenizer, text: str | None, needed: int) -> list[int]:
+    """The token ids of `text` (default: the shipped calibration text), repeated until at least `needed`."""
+    text = text or calibration_text()
+    ids = tokenizer(text)["input_ids"]
+    while len(ids) < needed:  # the shipped calibration text is short: repeat it
+        text += "\n\n" + text
+        ids = tokenizer(text)["input_ids"]
     return list(ids)
 
 
@@ -113,10 +124,6 @@ class DecodeRun:
     @property
     def ms_per_token(self) -> float:
         return statistics.fmean(self.step_ms) if self.step_ms else float("nan")
-
-    @property
-    def median_ms(self) -> float:
-        return statistics.median(self.step_ms) if self.step_ms else float("nan")
 
     @property
     def fetched_ratio(self) -> float:

@@ -1,0 +1,64 @@
+"""A pool's rows as plain CPU tensors and back: what a saved session holds, named here once.
+
+    rows = export_rows(pool, token_ids, 0, 512)     # {"token_ids", "k.0", "v.0", "pos.0", "k.1", ...}
+    import_rows(pool, token_ids, [rows])            # appended after the tokens already held
+
+A chunk maps `tensor_name(kind, layer)` (`k.3`, `pos.3`) to each layer's rows, sorted by position, and
+TOKEN_IDS to the token ids. Keys and values are in any dtype, or int8 codes with KEY_SCALES / VALUE_SCALES
+[kv_heads, rows] beside them (row = codes * scale) and perhaps KEY_CHANNEL_SCALES [kv_heads, dim] (each
+key channel times its scale); the pool widens codes as it copies them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from .kv_pool import KVPool
+
+TOKEN_IDS = "token_ids"
+KEYS, VALUES, POSITIONS = "k", "v", "pos"
+KEY_SCALES, VALUE_SCALES, KEY_CHANNEL_SCALES = "k_scale", "v_scale", "k_channel_scale"
+
+
+def tensor_name(kind: str, layer: int) -> str:
+    """Where a chunk holds one layer's tensor of one kind: `tensor_name(KEYS, 3) == "k.3"`."""
+    return f"{kind}.{layer}"
+
+
+def layers_in(rows: Mapping[str, torch.Tensor]) -> int:
+    """How many layers a chunk holds rows for (every layer has its positions)."""
+    return sum(1 for name in rows if name.startswith(POSITIONS + "."))
+
+
+def export_rows(pool: KVPool, token_ids: list[int], start: int, end: int) -> dict[str, torch.Tensor]:
+    """K/V rows of positions [start, end) per layer, plus their token ids, as CPU tensors."""
+    tensors = {TOKEN_IDS: torch.tensor(token_ids[start:end], dtype=torch.int64)}
+    for layer in range(pool.num_layers):
+        positions = pool.positions(layer)
+        rows = ((positions >= start) & (positions < end)).nonzero().squeeze(1)
+        rows = rows[torch.argsort(positions[rows])]
+        tensors[tensor_name(KEYS, layer)] = pool.keys(layer)[:, rows].cpu().contiguous()
+        tensors[tensor_name(VALUES, layer)] = pool.values(layer)[:, rows].cpu().contiguous()
+        tensors[tensor_name(POSITIONS, layer)] = positions[rows].cpu().contiguous()
+    return tensors
+
+
+def import_rows(pool: KVPool, token_ids: list[int], chunks: Iterable[Mapping[str, torch.Tensor]]) -> int:
+    """Append exported chunks (in order) to the pool after `token_ids`, extending it; returns the tokens added."""
+    restored = 0
+    for chunk in chunks:
+        ids = chunk[TOKEN_IDS].tolist()
+        start = len(token_ids)
+        for layer in range(pool.num_layers):
+            positions = chunk[tensor_name(POSITIONS, layer)]
+            if positions.numel() and int(positions.min()) < start:
+                raise ValueError("chunk positions overlap the tokens already cached")
+            pool.append_rows(layer, chunk[tensor_name(KEYS, layer)], chunk[tensor_name(VALUES, layer)], positions,
+                             chunk.get(tensor_name(KEY_SCALES, layer)), chunk.get(tensor_name(VALUE_SCALES, layer)),
+                             chunk.get(tensor_name(KEY_CHANNEL_SCALES, layer)))
+        token_ids.extend(ids)
+        pool.set_total_tokens(len(token_ids))
+        restored += len(ids)
+    return restored
