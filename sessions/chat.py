@@ -17,8 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from infinigen_core.config import SamplingConfig
-from infinigen_core.generation import GenerationEvent, chat_token_ids, generate
+from infinigen_core import chat_token_ids, generate, GenerationEvent, SamplingConfig
 from infinigen_core.prefix import common_prefix_length
 
 from .budget import enforce_disk_limit

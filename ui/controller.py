@@ -21,8 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from infinigen_core.config import SamplingConfig
-from infinigen_core.generation import GenerationEvent
+from infinigen_core import GenerationEvent, SamplingConfig
 from sessions import ChatSession, SessionStore, StorageConfig
 from sessions.budget import enforce_disk_limit
 

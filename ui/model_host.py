@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from infinigen_core.config import EngineConfig
+from infinigen_core import EngineConfig
 
 from .errors import UserError
 

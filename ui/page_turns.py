@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from infinigen_core.config import ConfigError
-from infinigen_core.engine import ContextOverflowError
-from infinigen_core.generation import GenerationEvent
+from infinigen_core import ConfigError, ContextOverflowError, GenerationEvent
 from sessions import SessionError
 
 from .errors import UserError

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from infinigen_core.config import ConfigError, EngineConfig, SamplingConfig, parse_budget, pool_limit_tokens
+from infinigen_core import ConfigError, EngineConfig, SamplingConfig
+from infinigen_core.config import parse_budget, pool_limit_tokens
 from sessions import SessionStore, StorageConfig, format_size, parse_size
 from sessions.budget import enforce_disk_limit
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from infinigen_core.generation import GenerationEvent
+from infinigen_core import GenerationEvent
 
 from .errors import BUSY, Abandoned, QueueFull, UserError
 

@@ -12,9 +12,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from infinigen_core.config import ConfigError, SamplingConfig
-from infinigen_core.engine import ContextOverflowError
-from infinigen_core.generation import GenerationEvent
+from infinigen_core import ConfigError, ContextOverflowError, GenerationEvent, SamplingConfig
 from sessions import ChatSession, SessionError, SessionLockedError, SessionStore
 from sessions.prefix import PrefixFinder
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from infinigen_core.config import ConfigError, SamplingConfig
+from infinigen_core import ConfigError, SamplingConfig
 
 SYSTEM_ROLES = ("system", "developer")  # "developer" is what newer OpenAI clients call the system prompt
 CHAT_ROLES = ("user", "assistant")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from infinigen_core.generation import GenerationEvent
+from infinigen_core import GenerationEvent
 from sessions import ContextWindowError
 from sessions.chat import conversation, reply_prompt_ids
 
