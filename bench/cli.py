@@ -3,6 +3,7 @@
     python -m bench ppl --text essays/ --context 2048 --json
     python -m bench speed --text essays/ --context 2048,4096 --save results/speed.json
     python -m bench gpu            # "no CUDA device" and exit 0 on a CPU-only machine
+    python -m bench gpu --predict --device-profile h100   # the same table predicted from bytes moved
     python -m bench api --context 5000 --rounds 2   # through the app's OpenAI API, restarting it
 
 Progress and loading messages go to stderr; the table goes to stdout, then (with --json) one JSON line.
@@ -108,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--policies", default="full,offload,hf-offload,infinigen")
     gpu.add_argument("--budgets", default="0.15,0.1", help="fixed fractions InfiniGen fetches (one row each)")
     gpu.add_argument("--decode-tokens", type=int, default=8)
+    gpu.add_argument("--predict", action="store_true",
+                     help="no GPU needed: the table predicted from bytes moved per step (bench/gpu_predict.py)")
+    gpu.add_argument("--device-profile", default="h100", help="with --predict: h100 or h200")
+    gpu.add_argument("--h2d-gbps", type=float, help="with --predict: a measured pinned host-to-device peak")
     gpu.add_argument("--json", action="store_true")
     gpu.add_argument("--save", type=Path)
 
@@ -245,9 +250,19 @@ def run_gpu(args) -> tuple[str, dict]:
     engine_policies = [p for p in policies if p != "hf-offload"]
     if engine_policies:
         parse_policies(",".join(engine_policies))
-    result = gpu_benchmark(parse_shapes(args.models), parse_numbers(args.context, int), policies,
-                           parse_numbers(args.budgets), args.decode_tokens, _log)
-    if not result["cuda"]:
+    if args.predict:
+        from .gpu_predict import predict_table, profile_named
+
+        try:
+            profile = profile_named(args.device_profile, args.h2d_gbps)
+        except ValueError as error:
+            raise EvalError(str(error)) from None
+        result = predict_table(parse_shapes(args.models), parse_numbers(args.context, int), policies,
+                               parse_numbers(args.budgets), profile)
+    else:
+        result = gpu_benchmark(parse_shapes(args.models), parse_numbers(args.context, int), policies,
+                               parse_numbers(args.budgets), args.decode_tokens, _log)
+    if not result["cuda"] and not result.get("predicted"):
         return NO_CUDA_MESSAGE, result
     table = format_table(result["rows"], ["model", "context", "policy", "budget", "tokens_per_s", "speedup_vs_offload",
                                           "speedup_vs_hf_offload", "ratio_to_full", "ms_per_token",

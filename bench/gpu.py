@@ -136,7 +136,7 @@ def _hf_offload_ms(model, ids: Sequence[int], context: int, steps: int) -> list[
 
 
 def gpu_benchmark(shape_names: Sequence[str], contexts: Sequence[int], policies: Sequence[str],
-                  budgets: Sequence[float], decode_steps: int, progress=print, quantize: str | None = None) -> dict:
+                  budgets: Sequence[float], decode_steps: int, progress=print) -> dict:
     """Rows per (model, context, policy, budget): tokens_per_s, speed-ups, ratio to full, bytes, waits, memory."""
     from infinigen_core import InfiniGenEngine
     from infinigen_core.calibration import calibrate
@@ -186,8 +186,8 @@ def gpu_benchmark(shape_names: Sequence[str], contexts: Sequence[int], policies:
             engine.close()
             del engine, model
             torch.cuda.empty_cache()
-    _add_ratios(rows)
-    return {"cuda": True, "device": device_name, "peak_h2d_gbps": peak, "quantize": quantize, "rows": rows}
+    add_ratios(rows)
+    return {"cuda": True, "device": device_name, "peak_h2d_gbps": peak, "rows": rows}
 
 
 def _row(model: str, context: int, policy: str, budget, step_ms, bytes_per_token, wait_ms, peak) -> dict:
@@ -199,7 +199,7 @@ def _row(model: str, context: int, policy: str, budget, step_ms, bytes_per_token
             "peak_h2d_gbps": peak, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
 
 
-def _add_ratios(rows: list[dict]) -> None:
+def add_ratios(rows: list[dict]) -> None:
     """speedup_vs_offload, speedup_vs_hf_offload and ratio_to_full, each within the same model and context."""
     for row in rows:
         same = {r["policy"]: r for r in rows if r["model"] == row["model"] and r["context"] == row["context"]

@@ -1,0 +1,45 @@
+"""The predicted GPU table: bytes per policy follow the model's shape, and the ratios move the right way."""
+
+import pytest
+
+from bench.gpu import SHAPES
+from bench.gpu_predict import PROFILES, kv_bytes_per_token_layer, predict_step, predict_table, profile_named, weight_bytes
+
+
+def test_weight_and_kv_bytes_match_the_published_shapes():
+    # Llama-2-7B has 6.74e9 parameters and Llama-3-8B 8.03e9 (embeddings counted once, read once per step here)
+    assert weight_bytes(SHAPES["llama2-7b"]) / 2 == pytest.approx(6.74e9 - 32000 * 4096, rel=0.01)
+    assert weight_bytes(SHAPES["llama3-8b"]) / 2 == pytest.approx(8.03e9 - 128256 * 4096, rel=0.01)
+    assert kv_bytes_per_token_layer(SHAPES["llama2-7b"]) == 2 * 32 * 128 * 2  # K and V, 32 heads, fp16
+    assert kv_bytes_per_token_layer(SHAPES["llama3-8b"]) == 2 * 8 * 128 * 2  # GQA: 8 KV heads
+
+
+def test_policies_fetch_what_they_should():
+    shape, profile, context = SHAPES["llama3-8b"], PROFILES["h100"], 16384
+    per_layer = kv_bytes_per_token_layer(shape)
+    offload = predict_step(shape, context, "offload", None, profile)
+    infinigen = predict_step(shape, context, "infinigen", 0.1, profile)
+    assert offload["bytes_fetched_per_token"] == context * per_layer * shape.layers
+    assert infinigen["bytes_fetched_per_token"] == int(2 * context * per_layer + 30 * 0.1 * context * per_layer)
+    assert predict_step(shape, context, "full", None, profile)["bytes_fetched_per_token"] is None
+
+
+def test_ratios_move_with_context_and_link():
+    table = predict_table(["llama2-7b"], [4096, 32768], ["full", "offload", "hf-offload", "infinigen"], [0.1],
+                          PROFILES["h100"])
+    rows = {(r["context"], r["policy"]): r for r in table["rows"]}
+    for context in (4096, 32768):
+        assert rows[context, "full"]["ratio_to_full"] == 1
+        assert rows[context, "infinigen"]["speedup_vs_offload"] > 1  # fetching a tenth beats fetching all
+        assert rows[context, "offload"]["speedup_vs_hf_offload"] > 1  # pinned and overlapped beats pageable
+    # the cache's share of the step grows with the context: every offloading policy falls behind `full`
+    assert rows[32768, "offload"]["ratio_to_full"] < rows[4096, "offload"]["ratio_to_full"]
+    # a faster link helps offload more than InfiniGen, whose gather on the host stays
+    fast = predict_table(["llama2-7b"], [32768], ["offload", "infinigen"], [0.1], profile_named("h100", 200.0))
+    fast_rows = {r["policy"]: r for r in fast["rows"]}
+    assert fast_rows["infinigen"]["speedup_vs_offload"] < rows[32768, "infinigen"]["speedup_vs_offload"]
+
+
+def test_unknown_profile_is_refused():
+    with pytest.raises(ValueError, match="h100"):
+        profile_named("tpu")
