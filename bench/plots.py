@@ -26,6 +26,13 @@ def _policies(result: dict) -> list[str]:
     return [p for p in POLICY_ORDER if isinstance(result.get(p), dict)]
 
 
+
+def _save(figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
 def plot_ppl(results: list[dict], out: Path) -> Path:
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     contexts = [r["context"] for r in results]
@@ -44,11 +51,7 @@ def plot_ppl(results: list[dict], out: Path) -> Path:
     left.set_yscale("symlog", linthresh=5)
     left.set_ylim(top=left.get_ylim()[1] * 4)  # room for the legend above the bars
     left.legend(loc="upper left", ncols=3, fontsize=8)
-    figure.tight_layout()
-    path = out / "ppl.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(figure, out / "ppl.png")
 
 
 def plot_recall(result: dict, out: Path) -> Path:
@@ -64,11 +67,7 @@ def plot_recall(result: dict, out: Path) -> Path:
     axis.set_title(f"attention recall per layer, context {result['context']}")
     axis.grid(alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    path = out / "recall.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(figure, out / "recall.png")
 
 
 def plot_speed(result: dict, out: Path) -> Path:
@@ -84,11 +83,7 @@ def plot_speed(result: dict, out: Path) -> Path:
     axis.grid(alpha=0.3)
     axis.legend()
     axis.set_title("CPU decode time per token")
-    figure.tight_layout()
-    path = out / "speed.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(figure, out / "speed.png")
 
 
 def plot_sweep(result: dict, out: Path) -> Path:
@@ -116,11 +111,7 @@ def plot_sweep(result: dict, out: Path) -> Path:
     axis.set_title(f"InfiniGen sweep, context {result['context']}")
     axis.grid(alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    path = out / "sweep.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(figure, out / "sweep.png")
 
 
 def make_plots(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
