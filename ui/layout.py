@@ -141,16 +141,16 @@ class ChatPage:
                 # drawn in the browser from small tables (ui/panels.py); the server never draws
                 with gr.Row():
                     self.memory_plot = gr.BarPlot(x="memory", y="MiB", label="Memory (MiB)", elem_id="ig-memory",
-                                                  sort="-y", height=240)
+                                                  sort="-y")
                     self.fetch_plot = gr.LinePlot(x="layer", y="fetched / context", color="series",
                                                   y_lim=[0, 1.05], tooltip="all", label="Fetched-token ratio per layer",
-                                                  elem_id="ig-fetch", height=240)
+                                                  elem_id="ig-fetch")
                 with gr.Row():
                     self.sparsity_plot = gr.ScatterPlot(x="step", y="layer", color="fetched ratio",
                                                         label="Per-layer sparsity over time (fetched ratio)",
-                                                        elem_id="ig-sparsity", height=240)
+                                                        elem_id="ig-sparsity")
                     self.timing_plot = gr.BarPlot(x="part", y="ms per decode step", color="part",
-                                                  label="ms per decode step", elem_id="ig-timing", height=240)
+                                                  label="ms per decode step", elem_id="ig-timing")
             with gr.Tab("Prefetch inspector"):
                 with gr.Row():
                     self.step_picker = gr.Dropdown(label="Generated token (recent decode steps)", choices=[])
