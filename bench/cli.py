@@ -5,6 +5,7 @@
     python -m bench gpu            # "no CUDA device" and exit 0 on a CPU-only machine
     python -m bench gpu --predict --device-profile h100   # the same table predicted from bytes moved
     python -m bench api --context 5000 --rounds 2   # through the app's OpenAI API, restarting it
+    python -m bench page --rounds 3                 # a reply's tokens/s with the page open vs without
 
 Progress and loading messages go to stderr; the table goes to stdout, then (with --json) one JSON line.
 """
@@ -122,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--rounds", type=int, default=1)
     api.add_argument("--json", action="store_true")
     api.add_argument("--save", type=Path)
+
+    page = commands.add_parser("page", help="a reply's tokens/s with the page open in Chromium vs the API alone")
+    page.add_argument("--max-new-tokens", type=int, default=96)
+    page.add_argument("--rounds", type=int, default=3)
+    page.add_argument("--json", action="store_true")
+    page.add_argument("--save", type=Path)
 
     plot = commands.add_parser("plot", help="PNG plots from results saved with --save")
     plot.add_argument("--results", type=Path, required=True, help="directory of saved JSON results")
@@ -279,6 +286,13 @@ def run_api(args) -> tuple[None, dict]:
     return None, {"context": args.context, "rows": rows}
 
 
+def run_page(args) -> tuple[None, dict]:
+    """Prints each round's row as it ends, so no table after."""
+    from .page import measure_rounds
+
+    return None, measure_rounds(args.max_new_tokens, args.rounds, show=lambda line: print(line, flush=True))
+
+
 def run_plot(args) -> tuple[str, dict]:
     from .plots import make_plots
 
@@ -289,7 +303,7 @@ def run_plot(args) -> tuple[str, dict]:
 
 
 RUNNERS = {"ppl": run_ppl, "agree": run_agree, "recall": run_recall, "speed": run_speed, "sweep": run_sweep,
-           "resume": run_resume, "gpu": run_gpu, "api": run_api, "plot": run_plot}
+           "resume": run_resume, "gpu": run_gpu, "api": run_api, "page": run_page, "plot": run_plot}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,9 +77,9 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page, app):
     assert len({n for n in lengths if 0 < n < lengths[-1]}) >= 2  # it grew in steps: streamed
     first_reply = page.locator(BOT).last.inner_text()
 
-    # the live panels are pictures, drawn after the decode steps
+    # the live panels are drawn in the browser (Vega) from the small tables the server sends after decode steps
     for panel in ("#ig-memory", "#ig-fetch", "#ig-sparsity", "#ig-timing"):
-        page.wait_for_selector(f"{panel} img", timeout=30_000)
+        page.wait_for_selector(f"{panel} canvas, {panel} svg.marks", timeout=30_000)
     page.screenshot(path=str(ARTIFACTS / "browser-mid-conversation.png"), full_page=True)
 
     page.reload()

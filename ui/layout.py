@@ -18,7 +18,7 @@ from infinigen_core.config import POLICY_NAMES
 from sessions import format_size
 
 from .controller import ChatController
-from .page_actions import PageActions
+from .page_actions import TICK_SECONDS, PageActions
 from .page_text import status_text
 
 CSS = """
@@ -138,12 +138,19 @@ class ChatPage:
     def _panels(self) -> None:
         with gr.Tabs():
             with gr.Tab("Live panels"):
+                # drawn in the browser from small tables (ui/panels.py); the server never draws
                 with gr.Row():
-                    self.memory_plot = gr.Plot(label="Memory", elem_id="ig-memory")
-                    self.fetch_plot = gr.Plot(label="Fetched ratio", elem_id="ig-fetch")
+                    self.memory_plot = gr.BarPlot(x="memory", y="MiB", label="Memory (MiB)", elem_id="ig-memory",
+                                                  sort="-y")
+                    self.fetch_plot = gr.LinePlot(x="layer", y="fetched / context", color="series",
+                                                  y_lim=[0, 1.05], tooltip="all", label="Fetched-token ratio per layer",
+                                                  elem_id="ig-fetch")
                 with gr.Row():
-                    self.sparsity_plot = gr.Plot(label="Sparsity", elem_id="ig-sparsity")
-                    self.timing_plot = gr.Plot(label="Time", elem_id="ig-timing")
+                    self.sparsity_plot = gr.ScatterPlot(x="step", y="layer", color="fetched ratio",
+                                                        label="Per-layer sparsity over time (fetched ratio)",
+                                                        elem_id="ig-sparsity")
+                    self.timing_plot = gr.BarPlot(x="part", y="ms per decode step", color="part",
+                                                  label="ms per decode step", elem_id="ig-timing")
             with gr.Tab("Prefetch inspector"):
                 with gr.Row():
                     self.step_picker = gr.Dropdown(label="Generated token (recent decode steps)", choices=[])
@@ -154,8 +161,8 @@ class ChatPage:
     def _hidden(self) -> None:
         """Components that only scripts and tests use (named API endpoints), and the page's own state."""
         self.sessions_json = gr.JSON(visible=False)
-        self.timer = gr.Timer(1.0)
-        self.last_seen = gr.State(None)
+        self.timer = gr.Timer(TICK_SECONDS)
+        self.last_seen = gr.State(None)  # what the page was last sent (PageActions.tick)
         self.open_api = gr.Textbox(visible=False)
         # the inspector for scripts and tests: step by index (0 = oldest recent decode step), layer by number
         self.step_index_api, self.layer_api = gr.Number(visible=False, precision=0), gr.Number(visible=False,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gradio as gr
@@ -16,6 +17,18 @@ from .page_text import find, session_choices, session_details, status_text
 
 ERROR_SECONDS = 12
 PANEL_OUTPUTS = 10  # the tick's outputs between the status line and its state: 4 plots, 2 pickers, 4 views
+TICK_SECONDS = 2.0  # the live panels' pace: one small table per tick costs a decode step nothing measurable
+
+
+@dataclass(frozen=True)
+class TickState:
+    """What one page was last sent by the tick: the engine's step count, session, model and API turns seen,
+    the status text, each panel's table digest, the panel to try first next, and whether panels still wait."""
+    seen: tuple | None = None
+    status: str = ""
+    sent: dict[str, str] = field(default_factory=dict)
+    next_panel: int = 0
+    panels_pending: bool = False
 
 
 def shows_errors(handler: Callable) -> Callable:
@@ -140,33 +153,52 @@ class PageActions:
         return self.controller.apply_storage(kv_format_value, limit)
 
     # ---------------------------------------------------------------- live panels, inspector, scripts
-    def tick(self, last_seen):
-        """Refresh the status always, the plots only when the engine ran a new step."""
-        controller = self.controller
+    def tick(self, last: "TickState | None"):
+        """Refresh what changed since this page's last tick (`last`, kept per page in a gr.State): the status
+        line when its text changed, the sidebar when another session or model is open or the API ran a turn,
+        and at most one live panel, the next one in turn whose table changed; each output left alone is a
+        gr.skip(), which sends nothing."""
+        controller, last = self.controller, last or TickState()
         text = status_text(controller)
+        status = text if text != last.status else gr.skip()
         engine = controller.engine
         seen = (engine.steps_run, controller.chat.id if controller.chat else None, id(engine),
                 controller.api_turns) if engine else None
-        if engine is None or seen == last_seen:
-            return (text, *[gr.skip()] * PANEL_OUTPUTS, last_seen)
+        if engine is None or (seen == last.seen and not last.panels_pending):
+            return (status, *[gr.skip()] * PANEL_OUTPUTS, replace(last, status=text))
+        plots, now = self._next_panel(engine, replace(last, status=text, seen=seen))
+        if seen == last.seen:  # only a panel left over from the last steps
+            return (status, *plots, *[gr.skip()] * (PANEL_OUTPUTS - len(plots)), now)
         # the page may have opened before the model and the last session were loaded: show them now
-        session_changed = last_seen is None or last_seen[1:3] != seen[1:3]  # another session or model
+        session_changed = last.seen is None or last.seen[1:3] != seen[1:3]  # another session or model
         history = self.history() if session_changed else gr.skip()
         picker = details = model = gr.skip()
         if session_changed:
             model = controller.model_summary()
-        if session_changed or last_seen[3] != seen[3]:  # an API turn may have added or grown a session
+        if session_changed or last.seen[3] != seen[3]:  # an API turn may have added or grown a session
             summaries = controller.store.list()
             picker = gr.update(choices=session_choices(summaries), value=seen[1])
             details = session_details(find(summaries, seen[1]))
-        data = panels.collect(engine, controller.progress.tokens_per_second())
-        figures = (panels.memory_plot(data), panels.fetch_ratio_plot(data), panels.sparsity_heatmap(data),
-                   panels.timing_plot(data))
-        panels.close_all(*figures)
         labels = inspector.step_labels(engine)
         steps = gr.update(choices=labels, value=labels[-1] if labels else None)
         layers = gr.update(maximum=engine.adapter.num_layers - 1)
-        return (text, *figures, steps, layers, history, picker, details, model, seen)
+        return (status, *plots, steps, layers, history, picker, details, model, now)
+
+    def _next_panel(self, engine, last: "TickState") -> tuple[list, "TickState"]:
+        """The four plots' outputs: the next panel in turn whose table differs from what this page was sent,
+        the others skipped (at most one Vega redraw per tick, in the browser that shares the model's cores)."""
+        tables = panels.panel_tables(panels.collect(engine, self.controller.progress.tokens_per_second()))
+        digests = {name: panels.digest(table) for name, table in tables.items()}
+        count = len(panels.PANELS)
+        order = [panels.PANELS[(last.next_panel + i) % count] for i in range(count)]
+        changed = [name for name in order if digests[name] != last.sent.get(name)]
+        if not changed:
+            return [gr.skip()] * count, replace(last, panels_pending=False)
+        name = changed[0]
+        frame, caption = tables[name]
+        plots = [gr.update(value=frame, caption=caption) if panel == name else gr.skip() for panel in panels.PANELS]
+        return plots, replace(last, sent={**last.sent, name: digests[name]},
+                              next_panel=(panels.PANELS.index(name) + 1) % count, panels_pending=len(changed) > 1)
 
     def inspect(self, step_label, layer) -> str:
         if self.controller.engine is None or not step_label:

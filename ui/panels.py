@@ -1,20 +1,25 @@
-"""Live panels as pictures: memory, fetched ratio per layer, sparsity over time, time split, context.
+"""Live panels as small tables that the browser draws: memory, fetched ratio per layer, sparsity over time,
+time split and context.
 
-Each function takes plain numbers (read from the engine by `collect`) and returns a matplotlib figure,
-so the panels can be tested and rendered without a browser.
+`collect` reads plain numbers from the engine; `panel_tables` turns them into one small pandas DataFrame per
+panel, which Gradio's native plots (`gr.BarPlot`, `gr.LinePlot`, `gr.ScatterPlot`) send as JSON and draw in the
+browser with Vega. The server never draws: on the 2-core machine matplotlib drawing four figures a second took
+most of a core from the model.
+
+    data = collect(engine, tokens_per_second)
+    tables = panel_tables(data)          # {"memory": (frame, caption), "fetch": ..., "sparsity": ..., "timing": ...}
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import matplotlib
+import hashlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pandas as pd
+import psutil
+import torch
 
 MiB = 2**20
 
@@ -72,89 +77,68 @@ def collect(engine, tokens_per_second: float = 0.0) -> PanelData:
     return data
 
 
-def _figure(width: float = 5.2, height: float = 2.6):
-    figure, axis = plt.subplots(figsize=(width, height), dpi=90)
-    return figure, axis
+PANELS = ("memory", "fetch", "sparsity", "timing")  # the page's plots, in the order the tick sends them
+SPLIT_PARTS = {"speculate": "speculate", "fetch wait": "fetch_wait", "attention": "attention"}
+REST = "rest of the model"
+Table = tuple[pd.DataFrame, str]  # a plot's data and the caption under it
 
 
-def memory_plot(data: PanelData):
-    figure, axis = _figure()
-    shown = {k: v for k, v in data.memory_mib.items() if k != "system available"}
-    names, values = list(shown), list(shown.values())
-    bars = axis.barh(names, values, color="#4c78a8")
-    axis.bar_label(bars, labels=[f"{v:,.0f} MiB" for v in values], padding=3, fontsize=8)
-    axis.set_xlabel("MiB")
-    axis.set_title(f"Memory (system available: {data.memory_mib.get('system available', 0):,.0f} MiB)")
-    axis.set_xlim(0, max(values + [1]) * 1.35)
-    figure.tight_layout()
-    return figure
+def memory_table(data: PanelData) -> Table:
+    """One bar per memory figure in whole MiB (so a few KiB of drift is no change); the system's available
+    memory, larger than all of them, goes in the caption."""
+    shown = {name: round(value) for name, value in data.memory_mib.items() if name != "system available"}
+    frame = pd.DataFrame({"memory": list(shown), "MiB": list(shown.values())})
+    return frame, f"system available: {data.memory_mib.get('system available', 0):,.0f} MiB"
 
 
-def fetch_ratio_plot(data: PanelData):
-    figure, axis = _figure()
-    if data.latest_ratio:
-        layers = np.arange(len(data.latest_ratio))
-        sliding = set(data.sliding_layers())
-        colours = ["#bab0ac" if layer in sliding else "#f58518" for layer in layers]
-        axis.bar(layers, data.latest_ratio, color=colours, label="latest step")
-        axis.plot(layers, data.mean_ratio, color="#222222", marker=".", label="running mean")
-        if sliding:  # their whole window is read; InfiniGen selects on the global layers only
-            axis.bar([], [], color="#bab0ac", label="sliding-window layer")
-        axis.legend(fontsize=8, loc="upper right")
-    else:
-        axis.text(0.5, 0.5, "no decode step yet", ha="center", va="center", transform=axis.transAxes)
-    axis.set_ylim(0, 1.05)
-    axis.set_xlabel("layer")
-    axis.set_ylabel("fetched / context")
-    axis.set_title(f"Fetched-token ratio per layer ({data.policy})")
-    figure.tight_layout()
-    return figure
-
-
-def sparsity_heatmap(data: PanelData):
-    figure, axis = _figure()
-    if data.sparsity.size:
-        image = axis.imshow(data.sparsity, aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=1,
-                            interpolation="nearest")
-        figure.colorbar(image, ax=axis, label="fetched ratio")
-    else:
-        axis.text(0.5, 0.5, "no decode step yet", ha="center", va="center", transform=axis.transAxes)
-    axis.set_xlabel("recent decode steps")
-    axis.set_ylabel("layer")
+def fetch_table(data: PanelData) -> Table:
+    """Per layer, the fetched share of the context at the latest decode step and its mean over the recent
+    steps: two series of one line plot, the layer's kind in the tooltip."""
+    layers = len(data.latest_ratio)
+    kinds = (data.layer_kinds or ["global"] * layers)[:layers]
+    frame = pd.DataFrame({"layer": list(range(layers)) * 2,
+                          "fetched / context": [round(r, 4) for r in data.latest_ratio + data.mean_ratio],
+                          "series": ["latest step"] * layers + ["running mean"] * layers,
+                          "kind": kinds * 2})
     sliding = data.sliding_layers()
-    if sliding and data.sparsity.size:
-        axis.set_yticks(sliding, ["S"] * len(sliding), fontsize=6)
-        axis.set_title("Per-layer sparsity over time (S: sliding-window layer)")
-    else:
-        axis.set_title("Per-layer sparsity over time")
-    figure.tight_layout()
-    return figure
+    caption = f"policy {data.policy}" if layers else "no decode step yet"
+    if sliding and layers:  # their whole window is read; InfiniGen selects on the global layers only
+        caption += f"; sliding-window layers (whole window read): {', '.join(map(str, sliding))}"
+    return frame, caption
 
 
-def timing_plot(data: PanelData):
-    figure, (time_axis, context_axis) = plt.subplots(2, 1, figsize=(5.2, 2.8), dpi=90,
-                                                     gridspec_kw={"height_ratios": [2, 1]})
+def sparsity_table(data: PanelData) -> Table:
+    """The fetched ratio of every layer at every recent decode step (step 0 = the oldest shown): a heat map
+    drawn as coloured points."""
+    layers, steps = data.sparsity.shape
+    frame = pd.DataFrame({"step": np.tile(np.arange(steps), layers),
+                          "layer": np.repeat(np.arange(layers), steps),
+                          "fetched ratio": np.round(data.sparsity.reshape(-1), 3)})
+    sliding = data.sliding_layers()
+    caption = "recent decode steps, oldest first" if steps else "no decode step yet"
+    if sliding and steps:
+        caption += f"; sliding-window layers: {', '.join(map(str, sliding))}"
+    return frame, caption
+
+
+def timing_table(data: PanelData) -> Table:
+    """Where a decode step's time goes (mean ms of the recent steps); speed and context in the caption."""
     split = data.time_split_ms
+    parts = {name: split[key] for name, key in SPLIT_PARTS.items()} if split else {}
     if split:
-        other = max(split["total"] - split["speculate"] - split["fetch_wait"] - split["attention"], 0.0)
-        parts = {"speculate": split["speculate"], "fetch wait": split["fetch_wait"],
-                 "attention": split["attention"], "rest of the model": other}
-        left = 0.0
-        for (name, value), colour in zip(parts.items(), ("#e45756", "#72b7b2", "#f58518", "#bab0ac")):
-            time_axis.barh([0], [value], left=left, color=colour, label=f"{name} {value:.1f}")
-            left += value
-        time_axis.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(0, -0.25))
-    time_axis.set_yticks([])
-    time_axis.set_title(f"ms per decode step; {data.tokens_per_second:.1f} tokens/s")
-    context_axis.barh([0], [data.window], color="#eeeeee")
-    context_axis.barh([0], [data.context], color="#4c78a8")
-    context_axis.set_yticks([])
-    context_axis.set_xlim(0, data.window)
-    context_axis.set_title(f"context {data.context:,} / {data.window:,} tokens", fontsize=9)
-    figure.tight_layout()
-    return figure
+        parts[REST] = max(split["total"] - sum(parts.values()), 0.0)
+    frame = pd.DataFrame({"part": list(parts), "ms per decode step": [round(v, 2) for v in parts.values()]})
+    caption = (f"{data.tokens_per_second:.1f} tokens/s; context {data.context:,} / {data.window:,} tokens")
+    return frame, caption
 
 
-def close_all(*figures) -> None:
-    for figure in figures:
-        plt.close(figure)
+def panel_tables(data: PanelData) -> dict[str, Table]:
+    return {"memory": memory_table(data), "fetch": fetch_table(data), "sparsity": sparsity_table(data),
+            "timing": timing_table(data)}
+
+
+def digest(table: Table) -> str:
+    """What the page was last sent, in a few bytes: equal digests, nothing to send."""
+    frame, caption = table
+    payload = frame.to_json(orient="split").encode() + b"\0" + caption.encode()
+    return hashlib.blake2b(payload, digest_size=12).hexdigest()
