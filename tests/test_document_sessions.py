@@ -1,0 +1,74 @@
+"""Attached documents in sessions: stored with the message, carried by export/import, read once for any chat."""
+
+import json
+import zipfile
+
+import pytest
+
+from documents import attachment_card, convert_bytes, displayed_message, question_of
+from infinigen_core.config import SamplingConfig
+from sessions import ChatSession, SessionStore
+
+SHORT = SamplingConfig(max_new_tokens=4)
+# about 500 tokens of plain text, the same bytes every time
+DOCUMENT_BYTES = ("\n".join(f"Line {i}: the harbour master logged ship {i * 7 % 97} arriving with "
+                            f"{i * 13 % 50} crates of tea and {i % 9} passengers." for i in range(24))).encode()
+
+
+@pytest.fixture
+def store(tmp_path):
+    return SessionStore(tmp_path / "data")
+
+
+def document():
+    return convert_bytes("harbour log.txt", DOCUMENT_BYTES)
+
+
+def test_a_message_keeps_its_attachments_metadata_and_shows_them_as_cards(store, real_engine):
+    session_id = store.create("doc")
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        list(chat.send("How many ships?", SHORT, attachments=[document()]))
+    user = SessionStore(store.data_dir).messages(session_id)[0]  # as a reopened store reads it
+    (record,) = user.attachments
+    assert record["name"] == "harbour log.txt" and record["kind"] == "text" and record["lines"] == 24
+    assert record["sha256"] == document().sha256 and record["size_bytes"] == len(DOCUMENT_BYTES)
+    assert 300 < record["tokens"] < 1000
+    assert user.content.startswith('<document name="harbour log.txt"') and "ship 7 arriving" in user.content
+    assert question_of(user.content, user.attachments) == "How many ships?"
+    shown = displayed_message(user.content, user.attachments)
+    assert shown == f"📄 harbour log.txt · 24 lines · {record['tokens']:,} tokens\n\nHow many ships?"
+    assert attachment_card(record) in shown and "ship 7" not in shown
+
+
+def test_attachments_travel_through_export_and_import_and_old_archives_still_import(store, real_engine, tmp_path):
+    session_id = store.create("doc")
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        list(chat.send("How many ships?", SHORT, attachments=[document()]))
+    archive = store.export(session_id, tmp_path / "doc.igchat")
+    imported = store.import_file(archive)
+    assert store.messages(imported)[0].attachments == store.messages(session_id)[0].attachments
+    assert store.messages(imported)[1].attachments == ()
+
+    old = tmp_path / "old.igchat"  # as a version before attachments wrote it
+    with zipfile.ZipFile(archive) as source, zipfile.ZipFile(old, "w") as target:
+        for item in source.infolist():
+            data = source.read(item)
+            if item.filename == "manifest.json":
+                manifest = json.loads(data)
+                for message in manifest["messages"]:
+                    message.pop("attachments", None)
+                data = json.dumps(manifest).encode()
+            target.writestr(item, data)
+    assert store.messages(store.import_file(old))[0].attachments == ()
+
+
+def test_a_database_from_before_the_attachments_column_opens_and_gains_it(tmp_path):
+    store = SessionStore(tmp_path)
+    old = store.create("older chat")
+    store.add_message(old, "user", "hello", 0, 3)
+    store.db.execute("ALTER TABLE messages DROP COLUMN attachments")  # as an earlier version wrote it
+    store.db.conn.close()
+    reopened = SessionStore(tmp_path)
+    assert reopened.messages(old)[0].attachments == ()
+    reopened.add_message(old, "user", "again", 3, 6, [{"name": "a.txt", "chars": 3}])
+    assert reopened.messages(old)[1].attachments == ({"name": "a.txt", "chars": 3},)
