@@ -5,7 +5,7 @@ import zipfile
 
 import pytest
 
-from documents import attachment_card, convert_bytes, displayed_message, question_of
+from documents import attachment_card, convert_bytes, displayed_message, message_with_attachments, question_of
 from infinigen_core.config import SamplingConfig
 from sessions import ChatSession, SessionStore
 
@@ -72,3 +72,63 @@ def test_a_database_from_before_the_attachments_column_opens_and_gains_it(tmp_pa
     assert reopened.messages(old)[0].attachments == ()
     reopened.add_message(old, "user", "again", 3, 6, [{"name": "a.txt", "chars": 3}])
     assert reopened.messages(old)[1].attachments == ({"name": "a.txt", "chars": 3},)
+
+
+def page_controller(data_dir, engine):
+    from ui.controller import ChatController
+
+    controller = ChatController(data_dir, loader=lambda *args, **kwargs: engine)
+    controller.load(progress=lambda message: None)
+    assert controller.load_error is None, controller.load_error
+    return controller
+
+
+def page_turn(controller, question, documents):
+    """A new page session whose first message attaches `documents`; returns the tokens the model read."""
+    controller.new_session()
+    for _ in controller.send(question, documents):
+        pass
+    return controller.chat.last_read_tokens
+
+
+def test_a_document_is_read_once_for_any_new_chat_also_after_a_restart(tmp_path, real_engine):
+    """Counted in tokens the model reads, not timed: the second chat about the same file (page or API), and one
+    in a fresh controller (store, prefix finder, empty engine) on the same data dir, read only their question."""
+    from ui.api import ApiOptions, api_routes
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    controller = page_controller(tmp_path, real_engine)
+    doc = document()
+    try:
+        first = page_turn(controller, "How many ships?", [doc])
+        tokens = controller.store.messages(controller.chat.id)[0].attachments[0]["tokens"]
+        assert first > tokens  # the first chat reads the whole document
+        second = page_turn(controller, "Which ship carried tea?", [doc])
+        assert second < 40, f"the second chat read {second} tokens, not just its question"
+        assert controller.chat.messages[0].attachments[0]["sha256"] == doc.sha256
+    finally:
+        for chat in {controller.chat, controller.api_chat} - {None}:
+            chat.close()
+
+    real_engine.reset()
+    restarted = page_controller(tmp_path, real_engine)
+    try:
+        third = page_turn(restarted, "Who logged the ships?", [doc])
+        assert third < 40, f"after a restart the chat read {third} tokens"
+        # the API starts a new conversation about the same file from the same stored prefix
+        from sessions.chat import conversation
+        from infinigen_core import chat_token_ids
+
+        content = message_with_attachments("How many passengers?", [doc])
+        client = TestClient(FastAPI(routes=api_routes(restarted, ApiOptions())))
+        response = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": content}], "max_tokens": 3})
+        assert response.status_code == 200, response.text
+        prompt_tokens = len(chat_token_ids(real_engine.tokenizer, conversation("", [("user", content)]),
+                                           add_generation_prompt=True))
+        assert response.json()["usage"]["prompt_tokens"] == prompt_tokens
+        assert restarted.api_chat.last_read_tokens < 40
+    finally:
+        for chat in {restarted.chat, restarted.api_chat} - {None}:
+            chat.close()
