@@ -85,3 +85,16 @@ def displayed_message(content: str, records: Sequence[dict]) -> str:
     cards = "\n".join(attachment_card(r) for r in records)
     question = question_of(content, records)
     return f"{cards}\n\n{question}" if question else cards
+
+
+def documents_of(content: str, records: Sequence[dict]) -> list[Document]:
+    """The documents a stored message was made from (its content holds their text, its records the rest), so
+    they can be attached again byte for byte: the same prompt text, the same tokens, a shared KV prefix."""
+    found, offset = [], 0
+    for record in records:
+        piece = content[offset:offset + int(record["chars"])]
+        offset += int(record["chars"]) + len(ATTACHMENT_SEPARATOR)
+        body = piece.split("\n", 1)[1].rsplit("\n</document>", 1)[0]
+        found.append(Document(name=record["name"], kind=record["kind"], text=body, sha256=record["sha256"],
+                              size_bytes=int(record["size_bytes"]), pages=record.get("pages")))
+    return found
