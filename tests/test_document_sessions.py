@@ -1,5 +1,6 @@
 """Attached documents in sessions: stored with the message, carried by export/import, read once for any chat."""
 
+import base64
 import json
 import zipfile
 
@@ -122,8 +123,10 @@ def test_a_document_is_read_once_for_any_new_chat_also_after_a_restart(tmp_path,
 
         content = message_with_attachments("How many passengers?", [doc])
         client = TestClient(FastAPI(routes=api_routes(restarted, ApiOptions())))
-        response = client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": content}], "max_tokens": 3})
+        file_part = {"type": "file", "file": {"filename": "harbour log.txt", "file_data":
+                     "data:text/plain;base64," + base64.b64encode(DOCUMENT_BYTES).decode()}}
+        response = client.post("/v1/chat/completions", json={"max_tokens": 3, "messages": [
+            {"role": "user", "content": [file_part, {"type": "text", "text": "How many passengers?"}]}]})
         assert response.status_code == 200, response.text
         prompt_tokens = len(chat_token_ids(real_engine.tokenizer, conversation("", [("user", content)]),
                                            add_generation_prompt=True))
@@ -132,3 +135,55 @@ def test_a_document_is_read_once_for_any_new_chat_also_after_a_restart(tmp_path,
     finally:
         for chat in {restarted.chat, restarted.api_chat} - {None}:
             chat.close()
+
+
+def test_the_page_attaches_files_refuses_bad_ones_and_starts_a_new_chat_about_the_file(tmp_path, real_engine):
+    import gradio as gr
+
+    from ui.page_actions import PageActions
+
+    controller = page_controller(tmp_path / "data", real_engine)
+    actions = PageActions(controller, tmp_path)
+    try:
+        good, bad = tmp_path / "harbour log.txt", tmp_path / "broken.pdf"
+        good.write_bytes(DOCUMENT_BYTES)
+        bad.write_bytes(b"%PDF-1.7 not really")
+        preview = actions.preview({"text": "How many ships?", "files": [str(good)]})
+        assert "harbour log.txt" in preview and "24 lines" in preview and "window" in preview
+        session, messages = controller.chat.id, len(controller.chat.messages)
+        with pytest.raises(gr.Error, match="broken.pdf"):
+            list(actions.send({"text": "And this?", "files": [str(bad)]}))
+        assert controller.chat.id == session and len(controller.chat.messages) == messages  # nothing stored
+        *_, (history, box, _) = actions.send({"text": "How many ships?", "files": [str(good)]})
+        assert history[0]["content"].startswith("📄 harbour log.txt · 24 lines ·") and box["files"] == []
+        history, _, info = actions.file_chat()
+        assert controller.chat.id != session and history == [] and "Attached again" in info
+        list(actions.send({"text": "Which ship carried tea?", "files": []}))
+        assert controller.chat.last_read_tokens < 40  # the document came from the first chat's KV
+        assert controller.chat.messages[0].attachments[0]["sha256"] == document().sha256
+    finally:
+        for chat in {controller.chat, controller.api_chat} - {None}:
+            chat.close()
+
+
+def test_api_file_parts_are_converted_and_bad_ones_are_a_400_in_openais_shape():
+    from ui.api.protocol import ApiError, parse_chat_request
+
+    def request(*parts):
+        return parse_chat_request({"messages": [{"role": "user", "content": list(parts)}]}, "m", SHORT)
+
+    def file_part(name, data):
+        return {"type": "file", "file": {"filename": name,
+                                         "file_data": "data:application/octet-stream;base64," + base64.b64encode(data).decode()}}
+
+    parsed = request(file_part("harbour log.txt", DOCUMENT_BYTES), {"type": "text", "text": "How many ships?"})
+    assert parsed.turns == (("user", message_with_attachments("How many ships?", [document()])),)
+    for parts, words in [((file_part("broken.pdf", b"%PDF-1.7 no"), ), "broken.pdf"),
+                         (({"type": "image_url", "image_url": {"url": "x"}},), "file parts"),
+                         (({"type": "file", "file": {"file_id": "file-1"}},), "file_id is not"),
+                         (({"type": "file", "file": {"file_data": "data:text/plain;base64,@@@"}},), "base64")]:
+        with pytest.raises(ApiError) as caught:
+            request(*parts)
+        body = caught.value.body()["error"]
+        assert caught.value.status == 400 and words in body["message"], body
+        assert body["param"].startswith("messages[0].content") and body["type"] == "invalid_request_error", body

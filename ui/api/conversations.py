@@ -8,6 +8,7 @@ the turn itself, one at a time with the page.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from ..settings import SettingsKeeper
 from ..turns import EitherSet, TurnRunner
 
 Turns = list[tuple[str, str]]
+_ATTACHED_NAME = re.compile(r'<document name="([^"]*)"')
 
 
 @dataclass
@@ -88,6 +90,8 @@ class ApiConversations:
         """A new API session that starts from the longest stored token prefix's chunks, when worth reading."""
         engine = self.host.engine
         title = next((content for role, content in turns if role == "user" and content.strip()), "API chat")
+        attached = _ATTACHED_NAME.match(title)  # a message about a file: named after it, not after its tag
+        title = f"About {attached.group(1)}" if attached else title
         session_id = self.store.create(title.strip().splitlines()[0][:60], system, self.settings.record(),
                                        engine.fingerprint, origin="api")
         try:
