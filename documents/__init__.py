@@ -9,11 +9,14 @@ Imports nothing from ui/ or sessions/, and no conversion library until a file ne
 
 from documents.convert import MAX_FILE_BYTES, MAX_TEXT_CHARS, attachment_name, convert_bytes, convert_file
 from documents.document import DOCUMENT_KINDS, Document, DocumentError, DocumentKind
-from documents.prompt import attachment_text, message_with_attachments
+from documents.prompt import (
+    attachment_card, attachment_record, attachment_text, displayed_message, documents_of, message_with_attachments,
+    question_of,
+)
 from documents.sniff import MAX_UNZIPPED_BYTES
 
 __all__ = [
     "DOCUMENT_KINDS", "MAX_FILE_BYTES", "MAX_TEXT_CHARS", "MAX_UNZIPPED_BYTES", "Document", "DocumentError",
-    "DocumentKind", "attachment_name", "attachment_text", "convert_bytes", "convert_file",
-    "message_with_attachments",
+    "DocumentKind", "attachment_card", "attachment_name", "attachment_record", "attachment_text", "convert_bytes",
+    "convert_file", "displayed_message", "documents_of", "message_with_attachments", "question_of",
 ]

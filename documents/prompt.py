@@ -41,3 +41,60 @@ def message_with_attachments(question: str, documents: Sequence[Document]) -> st
     if question:
         parts.append(question)
     return ATTACHMENT_SEPARATOR.join(parts)
+
+
+def attachment_record(document: Document, tokens: int | None = None) -> dict:
+    """What a stored message keeps of an attachment: facts for its card, never the file's bytes (its text is in
+    the message's content). `chars` is the length of its `attachment_text`, so the question can be cut from the
+    content exactly (`question_of`); `tokens` counts that text with the model's tokenizer where known."""
+    return {"name": document.name, "kind": document.kind, "pages": document.pages, "lines": document.lines,
+            "tokens": tokens, "sha256": document.sha256, "size_bytes": document.size_bytes,
+            "chars": len(attachment_text(document))}
+
+
+def attachment_card(record: dict) -> str:
+    """One line for a stored attachment: '📄 report.pdf · 12 pages · 6,031 tokens'."""
+    def plural(count: int, noun: str) -> str:
+        return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+    parts = [f"📄 {record.get('name', 'attachment')}"]
+    if record.get("pages"):
+        parts.append(plural(int(record["pages"]), "page"))
+    elif record.get("lines"):
+        parts.append(plural(int(record["lines"]), "line"))
+    if record.get("tokens") is not None:
+        parts.append(plural(int(record["tokens"]), "token"))
+    return " · ".join(parts)
+
+
+def question_of(content: str, records: Sequence[dict]) -> str:
+    """The question of a message made by `message_with_attachments` from documents with these records."""
+    if not records:
+        return content
+    try:
+        skip = sum(int(r["chars"]) for r in records) + len(ATTACHMENT_SEPARATOR) * len(records)
+    except (KeyError, TypeError, ValueError):  # a record from elsewhere: show the whole text rather than guess
+        return content
+    return content[skip:]
+
+
+def displayed_message(content: str, records: Sequence[dict]) -> str:
+    """A stored message as the chat shows it: one card line per attachment, then the question (not the text)."""
+    if not records:
+        return content
+    cards = "\n".join(attachment_card(r) for r in records)
+    question = question_of(content, records)
+    return f"{cards}\n\n{question}" if question else cards
+
+
+def documents_of(content: str, records: Sequence[dict]) -> list[Document]:
+    """The documents a stored message was made from (its content holds their text, its records the rest), so
+    they can be attached again byte for byte: the same prompt text, the same tokens, a shared KV prefix."""
+    found, offset = [], 0
+    for record in records:
+        piece = content[offset:offset + int(record["chars"])]
+        offset += int(record["chars"]) + len(ATTACHMENT_SEPARATOR)
+        body = piece.split("\n", 1)[1].rsplit("\n</document>", 1)[0]
+        found.append(Document(name=record["name"], kind=record["kind"], text=body, sha256=record["sha256"],
+                              size_bytes=int(record["size_bytes"]), pages=record.get("pages")))
+    return found

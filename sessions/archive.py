@@ -40,6 +40,7 @@ ARCHIVE_FORMAT = "infinigen-chat-session/1"
 MAX_MANIFEST_BYTES = 4 * 2**20
 MAX_MANIFEST_CONTAINERS = 250_000  # "[" and "{" in the text, strings included: at most ~18 MB once parsed
 MAX_CHUNKS = 20_000  # two per turn (prompt, reply)
+MAX_ATTACHMENTS = 64  # files attached to one message
 MAX_MEMBERS = MAX_CHUNKS + 1
 MAX_CENTRAL_DIRECTORY_BYTES = MAX_MEMBERS * 256  # an entry is 46 bytes + its name (25) + a zip64 extra (28)
 MAX_CHUNK_BYTES = 4 * 2**30
@@ -106,7 +107,9 @@ def export_session(store, session_id: str, path: Path) -> Path:
                 "model_fingerprint": summary.model_fingerprint,
                 "signature": store.kv_signature(session_id) if exported else None,
                 "messages": [{"role": m.role, "content": m.content, "token_start": m.token_start,
-                              "token_end": m.token_end, "created": m.created} for m in store.messages(session_id)],
+                              "token_end": m.token_end, "created": m.created,
+                              **({"attachments": list(m.attachments)} if m.attachments else {})}
+                             for m in store.messages(session_id)],
                 "chunks": exported,
             }
             archive.writestr("manifest.json", json.dumps(manifest, indent=1))
@@ -184,6 +187,11 @@ def _check_manifest_types(manifest: dict) -> None:
     for m in messages:
         expect(isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
                and isinstance(m.get("token_start"), int) and isinstance(m.get("token_end"), int), "message")
+        # attachment records (issue 20); an archive from before them has none
+        attached = m.get("attachments", [])
+        expect(isinstance(attached, list) and len(attached) <= MAX_ATTACHMENTS
+               and all(isinstance(a, dict) and all(isinstance(k, str) and isinstance(v, (str, int, type(None)))
+                                                   for k, v in a.items()) for a in attached), "attachment list")
     expect(isinstance(chunks, list), "chunk list")
     if len(chunks) > MAX_CHUNKS:
         raise _fail(f"its manifest lists {len(chunks)} chunks, more than a session holds ({MAX_CHUNKS})")
@@ -343,8 +351,8 @@ def _write_imported(store, manifest: dict, staged: list[Path]) -> str:
                               manifest["model_fingerprint"])
     folder, moved = store.data_dir / "kv" / session_id, []
     try:
-        store.add_messages(session_id, [(m["role"], m["content"], m["token_start"], m["token_end"])
-                                        for m in manifest["messages"]])
+        store.add_messages(session_id, [(m["role"], m["content"], m["token_start"], m["token_end"],
+                                         m.get("attachments", [])) for m in manifest["messages"]])
         records = []
         for source, entry in zip(staged, manifest["chunks"]):
             name = f"kv/{session_id}/{entry['start']:08d}-{entry['end']:08d}-{entry['sha256'][:12]}.safetensors"

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from infinigen_core import chat_token_ids, generate, GenerationEvent, SamplingConfig
 from infinigen_core.prefix import common_prefix_length
 
+from documents import Document, attachment_record, attachment_text, message_with_attachments
+
 from .budget import enforce_disk_limit
 from .errors import ContextWindowError, SessionError
 from .lock import SessionLock, session_lock
@@ -72,6 +74,7 @@ class ChatSession:
         self._saved_ids: list[int] = []  # token ids the chunks on disk hold, in order
         self._recent_ids: dict[tuple, list[int]] = {}  # conversation -> its token ids, newest first
         self.restore = RestoreReport(0, 0, 0.0, False, "")
+        self.last_read_tokens = 0  # tokens of the last turn's prompt that the model read (the rest was cached)
 
     # ------------------------------------------------------------------ open / close
     @classmethod
@@ -229,13 +232,26 @@ class ChatSession:
                 raise ContextWindowError(self.check_window(text, kept))
             kept, dropped = kept[users[1]:], dropped + 1
         if dropped:
-            self.store.replace_messages(self.id, [(m.role, m.content) for m in kept])
+            self.store.replace_messages(self.id, [(m.role, m.content, m.attachments) for m in kept])
         return dropped
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """The token ids the model reads for a user message `text` (as `user_message` makes it) and its reply."""
+        return self._conversation_ids(extra_user=text, generation_prompt=True)
+
+    def user_message(self, text: str, attachments: list[Document] | tuple[Document, ...] = ()) -> tuple[str, list[dict]]:
+        """The stored content of a message (the documents' text before the question) and its attachment records."""
+        tokenizer = self.engine.tokenizer
+        records = [attachment_record(d, len(tokenizer.encode(attachment_text(d), add_special_tokens=False))
+                                     if tokenizer is not None else None) for d in attachments]
+        return message_with_attachments(text.strip(), attachments), records
+
     def send(self, text: str, sampling: SamplingConfig = SamplingConfig(), cancel=None,
-             on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
-        """Store the user's message, stream the reply, store it and its KV rows (also when stopped)."""
-        text = text.strip()
+             on_prefill_progress: Progress | None = None,
+             attachments: list[Document] | tuple[Document, ...] = ()) -> Iterator[GenerationEvent]:
+        """Store the user's message (after the text of its attached documents), stream the reply, store it and
+        its KV rows (also when stopped)."""
+        text, records = self.user_message(text, attachments)
         if not text:
             raise SessionError("the message is empty: type something first")
         check = self.check_window(text)
@@ -243,7 +259,7 @@ class ChatSession:
             raise ContextWindowError(check)
         prompt_ids = self._conversation_ids(extra_user=text, generation_prompt=True)
         start = len(self._conversation_ids()) if self.messages or self.system_prompt else 0
-        self.store.add_message(self.id, "user", text, start, len(prompt_ids))
+        self.store.add_message(self.id, "user", text, start, len(prompt_ids), records)
         yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress)
 
     def extend(self, turns: list[tuple[str, str]], sampling: SamplingConfig = SamplingConfig(), cancel=None,
@@ -304,6 +320,8 @@ class ChatSession:
         """Stream a reply and store it. A reply exists once a token came (or the model ended at once); then,
         and not before, messages from `replaces_from` on (an old reply) are deleted."""
         text, produced = "", False
+        cached = common_prefix_length(self.engine.token_ids, prompt_ids)
+        self.last_read_tokens = len(prompt_ids) - min(cached, max(len(prompt_ids) - 1, 0))
         try:
             for event in generate(self.engine, prompt_ids, sampling, cancel, on_prefill_progress):
                 if not produced and (event.token_id is not None or event.finish_reason == "eos"):

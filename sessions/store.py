@@ -81,6 +81,8 @@ class Message:
     token_end: int
     created: float
     parent_id: int | None  # the message this one answers or follows
+    # files attached to it: their metadata (documents.attachment_record), whose text `content` holds
+    attachments: tuple[dict, ...] = ()
 
 
 class SessionStore:
@@ -244,36 +246,40 @@ class SessionStore:
     def messages(self, session_id: str) -> list[Message]:
         rows = self.db.query("SELECT * FROM messages WHERE session_id = ? ORDER BY position", [session_id])
         return [Message(r["id"], r["role"], r["content"], r["position"], r["token_start"], r["token_end"],
-                        r["created"], r["parent_id"]) for r in rows]
+                        r["created"], r["parent_id"], _attachments(r.get("attachments"))) for r in rows]
 
-    def add_message(self, session_id: str, role: str, content: str, token_start: int, token_end: int) -> None:
-        self.add_messages(session_id, [(role, content, token_start, token_end)])
+    def add_message(self, session_id: str, role: str, content: str, token_start: int, token_end: int,
+                    attachments: list[dict] | tuple[dict, ...] = ()) -> None:
+        self.add_messages(session_id, [(role, content, token_start, token_end, attachments)])
 
     @_locked
-    def add_messages(self, session_id: str, messages: list[tuple[str, str, int, int]]) -> None:
-        """Append (role, content, token_start, token_end) rows in one transaction: all of them or none."""
+    def add_messages(self, session_id: str, messages: list[tuple]) -> None:
+        """Append (role, content, token_start, token_end[, attachments]) rows in one transaction: all of them or
+        none."""
         previous = self.messages(session_id)
         parent, now = (previous[-1].id if previous else None), time.time()
         with self.db.atomic():
-            for position, (role, content, start, end) in enumerate(messages, start=len(previous)):
+            for position, (role, content, start, end, *attached) in enumerate(messages, start=len(previous)):
                 parent = self.db["messages"].insert({
                     "session_id": session_id, "role": role, "content": content, "position": position,
                     "token_start": start, "token_end": end, "created": now, "parent_id": parent,
+                    "attachments": json.dumps(list(attached[0]) if attached else []),
                 }).last_pk
             self.db["sessions"].update(session_id, {"updated": now})
 
     @_locked
-    def replace_messages(self, session_id: str, messages: list[tuple[str, str]]) -> None:
-        """Make (role, content) pairs the session's whole history, in one transaction: a crash leaves the
-        old history or the new one, never a mix. Token spans become unknown (-1) until the next turn."""
+    def replace_messages(self, session_id: str, messages: list[tuple]) -> None:
+        """Make (role, content[, attachments]) tuples the session's whole history, in one transaction: a crash
+        leaves the old history or the new one, never a mix. Token spans become unknown (-1) until the next turn."""
         now = time.time()
         with self.db.atomic():
             self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
             parent = None
-            for position, (role, content) in enumerate(messages):
+            for position, (role, content, *attached) in enumerate(messages):
                 parent = self.db["messages"].insert({
                     "session_id": session_id, "role": role, "content": content, "position": position,
                     "token_start": -1, "token_end": -1, "created": now, "parent_id": parent,
+                    "attachments": json.dumps(list(attached[0]) if attached else []),
                 }).last_pk
             self.db["sessions"].update(session_id, {"updated": now})
 
@@ -411,7 +417,7 @@ class SessionStore:
                 self.db["messages"].insert({
                     "session_id": new_id, "role": m.role, "content": m.content, "position": m.position,
                     "token_start": m.token_start, "token_end": m.token_end, "created": m.created,
-                    "parent_id": None,
+                    "parent_id": None, "attachments": json.dumps(list(m.attachments)),
                 })
             self._share_chunks(session_id, new_id, end)
         return new_id
@@ -456,7 +462,8 @@ _TABLES = {  # the one description of the schema: tables are created from it and
                              "model_fingerprint": str, "settings": str, "token_count": int, "origin": str},
                  "pk": "id"},
     "messages": {"columns": {"id": int, "session_id": str, "role": str, "content": str, "position": int,
-                             "token_start": int, "token_end": int, "created": float, "parent_id": int},
+                             "token_start": int, "token_end": int, "created": float, "parent_id": int,
+                             "attachments": str},
                  "pk": "id", "foreign_keys": _SESSION_KEY, "indexes": [["session_id", "position"]]},
     "chunks": {"columns": {"session_id": str, "start": int, "end": int, "file": str, "sha256": str, "size": int},
                "pk": ("session_id", "start"), "foreign_keys": _SESSION_KEY},
@@ -469,7 +476,19 @@ _TABLES = {  # the one description of the schema: tables are created from it and
     "session_usage": {"columns": {"session_id": str, "opened": float, "kv_dropped": int}, "pk": "session_id"},
 }
 
-_LATER_COLUMNS = {("sessions", "origin"): (str, "app")}  # (table, column): (type, value for existing rows)
+_LATER_COLUMNS = {  # (table, column): (type, value for existing rows)
+    ("sessions", "origin"): (str, "app"),
+    ("messages", "attachments"): (str, "[]"),  # JSON list of attachment records (issue 20)
+}
+
+
+def _attachments(stored: str | None) -> tuple[dict, ...]:
+    """A message's attachment records as stored (a JSON list; older rows and damage give none)."""
+    try:
+        records = json.loads(stored or "[]")
+    except ValueError:
+        return ()
+    return tuple(r for r in records if isinstance(r, dict)) if isinstance(records, list) else ()
 
 
 def signature_key(signature: dict[str, str]) -> str:

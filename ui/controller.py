@@ -160,8 +160,8 @@ class ChatController:
         self.pages.set_system_prompt(text)
 
     # ------------------------------------------------------------------ turns
-    def send(self, text: str) -> Iterator[list[dict]]:
-        return self.page_turns.send(text)
+    def send(self, text: str, attachments=()) -> Iterator[list[dict]]:
+        return self.page_turns.send(text, attachments)
 
     def regenerate(self) -> Iterator[list[dict]]:
         return self.page_turns.regenerate()

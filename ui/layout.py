@@ -18,7 +18,7 @@ from infinigen_core.config import POLICY_NAMES
 from sessions import format_size
 
 from .controller import ChatController
-from .page_actions import TICK_SECONDS, PageActions
+from .page_actions import ATTACHABLE, TICK_SECONDS, PageActions
 from .page_text import status_text
 
 CSS = """
@@ -86,15 +86,20 @@ class ChatPage:
 
     def _chat_box(self) -> None:
         self.chatbot = gr.Chatbot(label="Conversation", height=460, elem_id="ig-chat")
-        # Gradio submits on Enter only with lines=1; max_lines lets the box grow (Shift+Enter: new line)
-        self.message = gr.Textbox(label="Message", placeholder="Type a message (Shift+Enter for a new line)",
-                                  lines=1, max_lines=12, elem_id="ig-message")
+        # Enter sends, Shift+Enter starts a new line; files come through its attach button or drag-and-drop
+        self.message = gr.MultimodalTextbox(label="Message", placeholder="Type a message (Shift+Enter for a new "
+                                            "line); attach PDF, DOCX, HTML or text files to ask about them",
+                                            file_types=list(ATTACHABLE), file_count="multiple", lines=1,
+                                            max_lines=12, elem_id="ig-message", submit_btn=False)
+        # each attachment's card and the share of the model's window the message would take, before sending
+        self.attachment_info = gr.Markdown(elem_id="ig-attachments")
         with gr.Row():
             self.send_button = gr.Button("Send", variant="primary", elem_id="ig-send")
             self.stop_button = gr.Button("Stop", elem_id="ig-stop")
             self.regenerate_button = gr.Button("Regenerate")
             self.edit_button = gr.Button("Replace last message with this text")
             self.drop_button = gr.Button("Drop oldest turns")
+            self.file_chat_button = gr.Button("New chat about this file", elem_id="ig-file-chat")
         with gr.Accordion("System prompt", open=False):
             self.system_box = gr.Textbox(label="System prompt", lines=2)
             self.system_button = gr.Button("Set system prompt")
@@ -179,15 +184,20 @@ class ChatPage:
 
     def _bind(self, demo: gr.Blocks) -> None:
         act, hidden = self.actions, {"api_name": False}
-        chat_and_box = [self.chatbot, self.message]
+        chat_and_box = [self.chatbot, self.message, self.attachment_info]
         send = self.send_button.click(act.send, self.message, chat_and_box, api_name="send")
         self._then_refresh(self.message.submit(act.send, self.message, chat_and_box, **hidden))
         self._then_refresh(send, **hidden)
+        self.message.change(act.preview, self.message, self.attachment_info, api_name=False,
+                            show_progress="hidden", trigger_mode="always_last")
+        self._then_refresh(self.file_chat_button.click(act.file_chat, None, [self.chatbot, self.message,
+                                                                             self.attachment_info],
+                                                       api_name="new_chat_about_file"), **hidden)
         self.stop_button.click(act.stop, None, self.status, api_name="stop", queue=False)
         self._then_refresh(self.regenerate_button.click(act.regenerate, None, self.chatbot, api_name="regenerate"),
                            **hidden)
-        self._then_refresh(self.edit_button.click(act.edit, self.message, chat_and_box, api_name="edit_last"),
-                           **hidden)
+        self._then_refresh(self.edit_button.click(act.edit, self.message, [self.chatbot, self.message],
+                                                  api_name="edit_last"), **hidden)
         self.drop_button.click(act.drop, self.message, self.chatbot, api_name="drop_oldest_turns")
         opened = [self.chatbot, self.status]
         self._then_refresh(self.session_picker.input(act.open, self.session_picker, opened, **hidden), **hidden)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sessions import ChatSession, SessionStore
+from sessions.prefix import PrefixFinder
 
 from .model_host import ModelHost
 
@@ -22,6 +23,28 @@ class OpenSessions:
         self.page: ChatSession | None = None  # the session the page shows
         self.api: ChatSession | None = None  # the API's latest conversation, kept open for the next request
         self.holder: ChatSession | None = None  # the session whose KV the engine holds now
+        self.prefixes = PrefixFinder(store)
+
+    def start_from_stored_prefix(self, chat: ChatSession, prompt_ids: list[int]) -> int:
+        """Before a new session's first turn (the page's or the API's): take the longest stored token prefix
+        of `prompt_ids` that another session's chunks hold (an attached document read in an earlier chat, the
+        same system prompt), so the model reads only the rest. Shares whole chunks (the same files, no copy)
+        and reads the rows of a partly matching one. `chat` must hold no tokens yet and be the engine's
+        holder. Returns the tokens taken."""
+        engine = self.host.engine
+        if engine.num_tokens or self.store.chunks(chat.id):
+            return 0
+        match = self.prefixes.longest(engine.kv_signature(), prompt_ids)
+        if not match.tokens or match.session_id == chat.id:
+            return 0
+        shared = self.store.share_chunks(match.session_id, chat.id, match.tokens)
+        if shared:
+            chat.reload()  # reads the shared chunks into the engine
+        rest = [record for record in match.chunks if record.end > shared]
+        # reading a chunk is far cheaper per token than computing it, but not free: only for a good share of it
+        if rest and (match.tokens - rest[0].start) * 4 >= rest[0].end - rest[0].start:
+            shared += chat.import_prefix(rest[0], match.tokens)
+        return shared
 
     def open(self, session_id: str, progress: Progress | None = None) -> ChatSession:
         """Open a session, which restores its KV into the engine (whatever the engine held is gone)."""

@@ -4,6 +4,7 @@ shown as an error toast by `shows_errors`, written once here."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -11,11 +12,17 @@ from pathlib import Path
 
 import gradio as gr
 
+from documents import Document, DocumentError, convert_file, documents_of
+
 from . import inspector, panels
 from .controller import ChatController, UserError
 from .page_text import find, session_choices, session_details, status_text
 
 ERROR_SECONDS = 12
+# what the message box's attach button offers (any other name is still checked by its content when dropped)
+ATTACHABLE = (".pdf", ".docx", ".html", ".htm", ".xhtml", ".txt", ".md", ".markdown", ".csv", ".json", ".xml",
+              ".py", ".rst", ".log", ".tex")
+EMPTY_BOX = {"text": "", "files": []}
 PANEL_OUTPUTS = 10  # the tick's outputs between the status line and its state: 4 plots, 2 pickers, 4 views
 TICK_SECONDS = 2.0  # the live panels' pace: one small table per tick costs a decode step nothing measurable
 
@@ -56,6 +63,63 @@ def shows_errors(handler: Callable) -> Callable:
 class PageActions:
     def __init__(self, controller: ChatController, export_dir: Path) -> None:
         self.controller, self.export_dir = controller, export_dir
+        self._converted: dict[str, Document] = {}  # by the file's sha256: a file is converted once per process
+        self.pending: list[Document] = []  # attached again by "New chat about this file", sent with the next message
+
+    # ---------------------------------------------------------------- attachments
+    def documents(self, value) -> list[Document]:
+        """The message box's files as documents (converted once, cached by content), after those attached again.
+        A file that cannot be attached raises UserError with the converter's sentence."""
+        found = list(self.pending)
+        for item in (value or {}).get("files") or []:
+            path = Path(item if isinstance(item, str) else item.get("path", ""))
+            try:
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                name = path.name if isinstance(item, str) else (item.get("orig_name") or path.name)
+                document = self._converted.get(digest)
+                if document is None or document.name != name:
+                    document = self._converted[digest] = convert_file(path, name)
+            except DocumentError as error:
+                raise UserError(str(error)) from None
+            except OSError as error:
+                raise UserError(f"{path.name} could not be read ({error.strerror}). Attach it again.") from None
+            found.append(document)
+        return found
+
+    def describe_attachments(self, documents: list[Document], text: str) -> str:
+        """Each attachment's card and how much of the model's window the message would take."""
+        controller = self.controller
+        if not documents or controller.engine is None or controller.chat is None:
+            return ""
+        chat = controller.chat
+        content, records = chat.user_message(text or "", documents)
+        check = chat.check_window(content)
+        cards = "  \n".join(f"📄 **{r['name']}** · {d.extent()} · {r['tokens']:,} tokens"
+                            for d, r in zip(documents, records))
+        share = f"This message would take {check.needed_tokens:,} of the model's {check.window:,}-token window" \
+                f" ({100 * check.needed_tokens / check.window:.0f}%)."
+        if not check.fits:
+            share += (f" **It does not fit: {check.needed_tokens - check.window:,} tokens too many.** Attach a "
+                      f"smaller part, or load a model with a longer window.")
+        return f"{cards}  \n{share}"
+
+    @shows_errors
+    def preview(self, value) -> str:
+        return self.describe_attachments(self.documents(value), (value or {}).get("text", ""))
+
+    @shows_errors
+    def file_chat(self):
+        """A new session with the last attached document(s) of this one attached again (sent with the next
+        message; read from the stored prefix, not again)."""
+        chat = self.controller.chat
+        last = next((m for m in reversed(chat.messages) if m.attachments), None) if chat is not None else None
+        if last is None:
+            raise UserError("No file is attached in this session: attach one first (the clip in the message box).")
+        documents = documents_of(last.content, last.attachments)
+        self.controller.new_session()
+        self.pending = documents
+        return self.history(), EMPTY_BOX, self.describe_attachments(documents, "") + \
+            "  \nAttached again: type your question and press Enter."
 
     # ---------------------------------------------------------------- the sidebar
     # the sidebar after an action: the session list, the open session's title, system prompt and details (a
@@ -73,26 +137,32 @@ class PageActions:
 
     # ---------------------------------------------------------------- turns
     @shows_errors
-    def send(self, text) -> Iterator[tuple[list[dict], str]]:
-        for history in self.controller.send(text):
-            yield history, ""
+    def send(self, value) -> Iterator[tuple[list[dict], dict, str]]:
+        """The message box's text and files ({"text", "files"}; a plain string from scripts)."""
+        value = {"text": value, "files": []} if isinstance(value, str) or value is None else value
+        documents = self.documents(value)
+        sent = False
+        for history in self.controller.send(value.get("text") or "", documents):
+            if not sent:
+                self.pending, sent = [], True
+            yield history, EMPTY_BOX, ""
 
     @shows_errors
     def regenerate(self) -> Iterator[list[dict]]:
         yield from self.controller.regenerate()
 
     @shows_errors
-    def edit(self, text) -> Iterator[tuple[list[dict], str]]:
-        for history in self.controller.edit_last(text):
-            yield history, ""
+    def edit(self, value) -> Iterator[tuple[list[dict], dict]]:
+        for history in self.controller.edit_last(_text(value)):
+            yield history, EMPTY_BOX
 
     def stop(self) -> str:
         self.controller.stop()
         return "Stopping after the current token; what was generated is kept."
 
     @shows_errors
-    def drop(self, text) -> list[dict]:
-        gr.Info(self.controller.drop_oldest_turns(text))
+    def drop(self, value) -> list[dict]:
+        gr.Info(self.controller.drop_oldest_turns(_text(value)))
         return self.history()
 
     # ---------------------------------------------------------------- sessions
@@ -104,6 +174,7 @@ class PageActions:
 
     @shows_errors
     def new(self) -> list[dict]:
+        self.pending = []
         self.controller.new_session()
         return self.history()
 
@@ -218,3 +289,8 @@ class PageActions:
         return {"ready": controller.engine is not None and controller.ready.is_set(),
                 "status": controller.status, "error": controller.load_error,
                 "restore": controller.restore_message, "session": controller.chat.id if controller.chat else None}
+
+
+def _text(value) -> str:
+    """The text of the message box's value (a dict from the page, a string from scripts)."""
+    return value if isinstance(value, str) else (value or {}).get("text") or ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from documents import displayed_message
 from sessions import RestoreReport, SessionError, SessionStore
 
 from .errors import UserError
@@ -45,7 +46,9 @@ class PageSessions:
     def chat_history(self) -> list[dict]:
         if self.open.page is None:
             return []
-        return [{"role": m.role, "content": m.content} for m in self.open.page.messages]
+        # an attachment shows as its card, not as the pages of text the model reads
+        return [{"role": m.role, "content": displayed_message(m.content, m.attachments)}
+                for m in self.open.page.messages]
 
     def open_latest_free(self) -> None:
         """The most recent page session that no other window or process holds; a new one when all are taken.

@@ -41,6 +41,14 @@ def session_details(summary: SessionSummary | None) -> str:
             f"{format_size(summary.bytes_on_disk)} on disk · last used {used} · {reopening}")
 
 
+def _time_left(progress) -> str:
+    """', about 12 s left' from the reading rate so far (nothing until a first chunk is read)."""
+    elapsed = time.perf_counter() - progress.started
+    if progress.done <= 0 or elapsed <= 0 or progress.done >= progress.total:
+        return ""
+    return f", about {(progress.total - progress.done) * elapsed / progress.done:.0f} s left (Stop keeps what was read)"
+
+
 def status_text(controller: ChatController) -> str:
     if controller.engine is None:
         return f"**Starting:** {controller.status}"
@@ -48,7 +56,7 @@ def status_text(controller: ChatController) -> str:
     if progress.phase == "restore":
         return f"**Opening the session:** {progress.done:,} / {progress.total:,} tokens of KV cache..."
     if progress.phase == "prefill" and progress.total:
-        return f"**Reading your message:** {progress.done:,} / {progress.total:,} tokens..."
+        return f"**Reading your message:** {progress.done:,} / {progress.total:,} tokens{_time_left(progress)}..."
     if progress.phase == "prefill":
         return "**Reading your message...**"
     if progress.phase == "generating":

@@ -3,8 +3,9 @@ conversation as the chat display shows it; one runs at a time (another gets User
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
+from documents import Document
 from infinigen_core import ConfigError, ContextOverflowError, GenerationEvent
 from sessions import SessionError
 
@@ -14,27 +15,47 @@ from .page_sessions import PageSessions
 StartTurn = Callable[[Callable[[int, int], None]], Iterator[GenerationEvent]]
 
 
+def too_long(check, attached: bool) -> str:
+    """Why a message cannot be sent (it does not fit the window), by how much, and what to do instead."""
+    over = check.needed_tokens - check.window
+    if attached:
+        return (f"This message with its attachments needs {check.needed_tokens:,} tokens (with room for a short "
+                f"reply), {over:,} more than the model's window of {check.window:,}. Attach a smaller part of the "
+                f"file (about {over:,} tokens less), start a new session, or load a model with a longer window. "
+                f"Nothing was read or sent.")
+    return (f"This message would bring the conversation to {check.needed_tokens:,} tokens, {over:,} beyond the "
+            f"model's window of {check.window:,}. Start a new session, or press 'Drop oldest turns' "
+            f"({check.droppable_turns} can go; the system prompt stays). Nothing was sent.")
+
+
 class PageTurns:
     def __init__(self, pages: PageSessions) -> None:
         self.pages = pages
         self.turns, self.open, self.store, self.settings = pages.turns, pages.open, pages.store, pages.settings
 
-    def send(self, text: str) -> Iterator[list[dict]]:
-        if not text or not text.strip():
+    def send(self, text: str, attachments: Sequence[Document] = ()) -> Iterator[list[dict]]:
+        """Send `text` after the attached documents' text. A new session's first message starts from the
+        longest token prefix another session stored (a document read before is not read again)."""
+        text = text or ""
+        if not text.strip() and not attachments:
             raise UserError("The message is empty: type something first.")
         self.pages.require_chat()
         chat = self.open.page
-        check = chat.check_window(text)
+        content, _ = chat.user_message(text, attachments)
+        check = chat.check_window(content)
         if not check.fits:
-            raise UserError(
-                f"This message would bring the conversation to {check.needed_tokens} tokens, beyond the model's "
-                f"window of {check.window}. Start a new session, or press 'Drop oldest turns' "
-                f"({check.droppable_turns} can go; the system prompt stays). Nothing was sent."
-            )
+            raise UserError(too_long(check, bool(attachments)))
         if not chat.messages and self.store.get(chat.id).title == "New chat":
-            self.store.rename(chat.id, text.strip().splitlines()[0][:60])  # a title worth listing
-        yield from self._run(lambda progress: self.open.page.send(text, self._sampling(), self.turns.cancel,
-                                                                 progress))
+            first_line = text.strip().splitlines()[0] if text.strip() else f"About {attachments[0].name}"
+            self.store.rename(chat.id, first_line[:60])  # a title worth listing
+
+        def start(progress):
+            chat = self.open.page
+            if not chat.messages:
+                self.open.start_from_stored_prefix(chat, chat.prompt_ids(content))
+            return chat.send(text, self._sampling(), self.turns.cancel, progress, attachments=attachments)
+
+        yield from self._run(start)
 
     def regenerate(self) -> Iterator[list[dict]]:
         self.pages.require_chat()

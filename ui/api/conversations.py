@@ -8,13 +8,13 @@ the turn itself, one at a time with the page.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from infinigen_core import ConfigError, ContextOverflowError, GenerationEvent, SamplingConfig
 from sessions import ChatSession, SessionError, SessionLockedError, SessionStore
-from sessions.prefix import PrefixFinder
 
 from ..errors import UserError
 from ..model_host import ModelHost
@@ -23,6 +23,7 @@ from ..settings import SettingsKeeper
 from ..turns import EitherSet, TurnRunner
 
 Turns = list[tuple[str, str]]
+_ATTACHED_NAME = re.compile(r'<document name="([^"]*)"')
 
 
 @dataclass
@@ -38,7 +39,6 @@ class ApiConversations:
     def __init__(self, store: SessionStore, host: ModelHost, settings: SettingsKeeper, turns: TurnRunner,
                  open_sessions: OpenSessions) -> None:
         self.store, self.host, self.settings, self.turns, self.open = store, host, settings, turns, open_sessions
-        self.prefixes = PrefixFinder(store)
         self.turns_run = 0  # API turns run, so the page knows to refresh its session list
 
     def answer(self, system: str, turns: Turns, prompt_ids: list[int], sampling: SamplingConfig,
@@ -89,19 +89,15 @@ class ApiConversations:
     def _new_session(self, system: str, turns: Turns, prompt_ids: list[int]) -> ChatSession:
         """A new API session that starts from the longest stored token prefix's chunks, when worth reading."""
         engine = self.host.engine
-        match = self.prefixes.longest(engine.kv_signature(), prompt_ids)
         title = next((content for role, content in turns if role == "user" and content.strip()), "API chat")
+        attached = _ATTACHED_NAME.match(title)  # a message about a file: named after it, not after its tag
+        title = f"About {attached.group(1)}" if attached else title
         session_id = self.store.create(title.strip().splitlines()[0][:60], system, self.settings.record(),
                                        engine.fingerprint, origin="api")
         try:
-            shared = self.store.share_chunks(match.session_id, session_id, match.tokens) if match.tokens else 0
             chat = self.open.for_api(session_id)
         except BaseException:
             self.store.delete(session_id)  # nothing half-made is left in the sidebar
             raise
-        rest = [record for record in match.chunks if record.end > shared]
-        # reading a chunk is far cheaper per token than computing it, but not free: only for a good share of it
-        worth_reading = rest and (match.tokens - rest[0].start) * 4 >= rest[0].end - rest[0].start
-        if worth_reading:
-            chat.import_prefix(rest[0], match.tokens)
+        self.open.start_from_stored_prefix(chat, prompt_ids)
         return chat

@@ -9,9 +9,12 @@ nothing is stored before a request has passed here.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from dataclasses import dataclass, replace
 
+from documents import MAX_FILE_BYTES, Document, DocumentError, convert_bytes, message_with_attachments
 from infinigen_core import ConfigError, SamplingConfig
 
 SYSTEM_ROLES = ("system", "developer")  # "developer" is what newer OpenAI clients call the system prompt
@@ -52,14 +55,44 @@ def _content(message: dict, index: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
+        parts, documents = [], []
+        for number, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "file" and message.get("role") == "user":
+                documents.append(_file_part(part, f"{param}[{number}]"))
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported", param,
-                           "unsupported_value")
+                raise _bad("only text parts ({\"type\": \"text\", \"text\": ...}) and, in user messages, file "
+                           "parts ({\"type\": \"file\", \"file\": {\"filename\": ..., \"file_data\": "
+                           "\"data:<mime>;base64,...\"}}) are supported", param, "unsupported_value")
             parts.append(part["text"])
-        return "".join(parts)
-    raise _bad("content must be a string or a list of text parts", param, "invalid_type")
+        # the documents go before the question, in one fixed format: the same file gives the same tokens in
+        # any conversation, so a new one shares the stored KV of an earlier one (documents.prompt)
+        return message_with_attachments("".join(parts).strip() if documents else "".join(parts), documents)
+    raise _bad("content must be a string or a list of text and file parts", param, "invalid_type")
+
+
+def _file_part(part: dict, param: str) -> Document:
+    """A file content part as OpenAI's API sends it, converted to a document; a bad one is a 400."""
+    file = part.get("file")
+    data_url = file.get("file_data") if isinstance(file, dict) else None
+    if not isinstance(data_url, str) or not data_url.startswith("data:") or ";base64," not in data_url:
+        raise _bad("a file part needs file.file_data as a data URL (\"data:<mime>;base64,...\"); file_id is not "
+                   "supported (this server stores no uploaded files)", param, "unsupported_value")
+    filename = file.get("filename")
+    if filename is not None and not isinstance(filename, str):
+        raise _bad("file.filename must be a string", param, "invalid_type")
+    encoded = data_url.split(";base64,", 1)[1]
+    if len(encoded) > (MAX_FILE_BYTES + 2) // 3 * 4 + 4:
+        raise _bad(f"the file is larger than {MAX_FILE_BYTES // 2**20} MB, the most an attachment may be", param,
+                   "file_too_large")
+    try:
+        data = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad("file.file_data is not valid base64", param) from None
+    try:
+        return convert_bytes(filename or "attachment", data)
+    except DocumentError as error:
+        raise _bad(str(error), param, "invalid_file") from None
 
 
 def _messages(value) -> tuple[str, tuple[tuple[str, str], ...]]:

@@ -1,0 +1,189 @@
+"""Attached documents in sessions: stored with the message, carried by export/import, read once for any chat."""
+
+import base64
+import json
+import zipfile
+
+import pytest
+
+from documents import attachment_card, convert_bytes, displayed_message, message_with_attachments, question_of
+from infinigen_core.config import SamplingConfig
+from sessions import ChatSession, SessionStore
+
+SHORT = SamplingConfig(max_new_tokens=4)
+# about 500 tokens of plain text, the same bytes every time
+DOCUMENT_BYTES = ("\n".join(f"Line {i}: the harbour master logged ship {i * 7 % 97} arriving with "
+                            f"{i * 13 % 50} crates of tea and {i % 9} passengers." for i in range(24))).encode()
+
+
+@pytest.fixture
+def store(tmp_path):
+    return SessionStore(tmp_path / "data")
+
+
+def document():
+    return convert_bytes("harbour log.txt", DOCUMENT_BYTES)
+
+
+def test_a_message_keeps_its_attachments_metadata_and_shows_them_as_cards(store, real_engine):
+    session_id = store.create("doc")
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        list(chat.send("How many ships?", SHORT, attachments=[document()]))
+    user = SessionStore(store.data_dir).messages(session_id)[0]  # as a reopened store reads it
+    (record,) = user.attachments
+    assert record["name"] == "harbour log.txt" and record["kind"] == "text" and record["lines"] == 24
+    assert record["sha256"] == document().sha256 and record["size_bytes"] == len(DOCUMENT_BYTES)
+    assert 300 < record["tokens"] < 1000
+    assert user.content.startswith('<document name="harbour log.txt"') and "ship 7 arriving" in user.content
+    assert question_of(user.content, user.attachments) == "How many ships?"
+    shown = displayed_message(user.content, user.attachments)
+    assert shown == f"📄 harbour log.txt · 24 lines · {record['tokens']:,} tokens\n\nHow many ships?"
+    assert attachment_card(record) in shown and "ship 7" not in shown
+
+
+def test_attachments_travel_through_export_and_import_and_old_archives_still_import(store, real_engine, tmp_path):
+    session_id = store.create("doc")
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        list(chat.send("How many ships?", SHORT, attachments=[document()]))
+    archive = store.export(session_id, tmp_path / "doc.igchat")
+    imported = store.import_file(archive)
+    assert store.messages(imported)[0].attachments == store.messages(session_id)[0].attachments
+    assert store.messages(imported)[1].attachments == ()
+
+    old = tmp_path / "old.igchat"  # as a version before attachments wrote it
+    with zipfile.ZipFile(archive) as source, zipfile.ZipFile(old, "w") as target:
+        for item in source.infolist():
+            data = source.read(item)
+            if item.filename == "manifest.json":
+                manifest = json.loads(data)
+                for message in manifest["messages"]:
+                    message.pop("attachments", None)
+                data = json.dumps(manifest).encode()
+            target.writestr(item, data)
+    assert store.messages(store.import_file(old))[0].attachments == ()
+
+
+def test_a_database_from_before_the_attachments_column_opens_and_gains_it(tmp_path):
+    store = SessionStore(tmp_path)
+    old = store.create("older chat")
+    store.add_message(old, "user", "hello", 0, 3)
+    store.db.execute("ALTER TABLE messages DROP COLUMN attachments")  # as an earlier version wrote it
+    store.db.conn.close()
+    reopened = SessionStore(tmp_path)
+    assert reopened.messages(old)[0].attachments == ()
+    reopened.add_message(old, "user", "again", 3, 6, [{"name": "a.txt", "chars": 3}])
+    assert reopened.messages(old)[1].attachments == ({"name": "a.txt", "chars": 3},)
+
+
+def page_controller(data_dir, engine):
+    from ui.controller import ChatController
+
+    controller = ChatController(data_dir, loader=lambda *args, **kwargs: engine)
+    controller.load(progress=lambda message: None)
+    assert controller.load_error is None, controller.load_error
+    return controller
+
+
+def page_turn(controller, question, documents):
+    """A new page session whose first message attaches `documents`; returns the tokens the model read."""
+    controller.new_session()
+    for _ in controller.send(question, documents):
+        pass
+    return controller.chat.last_read_tokens
+
+
+def test_a_document_is_read_once_for_any_new_chat_also_after_a_restart(tmp_path, real_engine):
+    """Counted in tokens the model reads, not timed: the second chat about the same file (page or API), and one
+    in a fresh controller (store, prefix finder, empty engine) on the same data dir, read only their question."""
+    from ui.api import ApiOptions, api_routes
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    controller = page_controller(tmp_path, real_engine)
+    doc = document()
+    try:
+        first = page_turn(controller, "How many ships?", [doc])
+        tokens = controller.store.messages(controller.chat.id)[0].attachments[0]["tokens"]
+        assert first > tokens  # the first chat reads the whole document
+        second = page_turn(controller, "Which ship carried tea?", [doc])
+        assert second < 40, f"the second chat read {second} tokens, not just its question"
+        assert controller.chat.messages[0].attachments[0]["sha256"] == doc.sha256
+    finally:
+        for chat in {controller.chat, controller.api_chat} - {None}:
+            chat.close()
+
+    real_engine.reset()
+    restarted = page_controller(tmp_path, real_engine)
+    try:
+        third = page_turn(restarted, "Who logged the ships?", [doc])
+        assert third < 40, f"after a restart the chat read {third} tokens"
+        # the API starts a new conversation about the same file from the same stored prefix
+        from sessions.chat import conversation
+        from infinigen_core import chat_token_ids
+
+        content = message_with_attachments("How many passengers?", [doc])
+        client = TestClient(FastAPI(routes=api_routes(restarted, ApiOptions())))
+        file_part = {"type": "file", "file": {"filename": "harbour log.txt", "file_data":
+                     "data:text/plain;base64," + base64.b64encode(DOCUMENT_BYTES).decode()}}
+        response = client.post("/v1/chat/completions", json={"max_tokens": 3, "messages": [
+            {"role": "user", "content": [file_part, {"type": "text", "text": "How many passengers?"}]}]})
+        assert response.status_code == 200, response.text
+        prompt_tokens = len(chat_token_ids(real_engine.tokenizer, conversation("", [("user", content)]),
+                                           add_generation_prompt=True))
+        assert response.json()["usage"]["prompt_tokens"] == prompt_tokens
+        assert restarted.api_chat.last_read_tokens < 40
+    finally:
+        for chat in {restarted.chat, restarted.api_chat} - {None}:
+            chat.close()
+
+
+def test_the_page_attaches_files_refuses_bad_ones_and_starts_a_new_chat_about_the_file(tmp_path, real_engine):
+    import gradio as gr
+
+    from ui.page_actions import PageActions
+
+    controller = page_controller(tmp_path / "data", real_engine)
+    actions = PageActions(controller, tmp_path)
+    try:
+        good, bad = tmp_path / "harbour log.txt", tmp_path / "broken.pdf"
+        good.write_bytes(DOCUMENT_BYTES)
+        bad.write_bytes(b"%PDF-1.7 not really")
+        preview = actions.preview({"text": "How many ships?", "files": [str(good)]})
+        assert "harbour log.txt" in preview and "24 lines" in preview and "window" in preview
+        session, messages = controller.chat.id, len(controller.chat.messages)
+        with pytest.raises(gr.Error, match="broken.pdf"):
+            list(actions.send({"text": "And this?", "files": [str(bad)]}))
+        assert controller.chat.id == session and len(controller.chat.messages) == messages  # nothing stored
+        *_, (history, box, _) = actions.send({"text": "How many ships?", "files": [str(good)]})
+        assert history[0]["content"].startswith("📄 harbour log.txt · 24 lines ·") and box["files"] == []
+        history, _, info = actions.file_chat()
+        assert controller.chat.id != session and history == [] and "Attached again" in info
+        list(actions.send({"text": "Which ship carried tea?", "files": []}))
+        assert controller.chat.last_read_tokens < 40  # the document came from the first chat's KV
+        assert controller.chat.messages[0].attachments[0]["sha256"] == document().sha256
+    finally:
+        for chat in {controller.chat, controller.api_chat} - {None}:
+            chat.close()
+
+
+def test_api_file_parts_are_converted_and_bad_ones_are_a_400_in_openais_shape():
+    from ui.api.protocol import ApiError, parse_chat_request
+
+    def request(*parts):
+        return parse_chat_request({"messages": [{"role": "user", "content": list(parts)}]}, "m", SHORT)
+
+    def file_part(name, data):
+        return {"type": "file", "file": {"filename": name,
+                                         "file_data": "data:application/octet-stream;base64," + base64.b64encode(data).decode()}}
+
+    parsed = request(file_part("harbour log.txt", DOCUMENT_BYTES), {"type": "text", "text": "How many ships?"})
+    assert parsed.turns == (("user", message_with_attachments("How many ships?", [document()])),)
+    for parts, words in [((file_part("broken.pdf", b"%PDF-1.7 no"), ), "broken.pdf"),
+                         (({"type": "image_url", "image_url": {"url": "x"}},), "file parts"),
+                         (({"type": "file", "file": {"file_id": "file-1"}},), "file_id is not"),
+                         (({"type": "file", "file": {"file_data": "data:text/plain;base64,@@@"}},), "base64")]:
+        with pytest.raises(ApiError) as caught:
+            request(*parts)
+        body = caught.value.body()["error"]
+        assert caught.value.status == 400 and words in body["message"], body
+        assert body["param"].startswith("messages[0].content") and body["type"] == "invalid_request_error", body
