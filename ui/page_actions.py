@@ -146,6 +146,22 @@ class PageActions:
             if not sent:
                 self.pending, sent = [], True
             yield history, EMPTY_BOX, ""
+        if documents and sent:
+            yield history, EMPTY_BOX, self.tokens_read_note()
+
+    def tokens_read_note(self) -> str:
+        """After a turn with attachments: how much of its prompt the model read, and how much came from stored KV
+        (a chat about a file read before starts from that chat's KV)."""
+        chat = self.controller.chat
+        reply = chat.messages[-1] if chat is not None and chat.messages else None
+        if reply is None or reply.role != "assistant":
+            return ""
+        prompt, read = reply.token_start, chat.last_read_tokens
+        if read < prompt:
+            return f"Read {read:,} new tokens; the other {prompt - read:,} of this {prompt:,}-token prompt came " \
+                   f"from the stored KV of an earlier chat about the same file."
+        return f"Read all {prompt:,} tokens of this prompt once; a new chat about the same file starts from " \
+               f"its stored KV."
 
     @shows_errors
     def regenerate(self) -> Iterator[list[dict]]:
@@ -288,7 +304,8 @@ class PageActions:
         controller = self.controller
         return {"ready": controller.engine is not None and controller.ready.is_set(),
                 "status": controller.status, "error": controller.load_error,
-                "restore": controller.restore_message, "session": controller.chat.id if controller.chat else None}
+                "restore": controller.restore_message, "session": controller.chat.id if controller.chat else None,
+                "last_read_tokens": controller.chat.last_read_tokens if controller.chat else None}
 
 
 def _text(value) -> str:

@@ -1,0 +1,97 @@
+"""End to end in a real headless Chromium: attach a file through the message box, see its card and window
+share before sending, get an answer, then a second chat about the same file that does not read it again."""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from app_server import running_app
+from gradio_client import Client
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+from test_browser import BOT, CHROMIUM, reply_lengths_while_streaming  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+SHIPS = ["Albatross", "Bellflower", "Cormorant", "Dauntless", "Evening Star", "Fairwind", "Gannet", "Heron"]
+CARGO = ["tea", "wool", "salt", "timber", "coal", "grain", "copper", "linen"]
+
+
+def harbour_log() -> str:
+    """A few hundred tokens of made-up text (no file in the repo needed)."""
+    lines = ["Harbour log of Port Ellery, spring week twelve", ""]
+    for day, (ship, cargo) in enumerate(zip(SHIPS * 3, CARGO[3:] + CARGO * 2), start=1):
+        lines.append(f"Day {day}: the {ship} came in on the morning tide with {cargo}; the harbour master, "
+                     f"Ada Quill, logged it at berth {day % 5 + 1}.")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    with running_app(tmp_path_factory.mktemp("browser-documents")) as running:
+        yield running
+
+
+@pytest.fixture
+def page(app):
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian chromium is not installed (apt-get install chromium)")
+    args = ["--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    if os.geteuid() == 0:
+        args.append("--no-sandbox")
+    with playwright_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.goto(app.url)
+        page.wait_for_selector("#ig-status:has-text('Ready')", timeout=120_000)
+        yield page
+        browser.close()
+
+
+def ask(page, question: str, replies_before: int) -> None:
+    box = page.locator("#ig-message textarea")
+    box.fill(question)
+    box.press("Enter")
+    reply_lengths_while_streaming(page, replies_before)
+    assert page.locator(BOT).count() == replies_before + 1 and page.locator(BOT).last.inner_text().strip()
+
+
+def test_attach_a_file_ask_and_ask_again_in_a_new_chat_without_reading_it_again(page, app, tmp_path):
+    ARTIFACTS.mkdir(exist_ok=True)
+    document = tmp_path / "harbour log.txt"
+    document.write_text(harbour_log())
+    status = Client(app.url, verbose=False)
+
+    # attach through the message box's own file input: its card and the window share show before sending
+    page.locator("#ig-message input[type=file]").set_input_files(str(document))
+    cards = page.locator("#ig-attachments")
+    page.wait_for_selector("#ig-attachments:has-text('harbour log.txt')", timeout=60_000)
+    page.wait_for_selector("#ig-attachments:has-text('window')", timeout=30_000)
+    doc_tokens = int(re.search(r"harbour log\.txt.*?([\d,]+) tokens", cards.inner_text()).group(1).replace(",", ""))
+    assert 200 < doc_tokens < 2000, cards.inner_text()
+    assert "of the model's 8,192-token window" in cards.inner_text()
+
+    ask(page, "Which ship carried tea?", 0)
+    # the chat shows the attachment as a card, not the document's text
+    user = page.locator("#ig-chat [data-testid='user']").last.inner_text()
+    assert "harbour log.txt" in user and "Ada Quill" not in user
+    page.wait_for_selector("#ig-attachments:has-text('Read all')", timeout=30_000)
+    first_read = status.predict(api_name="/status")["last_read_tokens"]
+    assert first_read > doc_tokens  # the first chat reads the whole document
+    page.screenshot(path=str(ARTIFACTS / "browser-document-chat.png"))
+    if os.environ.get("UPDATE_SCREENSHOT"):  # the README's picture: refreshed on request
+        page.screenshot(path=str(ROOT / "docs" / "documents.png"))
+
+    # a new chat about the same file: attached again, and its KV comes from the first chat's stored chunks
+    page.locator("#ig-file-chat").click()
+    page.wait_for_selector("#ig-attachments:has-text('Attached again')", timeout=60_000)
+    page.wait_for_function(f"document.querySelectorAll(\"{BOT}\").length == 0", timeout=30_000)
+    ask(page, "Who logged the ships?", 0)
+    page.wait_for_selector("#ig-attachments:has-text('from the stored KV of an earlier chat')", timeout=30_000)
+    note = cards.inner_text()
+    read = int(re.search(r"Read ([\d,]+) new tokens", note).group(1).replace(",", ""))
+    assert read < 40, note  # the question and the chat template's tokens, not the document again
+    assert status.predict(api_name="/status")["last_read_tokens"] == read
+    assert "harbour log.txt" in page.locator("#ig-chat [data-testid='user']").last.inner_text()
