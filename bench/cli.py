@@ -6,6 +6,7 @@
     python -m bench gpu --predict --device-profile h100   # the same table predicted from bytes moved
     python -m bench api --context 5000 --rounds 2   # through the app's OpenAI API, restarting it
     python -m bench page --rounds 3                 # a reply's tokens/s with the page open vs without
+    python -m bench documents --json                # a chat about an attached file, again, after a restart
 
 Progress and loading messages go to stderr; the table goes to stdout, then (with --json) one JSON line.
 """
@@ -129,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     page.add_argument("--rounds", type=int, default=3)
     page.add_argument("--json", action="store_true")
     page.add_argument("--save", type=Path)
+
+    documents = commands.add_parser("documents", help="first token for a chat about an attached file: first, "
+                                    "in a second new chat, after an app restart")
+    documents.add_argument("--tokens", type=int, default=6000, help="tokens of the document (default 6000)")
+    documents.add_argument("--text", type=Path, default=None, help="a folder of .txt files (default: bench/data)")
+    documents.add_argument("--json", action="store_true")
+    documents.add_argument("--save", type=Path)
 
     plot = commands.add_parser("plot", help="PNG plots from results saved with --save")
     plot.add_argument("--results", type=Path, required=True, help="directory of saved JSON results")
@@ -293,6 +301,13 @@ def run_page(args) -> tuple[None, dict]:
     return None, measure_rounds(args.max_new_tokens, args.rounds, show=lambda line: print(line, flush=True))
 
 
+def run_documents(args) -> tuple[str, dict]:
+    from .documents import DATA, measure
+
+    row = measure(args.tokens, args.text or DATA)
+    return format_table([row], list(row)), row
+
+
 def run_plot(args) -> tuple[str, dict]:
     from .plots import make_plots
 
@@ -303,7 +318,8 @@ def run_plot(args) -> tuple[str, dict]:
 
 
 RUNNERS = {"ppl": run_ppl, "agree": run_agree, "recall": run_recall, "speed": run_speed, "sweep": run_sweep,
-           "resume": run_resume, "gpu": run_gpu, "api": run_api, "page": run_page, "plot": run_plot}
+           "resume": run_resume, "gpu": run_gpu, "api": run_api, "page": run_page,
+           "documents": run_documents, "plot": run_plot}
 
 
 def main(argv: list[str] | None = None) -> int:
