@@ -259,12 +259,12 @@ def test_random_llama_from_meta_is_fully_initialised():
 
 
 def test_gpu_rows_get_their_ratios_within_the_same_model_and_context():
-    from bench.gpu import _add_ratios
+    from bench.gpu import add_ratios
 
     rows = [{"model": "m", "context": 4096, "policy": p, "tokens_per_s": t}
             for p, t in (("full", 40.0), ("offload", 4.0), ("hf-offload", 5.0), ("infinigen", 20.0))]
     rows.append({"model": "m", "context": 8192, "policy": "infinigen", "tokens_per_s": 10.0})
-    _add_ratios(rows)
+    add_ratios(rows)
     infinigen = rows[3]
     assert infinigen["speedup_vs_offload"] == 5.0 and infinigen["speedup_vs_hf_offload"] == 4.0
     assert infinigen["ratio_to_full"] == 0.5
