@@ -32,6 +32,7 @@ from .policies import POLICIES, PolicyContext, Selection
 from .prefix import common_prefix_length
 from .rows import export_rows, import_rows
 from .stats import DeferredValues, LayerStats, StepStats
+from .weights import weights_label
 
 ATTENTION_NAME = "infinigen"
 KEEP_SELECTIONS_STEPS = 16  # decode steps whose selected positions stay inspectable (they stay on the device)
@@ -105,6 +106,7 @@ class InfiniGenEngine:
         self.skew_set = skew_set
         self.fingerprint = fingerprint
         self.legacy_fingerprints: tuple[str, ...] = ()  # what earlier versions called this model (loading.py)
+        self.weights = weights_label(model)  # "int8 weights" where decode runs int8 layers (weights.py)
         self.token_ids: list[int] = []
         self.history: deque[StepStats] = deque(maxlen=config.history_steps)
         self.steps_run = 0
