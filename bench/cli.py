@@ -50,7 +50,7 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
     parser.add_argument("--model", help="checkpoint directory or .gguf (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     parser.add_argument("--weights", choices=("fp32", "int8"), default=None,
-                        help="decode weights (default: the engine's, int8 on the CPU)")
+                        help="decode weights (default fp32; int8 is CPU only)")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
 

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quantize", choices=("8bit", "4bit"), default=None,
                      help="load the weights in 8 or 4 bits with bitsandbytes (CUDA only)")
     gen.add_argument("--weights", choices=("fp32", "int8"), default=None,
-                     help="decode with int8 (fbgemm) or fp32 Linear weights; prefill stays fp32 (default: int8 on the CPU)")
+                     help="decode with int8 (fbgemm) or fp32 Linear weights; prefill stays fp32 (default fp32; int8 is CPU only)")
     gen.add_argument("--cache-dir", type=Path, default=None, help="model and skew cache (default: user cache)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the results last")
     return parser

@@ -80,8 +80,8 @@ def test_without_the_quantized_engine_int8_falls_back_to_fp32_and_says_why(tiny_
     assert "x86/fbgemm" in caplog.text and weights_label(model) == "fp32 weights"
 
 
-def test_the_weights_option_defaults_to_int8_on_the_cpu_only():
-    assert resolve_weights(None, torch.device("cpu")) == "int8"
+def test_the_weights_option_defaults_to_fp32_and_int8_is_for_the_cpu():
+    assert resolve_weights(None, torch.device("cpu")) == "fp32"
     assert resolve_weights(None, torch.device("cuda")) == "fp32"
     assert resolve_weights("fp32", torch.device("cpu")) == "fp32"
     with pytest.raises(ModelLoadError, match="CPU"):
