@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, SessionError) as error:
         print(f"error: cannot use the data directory: {error}", file=sys.stderr)
         return 2
+    controller.host.weights = args.weights
     controller.load_in_background(progress=lambda message: print(message, flush=True))
     demo = build_app(controller)
     app_kwargs = {}

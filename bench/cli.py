@@ -52,6 +52,8 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
     parser.add_argument("--dense-layers", type=int, default=EngineConfig.dense_layers)
     parser.add_argument("--model", help="checkpoint directory or .gguf (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+    parser.add_argument("--weights", choices=("fp32", "int8"), default=None,
+                        help="decode weights (default fp32; int8 is CPU only)")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
 
@@ -149,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_engine(args):
     from infinigen_core import load_engine
 
-    return load_engine(args.model, device=args.device, config=_base_config(args), progress=_log)
+    return load_engine(args.model, device=args.device, config=_base_config(args), weights=args.weights, progress=_log)
 
 
 def _prefill_for(args) -> int:

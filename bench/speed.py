@@ -105,8 +105,12 @@ def transformers_reference(model, ids: Sequence[int], context: int, steps: int, 
     what the engine is measured against."""
     from transformers import DynamicCache
 
+    from infinigen_core.weights import plain_fp32_weights
+
     previous = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
+    weights = plain_fp32_weights(model)  # the reference is plain transformers: its fp32 Linear layers
+    weights.__enter__()
     try:
         cache = DynamicCache(config=model.config, offloading=offloading)
         started = time.perf_counter()
@@ -131,6 +135,7 @@ def transformers_reference(model, ids: Sequence[int], context: int, steps: int, 
         del cache
     finally:
         model.set_attn_implementation(previous)
+        weights.__exit__(None, None, None)
     timed = step_ms[1:]
     return {"policy": HF_OFFLOAD if offloading else REFERENCE, "context": context,
             "ms_per_token": statistics.median(timed), "mean_ms": statistics.fmean(timed), "decode_steps": len(timed),

@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     gen.add_argument("--quantize", choices=("8bit", "4bit"), default=None,
                      help="load the weights in 8 or 4 bits with bitsandbytes (CUDA only)")
+    gen.add_argument("--weights", choices=("fp32", "int8"), default=None,
+                     help="decode with int8 (fbgemm) or fp32 Linear weights; prefill stays fp32 (default fp32; int8 is CPU only)")
     gen.add_argument("--cache-dir", type=Path, default=None, help="model and skew cache (default: user cache)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the results last")
     return parser
@@ -86,7 +88,7 @@ def run_generate(args) -> dict:
     engine_config, sampling = _settings(args)
     prompt = _read_prompt(args)
     engine = load_engine(args.model, device=args.device, config=engine_config, cache_dir=args.cache_dir,
-                         quantize=args.quantize, progress=lambda message: print(message, file=sys.stderr, flush=True))
+                         quantize=args.quantize, weights=args.weights, progress=lambda message: print(message, file=sys.stderr, flush=True))
     if args.pool_limit:
         limit = pool_limit_tokens(args.pool_limit, engine.pool.bytes_per_token())
         engine.configure(engine_config.with_changes(pool_limit_tokens=limit))
@@ -124,6 +126,7 @@ def run_generate(args) -> dict:
         "model": engine.model_name,
         "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
+        "weights": engine.weights,
         "layer_kinds": [engine.adapter.layer_kind(layer) for layer in range(engine.adapter.num_layers)],
         "settings": {"alpha": engine_config.alpha, "budget": engine_config.budget,
                      "budget_is_tokens": engine_config.budget_is_tokens,

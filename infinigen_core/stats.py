@@ -20,6 +20,8 @@ class LayerStats:
     context_len: int  # past tokens this layer could attend to
     fetched: int  # past tokens it did attend to (per KV head)
     sparse: bool  # False for dense layers and dense policies
+    # why a layer the policy makes sparse attended densely this step (engine.DENSE_UNDER_BUDGET), else None
+    dense_reason: str | None = None
     speculate_ms: float = 0.0
     fetch_wait_ms: float = 0.0
     compute_ms: float = 0.0
@@ -72,6 +74,7 @@ class StepStats:
     device_bytes: int = 0
     total_ms: float = 0.0
     deferred: DeferredValues | None = None
+    dense_reason: str | None = None  # set when the sparse layers attended densely (see LayerStats.dense_reason)
 
     def resolve(self) -> "StepStats":
         """Fill in the values that were still on the device (waits only if their copy is still running)."""
@@ -117,6 +120,7 @@ class StepStats:
             "step": self.step,
             "position": self.position,
             "fetched_ratio": self.fetched_ratio(),
+            "dense_reason": self.dense_reason,
             "per_layer_fetched_ratio": [s.fetched_ratio for s in self.layers],
             "pool_bytes": self.pool_bytes,
             "device_bytes": self.device_bytes,

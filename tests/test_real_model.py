@@ -97,7 +97,7 @@ def test_a_prompt_longer_than_the_window_is_refused_and_nothing_changes(real_eng
 def test_settings_change_keeps_the_conversation(real_engine):
     ids = real_engine.tokenizer(calibration_text())["input_ids"][:100]
     real_engine.prefill(ids)
-    real_engine.configure(EngineConfig(policy="h2o", budget=0.5))
+    real_engine.configure(EngineConfig(policy="h2o", budget=0.5, min_fetch_tokens=0))
     assert real_engine.num_tokens == 100 and real_engine.pool.size(5) == 100
     real_engine.decode(ids[0])
     assert real_engine.history[-1].sparse_layers()

@@ -34,8 +34,9 @@ class ModelHost:
     DEFAULT_CHOICE = "default"
 
     def __init__(self, model: str | None = None, device: str = "auto", quantize: str | None = None,
-                 loader: Callable | None = None) -> None:
+                 loader: Callable | None = None, weights: str | None = None) -> None:
         self.model_path, self.device, self.quantize = model, device, quantize
+        self.weights = weights  # fp32 | int8 | None (the engine's default: int8 on the CPU)
         self.engine = None
         self.status = "Starting..."
         self.load_error: str | None = None
@@ -54,7 +55,8 @@ class ModelHost:
         from infinigen_core.loading import load_engine
 
         loader = self._loader or load_engine
-        return loader(model, device=self.device, config=config, quantize=self.quantize, progress=report)
+        kwargs = {"weights": self.weights} if self.weights else {}  # test loaders need not know the option
+        return loader(model, device=self.device, config=config, quantize=self.quantize, progress=report, **kwargs)
 
     # ------------------------------------------------------------------ start-up
     def load(self, config: Callable[[], EngineConfig], progress: Report = print,
@@ -142,7 +144,8 @@ class ModelHost:
         kinds = f"{adapter.num_layers - sliding} global" + (f", {sliding} sliding-window" if sliding else "")
         kinds += f" ({nope} without RoPE)" if nope and adapter.family.rope else ""
         dtype = str(engine.dtype).replace("torch.", "")
-        return f"{engine.model_name} · {adapter.family.label} · {kinds} layers · {dtype} on {engine.device}"
+        weights = getattr(engine, "weights", f"{dtype} weights")
+        return f"{engine.model_name} · {adapter.family.label} · {kinds} layers · {dtype} on {engine.device} · {weights}"
 
     def ready_line(self) -> str:
         return f"Ready: {self.engine.model_name} on {self.engine.device}"
