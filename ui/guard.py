@@ -34,8 +34,10 @@ CONTENT_SECURITY_POLICY = (
 )
 LOGIN_USER_HINT = "any user name"
 
-# what the login page itself needs before there is a cookie
-OPEN_GRADIO_PATHS = frozenset({"/gradio_api/login_check", "/gradio_api/login_check/", "/gradio_api/theme.css"})
+# what the login page needs before there is a cookie, and startup-events, which launch() calls itself (it runs
+# the app's startup once and answers nothing)
+OPEN_GRADIO_PATHS = frozenset({"/gradio_api/login_check", "/gradio_api/login_check/", "/gradio_api/theme.css",
+                               "/gradio_api/startup-events"})
 
 
 def login_with_key(key: str):
