@@ -29,6 +29,16 @@ footer { display: none !important; }
 """
 
 
+class ChatView(gr.Chatbot):
+    """gr.Chatbot (`is_template`: the same frontend) that shows "[image from HOST withheld]" for a remote image
+    in any message: the page's CSP blocks the fetch anyway, this says so. What is stored is untouched."""
+
+    is_template = True
+
+    def postprocess(self, value):
+        return super().postprocess(withhold_in_history(value))
+
+
 def build_app(controller: ChatController) -> gr.Blocks:
     return ChatPage(controller).build()
 
@@ -55,14 +65,7 @@ class ChatPage:
             self._panels()
             self._hidden()
             self._bind(demo)
-            self._withhold_remote_images()
         return demo
-
-    def _withhold_remote_images(self) -> None:
-        """The chatbot shows "[image from HOST withheld]" for a remote image in any message (the page's CSP
-        would block the fetch anyway); what it stores is untouched."""
-        postprocess = self.chatbot.postprocess
-        self.chatbot.postprocess = lambda value: postprocess(withhold_in_history(value))
 
     # ---------------------------------------------------------------- components
     def _model_box(self) -> None:
@@ -93,7 +96,7 @@ class ChatPage:
             self.branch_button = gr.Button("Branch")
 
     def _chat_box(self) -> None:
-        self.chatbot = gr.Chatbot(label="Conversation", height=460, elem_id="ig-chat")
+        self.chatbot = ChatView(label="Conversation", height=460, elem_id="ig-chat")
         # Gradio submits on Enter only with lines=1; max_lines lets the box grow (Shift+Enter: new line)
         self.message = gr.Textbox(label="Message", placeholder="Type a message (Shift+Enter for a new line)",
                                   lines=1, max_lines=12, elem_id="ig-message")
