@@ -108,8 +108,10 @@ def _integer(body: dict, name: str, low: int, high: int) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(f"{name} must be an integer", name, "invalid_type")
-    if not low <= value <= high:
-        raise _bad(f"{name} must be between {low} and {high}, got {value}", name)
+    if value < low:
+        raise _bad(f"{name} must be at least {low}, got {value}", name)
+    if value > high:
+        raise _bad(f"{name} must be at most {high}, got {value}", name)
     return value
 
 
