@@ -35,7 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     controller.host.weights = args.weights
     controller.load_in_background(progress=lambda message: print(message, flush=True))
     demo = build_app(controller)
-    app_kwargs = {}
+    from starlette.middleware import Middleware
+
+    from ui.guard import PageGuard, login_with_key
+
+    # the key guards the page (Gradio's login: any user name, the key as password), Gradio's routes and /v1
+    app_kwargs = {"middleware": [Middleware(PageGuard, key=args.api_key)]}
+    auth = login_with_key(args.api_key) if args.api_key else None
     if args.api:  # routes given to the app's constructor exist before the server takes its first request
         from ui.api import ApiOptions, api_routes
 
@@ -44,10 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         demo.queue(default_concurrency_limit=1).launch(
             server_name=args.host, server_port=args.port, share=args.share, ssr_mode=False, css=CSS,
             allowed_paths=[str(demo.export_dir)], show_error=True, quiet=True, prevent_thread_lock=True,
-            app_kwargs=app_kwargs,
+            app_kwargs=app_kwargs, auth=auth, auth_message="Log in with the app's key as the password "
+                                                           "(any user name).",
         )
-        print(f"InfiniGen Chat on http://{args.host}:{args.port} (sessions in {controller.store.data_dir})",
-              flush=True)
+        print(f"InfiniGen Chat on http://{args.host}:{args.port} (sessions in {controller.store.data_dir})"
+              f"{'; log in with the key (any user name)' if auth else ''}", flush=True)
         if args.api:
             print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1"
                   f"{' (bearer key required)' if args.api_key else ''}", flush=True)

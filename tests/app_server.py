@@ -5,7 +5,8 @@ usage (in a test module):
     @pytest.fixture(scope="module")
     def app(tmp_path_factory):
         with running_app(tmp_path_factory.mktemp("app-data")) as app:
-            yield app      # app.url, app.data_dir, app.process
+            yield app      # app.url, app.data_dir, app.process, app.auth
+    Client(app.url, auth=app.auth)   # app.auth: the page's login when the app has a key, else None
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class RunningApp:
     url: str
     data_dir: Path
     process: subprocess.Popen
+    auth: tuple[str, str] | None = None  # (any user name, the key) when the app was given a key
 
 
 def free_port() -> int:
@@ -38,9 +40,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _ready(url: str) -> bool:
+def _ready(url: str, auth: tuple[str, str] | None) -> bool:
     try:
-        status = Client(url, verbose=False).predict(api_name="/status")
+        status = Client(url, verbose=False, auth=auth).predict(api_name="/status")
     except Exception:  # the server is not listening yet
         return False
     if status["error"]:
@@ -54,20 +56,23 @@ def running_app(data_dir: Path, timeout_s: float = 600, args: tuple[str, ...] = 
     """The first run on a machine downloads and converts the model, hence the generous timeout. `args` are
     more flags for app.py, `env` more environment variables."""
     port = free_port()
+    environment = {**os.environ, **(env or {})}
+    key = args[args.index("--api-key") + 1] if "--api-key" in args else environment.get("INFINIGEN_API_KEY")
+    auth = ("tester", key) if key else None
     log_path = data_dir / "app.log"
     with open(log_path, "a") as log:
         process = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--data-dir", str(data_dir), *args],
-                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=environment)
         url = f"http://127.0.0.1:{port}/"
         try:
             deadline = time.time() + timeout_s
-            while not _ready(url):
+            while not _ready(url, auth):
                 if process.poll() is not None:
                     raise RuntimeError(f"app.py exited: {log_path.read_text()[-2000:]}")
                 if time.time() > deadline:
                     raise RuntimeError(f"app.py was not ready after {timeout_s} s: {log_path.read_text()[-2000:]}")
                 time.sleep(1)
-            yield RunningApp(url, data_dir, process)
+            yield RunningApp(url, data_dir, process, auth)
         finally:
             process.terminate()
             try:

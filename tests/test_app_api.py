@@ -15,7 +15,7 @@ def app(tmp_path_factory):
 
 @pytest.fixture
 def client(app):
-    return Client(app.url, verbose=False)
+    return Client(app.url, verbose=False, auth=app.auth)
 
 
 def text_of(message):

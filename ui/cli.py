@@ -36,8 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-api", dest="api", action="store_false",
                         help="do not serve the OpenAI-compatible API (/v1/models, /v1/chat/completions)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE) or None,
-                        help=f"a key every API request must send as 'Authorization: Bearer KEY' "
-                             f"(default: ${API_KEY_VARIABLE}; required with a --host other than loopback or --share)")
+                        help=f"a key every API request must send as 'Authorization: Bearer KEY', and the page's login "
+                             f"password (any user name) (default: ${API_KEY_VARIABLE}; required with a --host "
+                             f"other than loopback or --share)")
     parser.add_argument("--api-max-waiting", type=int, default=4,
                         help="API requests that may wait for their turn; one more gets 429 (default 4)")
     parser.add_argument("--kv-disk-limit", metavar="SIZE", default=None,

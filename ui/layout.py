@@ -20,12 +20,23 @@ from sessions import format_size
 from .controller import ChatController
 from .page_actions import ATTACHABLE, TICK_SECONDS, PageActions
 from .page_text import status_text
+from .remote_images import withhold_in_history
 
 CSS = """
 .ig-hit { border-radius: 3px; }
 #ig-status { min-height: 2.2em; }
 footer { display: none !important; }
 """
+
+
+class ChatView(gr.Chatbot):
+    """gr.Chatbot (`is_template`: the same frontend) that shows "[image from HOST withheld]" for a remote image
+    in any message: the page's CSP blocks the fetch anyway, this says so. What is stored is untouched."""
+
+    is_template = True
+
+    def postprocess(self, value):
+        return super().postprocess(withhold_in_history(value))
 
 
 def build_app(controller: ChatController) -> gr.Blocks:
@@ -85,7 +96,7 @@ class ChatPage:
             self.branch_button = gr.Button("Branch")
 
     def _chat_box(self) -> None:
-        self.chatbot = gr.Chatbot(label="Conversation", height=460, elem_id="ig-chat")
+        self.chatbot = ChatView(label="Conversation", height=460, elem_id="ig-chat")
         # Enter sends, Shift+Enter starts a new line; files come through its attach button or drag-and-drop
         self.message = gr.MultimodalTextbox(label="Message", placeholder="Type a message (Shift+Enter for a new "
                                             "line); attach PDF, DOCX, HTML or text files to ask about them",
@@ -183,7 +194,10 @@ class ChatPage:
                                                                 self.system_box, self.session_info], **options)
 
     def _bind(self, demo: gr.Blocks) -> None:
-        act, hidden = self.actions, {"api_name": False}
+        # scripts and tests (gradio_client, logged in with the key when the app has one) may call the events
+        # that have an api_name; the page's other events (and the destructive ones: delete, rename, model
+        # switch, system prompt, disk storage, dropping turns) are the page's own and not an API
+        act, hidden, private = self.actions, {"api_name": False}, {"api_visibility": "private"}
         chat_and_box = [self.chatbot, self.message, self.attachment_info]
         send = self.send_button.click(act.send, self.message, chat_and_box, api_name="send")
         self._then_refresh(self.message.submit(act.send, self.message, chat_and_box, **hidden))
@@ -198,13 +212,13 @@ class ChatPage:
                            **hidden)
         self._then_refresh(self.edit_button.click(act.edit, self.message, [self.chatbot, self.message],
                                                   api_name="edit_last"), **hidden)
-        self.drop_button.click(act.drop, self.message, self.chatbot, api_name="drop_oldest_turns")
+        self.drop_button.click(act.drop, self.message, self.chatbot, **private)
         opened = [self.chatbot, self.status]
         self._then_refresh(self.session_picker.input(act.open, self.session_picker, opened, **hidden), **hidden)
         self.open_api.change(act.open, self.open_api, opened, api_name="open_session")
         self._then_refresh(self.new_button.click(act.new, None, self.chatbot, api_name="new_session"), **hidden)
-        self._then_refresh(self.rename_button.click(act.rename, self.title_box, None, api_name="rename"), **hidden)
-        self._then_refresh(self.delete_button.click(act.delete, None, self.chatbot, api_name="delete"), **hidden)
+        self._then_refresh(self.rename_button.click(act.rename, self.title_box, None, **private), **hidden)
+        self._then_refresh(self.delete_button.click(act.delete, None, self.chatbot, **private), **hidden)
         self.export_button.click(act.export, None, self.export_file, api_name="export")
         self._then_refresh(self.import_file.upload(act.import_, self.import_file, self.chatbot, api_name="import"),
                            **hidden)
@@ -212,10 +226,10 @@ class ChatPage:
                            **hidden)
         self._then_refresh(self.model_button.click(act.switch_model, [self.model_picker, self.model_path],
                                                    [self.chatbot, self.model_info, self.model_picker],
-                                                   api_name="switch_model"), **hidden)
-        self.system_button.click(act.system_prompt, self.system_box, self.settings_status, api_name="system_prompt")
+                                                   **private), **hidden)
+        self.system_button.click(act.system_prompt, self.system_box, self.settings_status, **private)
         self._then_refresh(self.storage_button.click(act.storage, [self.kv_format, self.kv_limit],
-                                                     self.storage_status, api_name="kv_storage"), **hidden)
+                                                     self.storage_status, **private), **hidden)
         self.apply_button.click(act.apply_settings, self.settings_inputs, self.settings_status,
                                 api_name="apply_settings")
         self.inspect_button.click(act.inspect, [self.step_picker, self.layer_picker], self.inspector_html, **hidden)

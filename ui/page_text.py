@@ -61,4 +61,14 @@ def status_text(controller: ChatController) -> str:
         return "**Reading your message...**"
     if progress.phase == "generating":
         return f"**Generating:** {progress.tokens} tokens, {progress.tokens_per_second():.1f} tokens/s"
-    return f"**{controller.status}.** {controller.restore_message}"
+    return f"**{controller.status}.** {controller.restore_message}{disk_limit_note(controller)}"
+
+
+def disk_limit_note(controller: ChatController) -> str:
+    """Said while the open sessions alone keep the saved KV caches over the disk limit (nothing else can go)."""
+    over = getattr(controller.store, "over_disk_limit", None)
+    if over is None:
+        return ""
+    used, limit = over
+    return (f" **KV cache on disk over its limit:** {format_size(used)} used, limit {format_size(limit)}; "
+            f"the open session's KV is kept while it is open.")

@@ -32,7 +32,8 @@ class ApiTurn:
 
     session_id: str = ""
     continued: bool = False  # True: it extended a stored API conversation; False: a new session
-    prefilled_tokens: int = 0  # tokens of the prompt that the model actually read
+    prefilled_tokens: int = 0  # tokens of the prompt that the model actually read (re-read on reopening too)
+    reread_tokens: int = 0  # of those, what reopening the session re-read (its KV chunks were not on disk)
 
 
 class ApiConversations:
@@ -58,7 +59,7 @@ class ApiConversations:
 
                 def on_prefill(done: int, total: int) -> None:
                     on_progress(done, total)
-                    turn.prefilled_tokens = total
+                    turn.prefilled_tokens = turn.reread_tokens + total
 
                 yield from self.turns.track(chat.extend(new_turns, sampling, either, on_prefill))
             except (SessionError, ContextOverflowError, ConfigError) as error:
@@ -76,10 +77,14 @@ class ApiConversations:
             stored = [(m.role, m.content) for m in self.store.messages(summary.id)]
             if stored != turns[: len(stored)]:
                 continue
+            restored = [(open_chat, open_chat.restore) for open_chat in (self.open.api, self.open.page) if open_chat]
             try:
                 chat = self.open.for_api(summary.id)
             except SessionLockedError:  # another app process has it open: start a new one beside it
                 continue
+            if not any(open_chat is chat and report is chat.restore for open_chat, report in restored):
+                # opened or read back just now: what it recomputed (dropped or unusable chunks) was read, not cached
+                turn.reread_tokens = turn.prefilled_tokens = chat.restore.tokens_prefilled
             turn.session_id, turn.continued = chat.id, True
             return chat, turns[len(stored):]
         chat = self._new_session(system, turns, prompt_ids)

@@ -17,6 +17,10 @@ from dataclasses import dataclass, replace
 from documents import MAX_FILE_BYTES, Document, DocumentError, convert_bytes, message_with_attachments
 from infinigen_core import ConfigError, SamplingConfig
 
+# integers are bounded before they reach the sampler: torch's generator takes a signed 64-bit seed, and a
+# reply is cut at the model's window anyway (a bound here keeps a huge number out of the arithmetic)
+SEED_BOUNDS = (-(2**63), 2**63 - 1)
+MAX_TOKENS_BOUND = 2**31 - 1
 SYSTEM_ROLES = ("system", "developer")  # "developer" is what newer OpenAI clients call the system prompt
 CHAT_ROLES = ("user", "assistant")
 
@@ -131,14 +135,16 @@ def _number(body: dict, name: str, low: float, high: float, low_open: bool = Fal
     return float(value)
 
 
-def _integer(body: dict, name: str, low: int | None = None) -> int | None:
+def _integer(body: dict, name: str, low: int, high: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(f"{name} must be an integer", name, "invalid_type")
-    if low is not None and value < low:
+    if value < low:
         raise _bad(f"{name} must be at least {low}, got {value}", name)
+    if value > high:
+        raise _bad(f"{name} must be at most {high}, got {value}", name)
     return value
 
 
@@ -183,11 +189,11 @@ def parse_chat_request(body, model_id: str, defaults: SamplingConfig) -> ChatReq
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or options.get("include_usage") not in (None, True, False):
         raise _bad("stream_options must be an object such as {\"include_usage\": true}", "stream_options")
-    limit = _integer(body, "max_completion_tokens", 1)
-    limit = _integer(body, "max_tokens", 1) if limit is None else limit
+    limit = _integer(body, "max_completion_tokens", 1, MAX_TOKENS_BOUND)
+    limit = _integer(body, "max_tokens", 1, MAX_TOKENS_BOUND) if limit is None else limit
     temperature = _number(body, "temperature", 0, 2)
     top_p = _number(body, "top_p", 0, 1, low_open=True)
-    seed = _integer(body, "seed")
+    seed = _integer(body, "seed", *SEED_BOUNDS)
     try:
         sampling = replace(
             defaults,

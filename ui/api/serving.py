@@ -34,6 +34,9 @@ LOADING_RETRY_S = 5
 BUSY_RETRY_S = 2
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "cancelled": "stop", "length": "length", "window": "length"}
 DISCONNECT_POLL_S = 0.25
+# A request body is refused over this size before it is read whole (413): room for a 20 MiB attachment sent
+# base64-encoded in a `file` part (4/3 of it, 26.7 MiB) and the conversation around it.
+MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 # ---------------------------------------------------------------------- checks before a turn
@@ -58,9 +61,30 @@ def served_model(controller: ChatController) -> str:
     return controller.engine.model_name
 
 
+def _too_large(size: str) -> ApiError:
+    return ApiError(413, f"the request body is {size}; this server takes at most {MAX_BODY_BYTES // 2**20} MiB",
+                    None, "request_too_large")
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body, refused by its Content-Length, or while it streams in once it passes `limit` (a client may
+    send no length, or a wrong one): never more than `limit` bytes are held."""
+    length = request.headers.get("content-length", "")
+    if length.strip().isdigit() and int(length) > limit:
+        raise _too_large(f"{int(length):,} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"over {limit:,} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def json_body(request: Request):
+    body = await read_body(request)
     try:
-        return json.loads(await request.body())
+        return json.loads(body)
     except ValueError as error:
         raise ApiError(400, f"the request body is not valid JSON ({error})", None, "invalid_json") from None
 
@@ -68,6 +92,13 @@ async def json_body(request: Request):
 def checked_prompt_ids(controller: ChatController, chat_request: ChatRequest) -> list[int]:
     """The templated conversation, checked against the model's window before anything is stored."""
     engine = controller.engine
+    characters = len(chat_request.system) + sum(len(content) for _, content in chat_request.turns)
+    most = engine.max_context * longest_token_characters(engine.tokenizer)
+    if characters > most:  # refused before the tokenizer spends seconds on it
+        raise ApiError(400, f"the conversation is {characters:,} characters long: with the model's window of "
+                            f"{engine.max_context:,} tokens, none of which covers more than "
+                            f"{most // engine.max_context} characters, at most {most:,} can ever fit",
+                       "messages", "context_length_exceeded")
     try:
         return reply_prompt_ids(engine.tokenizer, conversation(chat_request.system, list(chat_request.turns)),
                                 engine.max_context)
@@ -75,6 +106,21 @@ def checked_prompt_ids(controller: ChatController, chat_request: ChatRequest) ->
         raise ApiError(400, f"the conversation is {error.check.needed_tokens - 1} tokens long, and the model's "
                             f"window is {error.check.window} (including the reply): leave out older messages",
                        "messages", "context_length_exceeded") from None
+
+
+_longest_token: dict[int, tuple[object, int]] = {}
+
+
+def longest_token_characters(tokenizer) -> int:
+    """The most characters one token of this vocabulary (added tokens included) stands for: a text longer
+    than window × this can never fit the window, whatever it says. Measured on the token strings, which
+    have at least one character per character of text (a byte-level token has one per byte)."""
+    known = _longest_token.get(id(tokenizer))
+    if known is None or known[0] is not tokenizer:
+        vocabulary = tokenizer.get_vocab()
+        longest = max(map(len, vocabulary), default=1)
+        known = _longest_token[id(tokenizer)] = (tokenizer, max(longest, 1))
+    return known[1]
 
 
 def error_response(error: ApiError) -> JSONResponse:

@@ -1,0 +1,172 @@
+"""Closed to strangers: one real `python app.py --api-key KEY` for the module, driven by gradio_client, raw HTTP,
+the openai client and a headless Chromium (the login page, the CSP, remote images withheld)."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import os
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from app_server import running_app
+from gradio_client import Client
+
+KEY = "sec-key-51c9"
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    with running_app(tmp_path_factory.mktemp("security-data"), args=("--api-key", KEY)) as running:
+        yield running
+
+
+def call(method: str, url: str, body: bytes | None = None, headers: dict | None = None):
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def test_gradio_api_needs_the_login(app):
+    with pytest.raises(Exception):
+        Client(app.url, verbose=False).predict(api_name="/list_sessions")
+    client = Client(app.url, verbose=False, auth=("anyone", KEY))
+    assert isinstance(client.predict(api_name="/list_sessions"), list)
+    named = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
+    assert {"/send", "/status", "/list_sessions", "/inspect"} <= named
+    assert not {"/delete", "/switch_model", "/rename", "/kv_storage", "/system_prompt"} & named
+    with pytest.raises(Exception):
+        Client(app.url, verbose=False, auth=("anyone", "wrong"))
+
+
+def test_raw_gradio_routes_refuse_a_caller_without_the_cookie(app):
+    join = json.dumps({"data": [], "fn_index": 0, "session_hash": "abc", "event_data": None,
+                       "trigger_id": None}).encode()
+    for method, path, body in (("POST", "gradio_api/queue/join", join), ("GET", "gradio_api/info", None),
+                               ("POST", "gradio_api/call/list_sessions", b'{"data": []}'),
+                               ("POST", "gradio_api/upload", b""), ("GET", "config", None),
+                               ("POST", "gradio_api/cancel", b'{"event_id": "x", "session_hash": "y"}'),
+                               ("GET", "gradio_api/heartbeat/abc", None)):
+        status, _, _ = call(method, app.url + path, body, {"content-type": "application/json"})
+        assert status == 401, path
+
+
+def test_html_has_a_csp_that_keeps_images_on_this_host(app):
+    status, headers, page = call("GET", app.url)
+    assert status == 200
+    policy = {k.lower(): v for k, v in headers.items()}["content-security-policy"]
+    assert "img-src 'self' data: blob:" in policy and "default-src 'self'" in policy
+    assert b"chat" not in page.lower() or b"auth_required" in page  # the login page, no chat components
+
+
+def api_post(app, body: bytes, headers: dict | None = None):
+    return call("POST", app.url + "v1/chat/completions", body,
+                {"authorization": f"Bearer {KEY}", "content-type": "application/json", **(headers or {})})
+
+
+def test_api_bounds_are_400s_in_openai_shape(app):
+    message = [{"role": "user", "content": "hi"}]
+    for extra in ({"seed": 2**80}, {"max_tokens": 2**80}, {"max_tokens": 0}, {"seed": -(2**70)}):
+        status, _, body = api_post(app, json.dumps({"messages": message, **extra}).encode())
+        assert status == 400, extra
+        error = json.loads(body)["error"]
+        assert error["param"] == next(iter(extra)) and error["type"] == "invalid_request_error"
+    status, _, body = api_post(app, json.dumps({"messages": [{"role": "user", "content": "a" * 3_000_000}]}).encode())
+    assert status == 400 and json.loads(body)["error"]["code"] == "context_length_exceeded"
+    assert "characters" in json.loads(body)["error"]["message"]
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(app):
+    from ui.api.serving import MAX_BODY_BYTES
+
+    host, port = app.url.split("//")[1].rstrip("/").split(":")
+
+    def connection_with(length_header: tuple[str, str]) -> http.client.HTTPConnection:
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        connection.putrequest("POST", "/v1/chat/completions")
+        for name, value in (("authorization", f"Bearer {KEY}"), length_header):
+            connection.putheader(name, value)
+        connection.endheaders()
+        return connection
+
+    # the Content-Length alone refuses it: the answer comes before any of the body was sent
+    announced = connection_with(("content-length", str(MAX_BODY_BYTES + 1)))
+    answer = announced.getresponse()
+    assert answer.status == 413 and json.loads(answer.read())["error"]["code"] == "request_too_large"
+    # a body sent without a length (chunked) stops being read once it passes the cap
+    connection = connection_with(("transfer-encoding", "chunked"))
+    piece = b" " * (1 << 20)
+    try:
+        for _ in range(MAX_BODY_BYTES // len(piece) + 4):
+            connection.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        connection.send(b"0\r\n\r\n")
+    except OSError:  # the server answered and closed while the body was still coming
+        pass
+    assert connection.getresponse().status == 413
+    status, _, _ = call("GET", app.url + "v1/models", headers={"authorization": f"Bearer {KEY}"})
+    assert status == 200  # still up
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    seen: list[str] = []
+
+    def do_GET(self):  # noqa: N802
+        _Recorder.seen.append(self.path)
+        self.send_response(200)
+        self.send_header("content-type", "image/png")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def image_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _Recorder.seen = []
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def test_the_page_asks_for_the_key_and_never_fetches_remote_images(app, image_server):
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian chromium is not installed")
+    args = ["--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    if os.geteuid() == 0:
+        args.append("--no-sandbox")
+    with playwright_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        page = browser.new_page(viewport={"width": 1400, "height": 1300})
+        page.goto(app.url)
+        page.wait_for_selector("input[type='password']", timeout=60_000)
+        assert page.locator("#ig-chat").count() == 0 and page.locator("#ig-message").count() == 0
+        page.locator("input[type='text']").first.fill("me")
+        page.locator("input[type='password']").fill(KEY)
+        page.locator("button:has-text('Login')").click()
+        page.wait_for_selector("#ig-status:has-text('Ready')", timeout=120_000)
+        url = f"http://127.0.0.1:{image_server}/pixel.png"
+        box = page.locator("#ig-message textarea")
+        box.fill(f"Describe ![x]({url}) and <img src={url}?html> briefly.")
+        box.press("Enter")
+        page.wait_for_function("document.querySelector('#ig-chat').innerText.includes('withheld')",
+                               timeout=120_000)
+        shown = page.locator("#ig-chat [data-testid='user']").last.inner_text()
+        assert f"[image from 127.0.0.1 withheld]" in shown
+        page.wait_for_function("!document.querySelector('#ig-status').innerText.match(/Generating|Reading/)",
+                               timeout=240_000)
+        page.wait_for_timeout(1000)
+        browser.close()
+    assert _Recorder.seen == []
+    stored = Client(app.url, verbose=False, auth=("me", KEY)).predict(api_name="/list_sessions")[0]
+    assert stored["message_count"] == 2  # the message was sent and stored (with its original text)

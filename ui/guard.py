@@ -1,0 +1,95 @@
+"""The page's guard, an ASGI middleware on the app that serves both the page and the API:
+
+- every HTML response gets a Content-Security-Policy that lets the page load scripts, styles, fonts and
+  images only from its own origin (images also from data: and blob: URLs), so text in the chat (a user's or
+  the model's `<img src=http://...>` or `![](http://...)`) cannot make the browser fetch another host;
+- with a key, every Gradio route under /gradio_api/ refuses a caller without the login cookie, besides the
+  routes that Gradio itself guards (queue, upload, files, config, info): also cancel, heartbeat, stream and
+  run history. The login itself is Gradio's (`launch(auth=login_with_key(key))`); /v1 keeps its bearer key.
+
+    app_kwargs["middleware"] = [Middleware(PageGuard, key="secret")]
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from http.cookies import SimpleCookie
+
+# 'unsafe-inline' / 'unsafe-eval': Gradio's page sets inline styles and its frontend compiles some code at run
+# time; neither lets chat text reach another host, which is what this policy is for.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; "
+    "script-src 'self' 'unsafe-inline' 'unsafe-eval' blob:; "
+    "style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data: blob:; "
+    "media-src 'self' data: blob:; "
+    "font-src 'self' data:; "
+    "connect-src 'self'; "
+    "worker-src 'self' blob:; "
+    "frame-src 'self'; "
+    "object-src 'none'; "
+    "base-uri 'self'; "
+    "form-action 'self'"
+)
+LOGIN_USER_HINT = "any user name"
+
+# what the login page needs before there is a cookie, and startup-events, which launch() calls itself (it runs
+# the app's startup once and answers nothing)
+OPEN_GRADIO_PATHS = frozenset({"/gradio_api/login_check", "/gradio_api/login_check/", "/gradio_api/theme.css",
+                               "/gradio_api/startup-events"})
+
+
+def login_with_key(key: str):
+    """Gradio's `auth` callable: any user name, the key as the password."""
+    def check(username: str, password: str) -> bool:  # noqa: ARG001  the user name is only a label
+        return hmac.compare_digest(password.encode(), key.encode())
+    return check
+
+
+def _signed_in(scope) -> bool:
+    app = scope.get("app")  # Gradio's App (Starlette sets it before the middleware stack runs)
+    tokens, cookie_id = getattr(app, "tokens", None), getattr(app, "cookie_id", None)
+    if not tokens or cookie_id is None:
+        return False
+    raw = b"; ".join(value for name, value in scope.get("headers", ()) if name == b"cookie").decode("latin-1")
+    cookies = SimpleCookie()
+    try:
+        cookies.load(raw)
+    except Exception:  # noqa: BLE001  a malformed cookie header is no login
+        return False
+    return any(name in cookies and cookies[name].value in tokens
+               for name in (f"access-token-{cookie_id}", f"access-token-unsecure-{cookie_id}"))
+
+
+class PageGuard:
+    def __init__(self, app, key: str | None = None) -> None:
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if (self.key is not None and path.startswith("/gradio_api/") and path not in OPEN_GRADIO_PATHS
+                and not _signed_in(scope)):
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1008})
+            body = json.dumps({"detail": {"error": "Not authenticated: log in with the app's key"}}).encode()
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            return await send({"type": "http.response.body", "body": body})
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_policy(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                content_type = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+                if content_type.startswith(b"text/html"):
+                    headers.append((b"content-security-policy", CONTENT_SECURITY_POLICY.encode()))
+                    headers.append((b"x-content-type-options", b"nosniff"))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_policy)

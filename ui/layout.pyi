@@ -1,0 +1,233 @@
+"""The Gradio page: chat in the middle, sessions on the left, settings, live panels and the inspector.
+
+    demo = build_app(controller)          # ChatPage(controller).build()
+
+`ChatPage` builds its components in small methods and binds every event in `_bind`; the handlers are
+`PageActions` methods (ui/page_actions.py), thin calls of the controller whose `UserError`s are shown as
+readable messages. `_then_refresh` refreshes the sidebar after an action.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import gradio as gr
+
+from infinigen_core.config import POLICY_NAMES
+from sessions import format_size
+
+from .controller import ChatController
+from .page_actions import PageActions
+from .page_text import status_text
+from .remote_images import withhold_in_history
+
+CSS = """
+.ig-hit { border-radius: 3px; }
+#ig-status { min-height: 2.2em; }
+footer { display: none !important; }
+"""
+
+from gradio.events import Dependency
+
+class ChatView(gr.Chatbot):
+    """gr.Chatbot (`is_template`: the same frontend) that shows "[image from HOST withheld]" for a remote image
+    in any message: the page's CSP blocks the fetch anyway, this says so. What is stored is untouched."""
+
+    is_template = True
+
+    def postprocess(self, value):
+        return super().postprocess(withhold_in_history(value))
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
+    from gradio.blocks import Block
+    if TYPE_CHECKING:
+        from gradio.components import Timer
+        from gradio.components.base import Component
+
+
+def build_app(controller: ChatController) -> gr.Blocks:
+    return ChatPage(controller).build()
+
+
+class ChatPage:
+    def __init__(self, controller: ChatController) -> None:
+        self.controller = controller
+        self.export_dir = Path(tempfile.mkdtemp(prefix="infinigen-export-"))
+        self.actions = PageActions(controller, self.export_dir)
+
+    def build(self) -> gr.Blocks:
+        with gr.Blocks(title="InfiniGen Chat", analytics_enabled=False) as demo:
+            demo.export_dir = self.export_dir
+            gr.Markdown("## InfiniGen Chat")
+            self.status = gr.Markdown(status_text(self.controller), elem_id="ig-status")
+            with gr.Row():
+                with gr.Column(scale=1, min_width=260):
+                    self._model_box()
+                    self._session_box()
+                with gr.Column(scale=3):
+                    self._chat_box()
+                    self._settings_box()
+                    self._storage_box()
+            self._panels()
+            self._hidden()
+            self._bind(demo)
+        return demo
+
+    # ---------------------------------------------------------------- components
+    def _model_box(self) -> None:
+        controller = self.controller
+        with gr.Accordion("Model", open=False):
+            self.model_info = gr.Markdown(controller.model_summary(), elem_id="ig-model-info")
+            self.model_picker = gr.Dropdown(label="Default or from the local Hugging Face cache",
+                                            choices=controller.model_choices(), allow_custom_value=True,
+                                            value=controller.model_path or controller.DEFAULT_CHOICE,
+                                            elem_id="ig-model-picker")
+            self.model_path = gr.Textbox(label="or a path or hub id", placeholder="~/models/Qwen3-8B, "
+                                         "a .gguf file, or Qwen/Qwen3-8B", elem_id="ig-model-path")
+            self.model_button = gr.Button("Load model", elem_id="ig-model-load")
+
+    def _session_box(self) -> None:
+        gr.Markdown("### Sessions")
+        self.session_picker = gr.Dropdown(label="Saved sessions", choices=[], interactive=True, elem_id="ig-sessions")
+        self.session_info = gr.Markdown(elem_id="ig-session-info")
+        self.new_button = gr.Button("New session", elem_id="ig-new")
+        self.title_box = gr.Textbox(label="Title", placeholder="Rename this session")
+        self.rename_button = gr.Button("Rename")
+        self.delete_button = gr.Button("Delete session", variant="stop")
+        with gr.Accordion("Export, import, branch", open=False):
+            self.export_button = gr.Button("Export")
+            self.export_file = gr.File(label="Exported file", interactive=False)
+            self.import_file = gr.File(label="Import a session (.igchat)", file_types=[".igchat"], type="filepath")
+            self.branch_number = gr.Number(label="Branch from message #", value=1, precision=0, minimum=1)
+            self.branch_button = gr.Button("Branch")
+
+    def _chat_box(self) -> None:
+        self.chatbot = ChatView(label="Conversation", height=460, elem_id="ig-chat")
+        # Gradio submits on Enter only with lines=1; max_lines lets the box grow (Shift+Enter: new line)
+        self.message = gr.Textbox(label="Message", placeholder="Type a message (Shift+Enter for a new line)",
+                                  lines=1, max_lines=12, elem_id="ig-message")
+        with gr.Row():
+            self.send_button = gr.Button("Send", variant="primary", elem_id="ig-send")
+            self.stop_button = gr.Button("Stop", elem_id="ig-stop")
+            self.regenerate_button = gr.Button("Regenerate")
+            self.edit_button = gr.Button("Replace last message with this text")
+            self.drop_button = gr.Button("Drop oldest turns")
+        with gr.Accordion("System prompt", open=False):
+            self.system_box = gr.Textbox(label="System prompt", lines=2)
+            self.system_button = gr.Button("Set system prompt")
+
+    def _settings_box(self) -> None:
+        shown = self.controller.settings
+        with gr.Accordion("Settings (apply from the next message)", open=False):
+            with gr.Row():
+                policy = gr.Dropdown(list(POLICY_NAMES), value=shown.policy, label="KV policy")
+                alpha = gr.Number(value=shown.alpha, label="alpha")
+                budget = gr.Textbox(value=shown.budget, label="budget (fraction or tokens)")
+                min_fetch = gr.Number(value=shown.min_fetch_tokens, precision=0,
+                                      label="fetch at least (tokens; 0 = no floor)")
+                partial_ratio = gr.Slider(0.05, 1.0, value=shown.partial_ratio, step=0.05, label="partial ratio")
+                pool_limit = gr.Textbox(value="", label="pool limit (tokens or e.g. 64MiB)")
+                record = gr.Checkbox(value=False, label="Record true attention for the inspector (slower)")
+            with gr.Row():
+                temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)")
+                top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
+                top_k = gr.Number(value=0, precision=0, label="top-k (0 = off)")
+                repetition = gr.Slider(0.8, 2.0, value=1.0, step=0.05, label="repetition penalty")
+                max_new = gr.Number(value=256, precision=0, label="max new tokens")
+            self.apply_button = gr.Button("Apply settings")
+            self.settings_status = gr.Markdown()
+        # in the order of ChatController.apply_settings
+        self.settings_inputs = [policy, alpha, budget, partial_ratio, pool_limit, record, temperature, top_p,
+                                top_k, repetition, max_new, min_fetch]
+
+    def _storage_box(self) -> None:
+        storage = self.controller.store.storage
+        with gr.Accordion("KV cache on disk (all sessions)", open=False):
+            with gr.Row():
+                self.kv_format = gr.Radio(["int8", "exact"], value=storage.kv_format,
+                                          label="format of new chunks (int8: 4x smaller; exact: bit for bit)")
+                self.kv_limit = gr.Textbox(value=format_size(storage.kv_disk_limit)
+                                           if storage.kv_disk_limit is not None else "",
+                                           label="disk limit (e.g. 20GiB; empty = a quarter of the free space)")
+            self.storage_button = gr.Button("Apply")
+            self.storage_status = gr.Markdown()
+
+    def _panels(self) -> None:
+        with gr.Tabs():
+            with gr.Tab("Live panels"):
+                with gr.Row():
+                    self.memory_plot = gr.Plot(label="Memory", elem_id="ig-memory")
+                    self.fetch_plot = gr.Plot(label="Fetched ratio", elem_id="ig-fetch")
+                with gr.Row():
+                    self.sparsity_plot = gr.Plot(label="Sparsity", elem_id="ig-sparsity")
+                    self.timing_plot = gr.Plot(label="Time", elem_id="ig-timing")
+            with gr.Tab("Prefetch inspector"):
+                with gr.Row():
+                    self.step_picker = gr.Dropdown(label="Generated token (recent decode steps)", choices=[])
+                    self.layer_picker = gr.Slider(0, 1, value=2, step=1, label="Layer")
+                    self.inspect_button = gr.Button("Show")
+                self.inspector_html = gr.HTML("<p>Generate a reply, then pick a token and a layer.</p>")
+
+    def _hidden(self) -> None:
+        """Components that only scripts and tests use (named API endpoints), and the page's own state."""
+        self.sessions_json = gr.JSON(visible=False)
+        self.timer = gr.Timer(1.0)
+        self.last_seen = gr.State(None)
+        self.open_api = gr.Textbox(visible=False)
+        # the inspector for scripts and tests: step by index (0 = oldest recent decode step), layer by number
+        self.step_index_api, self.layer_api = gr.Number(visible=False, precision=0), gr.Number(visible=False,
+                                                                                              precision=0)
+        self.inspect_api_button = gr.Button(visible=False)
+        self.status_button = gr.Button(visible=False)
+        self.list_button = gr.Button(visible=False)
+
+    # ---------------------------------------------------------------- events
+    def _then_refresh(self, event, **options):
+        """After `event`, the sidebar shows the sessions as they are now."""
+        return event.then(self.actions.refresh_sessions, None, [self.session_picker, self.title_box,
+                                                                self.system_box, self.session_info], **options)
+
+    def _bind(self, demo: gr.Blocks) -> None:
+        # scripts and tests (gradio_client, logged in with the key when the app has one) may call the events
+        # that have an api_name; the page's other events (and the destructive ones: delete, rename, model
+        # switch, system prompt, disk storage, dropping turns) are the page's own and not an API
+        act, hidden, private = self.actions, {"api_name": False}, {"api_visibility": "private"}
+        chat_and_box = [self.chatbot, self.message]
+        send = self.send_button.click(act.send, self.message, chat_and_box, api_name="send")
+        self._then_refresh(self.message.submit(act.send, self.message, chat_and_box, **hidden))
+        self._then_refresh(send, **hidden)
+        self.stop_button.click(act.stop, None, self.status, api_name="stop", queue=False)
+        self._then_refresh(self.regenerate_button.click(act.regenerate, None, self.chatbot, api_name="regenerate"),
+                           **hidden)
+        self._then_refresh(self.edit_button.click(act.edit, self.message, chat_and_box, api_name="edit_last"),
+                           **hidden)
+        self.drop_button.click(act.drop, self.message, self.chatbot, **private)
+        opened = [self.chatbot, self.status]
+        self._then_refresh(self.session_picker.input(act.open, self.session_picker, opened, **hidden), **hidden)
+        self.open_api.change(act.open, self.open_api, opened, api_name="open_session")
+        self._then_refresh(self.new_button.click(act.new, None, self.chatbot, api_name="new_session"), **hidden)
+        self._then_refresh(self.rename_button.click(act.rename, self.title_box, None, **private), **hidden)
+        self._then_refresh(self.delete_button.click(act.delete, None, self.chatbot, **private), **hidden)
+        self.export_button.click(act.export, None, self.export_file, api_name="export")
+        self._then_refresh(self.import_file.upload(act.import_, self.import_file, self.chatbot, api_name="import"),
+                           **hidden)
+        self._then_refresh(self.branch_button.click(act.branch, self.branch_number, self.chatbot, api_name="branch"),
+                           **hidden)
+        self._then_refresh(self.model_button.click(act.switch_model, [self.model_picker, self.model_path],
+                                                   [self.chatbot, self.model_info, self.model_picker],
+                                                   **private), **hidden)
+        self.system_button.click(act.system_prompt, self.system_box, self.settings_status, **private)
+        self._then_refresh(self.storage_button.click(act.storage, [self.kv_format, self.kv_limit],
+                                                     self.storage_status, **private), **hidden)
+        self.apply_button.click(act.apply_settings, self.settings_inputs, self.settings_status,
+                                api_name="apply_settings")
+        self.inspect_button.click(act.inspect, [self.step_picker, self.layer_picker], self.inspector_html, **hidden)
+        self.inspect_api_button.click(act.inspect_index, [self.step_index_api, self.layer_api], self.inspector_html,
+                                      api_name="inspect")
+        self.timer.tick(act.tick, self.last_seen, [self.status, self.memory_plot, self.fetch_plot, self.sparsity_plot,
+                                                   self.timing_plot, self.step_picker, self.layer_picker, self.chatbot,
+                                                   self.session_picker, self.session_info, self.model_info,
+                                                   self.last_seen], api_name=False, show_progress="hidden")
+        self.status_button.click(act.app_status, None, self.sessions_json, api_name="status")
+        self.list_button.click(act.list_sessions, None, self.sessions_json, api_name="list_sessions")
+        self._then_refresh(demo.load(act.history, None, self.chatbot, **hidden), **hidden)
