@@ -162,7 +162,8 @@ def test_the_page_asks_for_the_key_and_never_fetches_remote_images(app, image_se
         page.wait_for_function("document.querySelector('#ig-chat').innerText.includes('withheld')",
                                timeout=120_000)
         shown = page.locator("#ig-chat [data-testid='user']").last.inner_text()
-        assert f"[image from 127.0.0.1 withheld]" in shown
+        assert shown.count("[image from 127.0.0.1 withheld]") == 2, shown  # the Markdown image and the <img>
+        assert page.locator(f"#ig-chat img[src*='{image_server}'], #ig-chat img[srcset*='{image_server}']").count() == 0
         page.wait_for_function("!document.querySelector('#ig-status').innerText.match(/Generating|Reading/)",
                                timeout=240_000)
         page.wait_for_timeout(1000)
