@@ -81,13 +81,15 @@ def test_the_api_flags_and_the_key_an_exposed_api_needs(monkeypatch):
     monkeypatch.delenv("INFINIGEN_API_KEY", raising=False)
     args = parse_args([])
     assert args.api and args.api_key is None and args.api_max_waiting == 4  # on, keyless, on loopback only
-    assert not parse_args(["--no-api", "--host", "0.0.0.0"]).api
+    assert not parse_args(["--no-api", "--host", "0.0.0.0", "--api-key", "k"]).api  # the key guards the page
+    assert not parse_args(["--no-api"]).api  # on loopback the page needs no key
     assert parse_args(["--host", "0.0.0.0", "--api-key", "k"]).api_key == "k"
     assert parse_args(["--host", "::1"]).api_key is None  # IPv6 loopback needs no key
     monkeypatch.setenv("INFINIGEN_API_KEY", "from-env")
     assert parse_args(["--host", "192.168.1.5"]).api_key == "from-env"
     monkeypatch.delenv("INFINIGEN_API_KEY")
-    for bad in (["--api-max-waiting", "-1"], ["--api-key", " "], ["--share"], ["--host", "example.org"]):
+    for bad in (["--api-max-waiting", "-1"], ["--api-key", " "], ["--share"], ["--host", "example.org"],
+                ["--no-api", "--host", "0.0.0.0"], ["--no-api", "--share"]):  # the page alone is exposed too
         with pytest.raises(SystemExit) as exit_info:
             parse_args(bad)
         assert exit_info.value.code == 2
@@ -103,8 +105,14 @@ def test_an_exposed_app_without_an_api_key_refuses_to_start_and_says_why(tmp_pat
                           cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2
-    assert "--api-key" in done.stderr and "--no-api" in done.stderr and "0.0.0.0" in done.stderr
+    assert "--api-key" in done.stderr and "0.0.0.0" in done.stderr and "loopback" in done.stderr
     assert not any(tmp_path.iterdir())  # refused before anything was written
+    page_only = subprocess.run([sys.executable, "app.py", "--no-api", "--host", "0.0.0.0", "--data-dir",
+                                str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,
+                               capture_output=True, text=True, timeout=120)
+    assert page_only.returncode == 2  # --no-api leaves the page, which the key guards as well
+    assert "--api-key" in page_only.stderr and "chat page" in page_only.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_the_kv_storage_setting_applies_at_once_and_spares_the_open_session(tmp_path, real_engine):

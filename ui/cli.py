@@ -54,10 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key is empty: give a key, or leave the flag out")
     exposed = args.share or not is_loopback(args.host)
-    if args.api and exposed and args.api_key is None:
+    if exposed and args.api_key is None:  # the page alone (--no-api) is as open as the API: both need the key
         where = "a public --share link" if args.share else f"--host {args.host}"
-        parser.error(f"with {where} the API would answer anyone who can reach it: give --api-key KEY "
-                     f"(or set {API_KEY_VARIABLE}), or turn the API off with --no-api")
+        served = "the chat page and the API" if args.api else "the chat page (--no-api turns off only the API)"
+        parser.error(f"with {where}, {served} would answer anyone who can reach it: give --api-key KEY "
+                     f"(or set {API_KEY_VARIABLE}), the page's login password and the API's key, or listen on "
+                     f"loopback only (--host 127.0.0.1, without --share)")
     from sessions.storage import StorageConfig, parse_size
 
     try:
