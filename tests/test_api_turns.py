@@ -134,3 +134,47 @@ def test_switching_models_closes_the_apis_session_too(tmp_path, real_engine):
         for chat in {controller.chat, controller.api_chat} - {None}:
             chat.close()
         controller.engine.close()
+
+
+
+def _follow_up(request: dict, answer, question: str) -> dict:
+    return {"messages": request["messages"] + [
+        {"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": question}], "max_tokens": 4}
+
+
+def test_cached_tokens_exclude_what_reopening_re_read_after_the_disk_limit_dropped_the_chunks(loaded):
+    """The issue: cached_tokens said 362 of 377 prompt tokens were cached after the disk budget had dropped the
+    session's chunks and they were re-read. A continued conversation reopened from intact chunks reports all
+    it did not read as cached; one whose chunks the budget dropped reports the re-read tokens as read."""
+    import dataclasses
+
+    from sessions.budget import enforce_disk_limit
+
+    client = api_client(loaded)
+    dropped_request = {"messages": [{"role": "user", "content": "Name three mountains of Asia, please."}],
+                       "max_tokens": 4}
+    kept_request = {"messages": [{"role": "user", "content": "Name three rivers of Europe, please."}], "max_tokens": 4}
+    dropped = client.post("/v1/chat/completions", json=dropped_request)
+    kept = client.post("/v1/chat/completions", json=kept_request)  # closes the first (the API keeps one open)
+    client.post("/v1/chat/completions", json=HELLO)  # closes the second; this one stays open (locked)
+    dropped_id, kept_id = dropped.headers["x-infinigen-session"], kept.headers["x-infinigen-session"]
+    assert loaded.store.chunks(dropped_id) and loaded.store.chunks(kept_id)
+
+    storage = loaded.store.storage
+    loaded.store.storage = dataclasses.replace(storage, kv_disk_limit=loaded.store.kv_bytes() - 1)
+    assert enforce_disk_limit(loaded.store) == [dropped_id]  # the least recently used session's chunks go
+    loaded.store.storage = storage
+    assert not loaded.store.chunks(dropped_id) and loaded.store.chunks(kept_id)
+
+    intact = client.post("/v1/chat/completions", json=_follow_up(kept_request, kept, "And lakes?"))
+    assert intact.headers["x-infinigen-session"] == kept_id and intact.headers["x-infinigen-continued"] == "true"
+    assert loaded.api_chat.restore.tokens_prefilled == 0  # read back from its chunks, not re-read
+    usage = intact.json()["usage"]
+    assert 0 < usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] < 20  # the new turn only
+
+    reread = client.post("/v1/chat/completions", json=_follow_up(dropped_request, dropped, "And glaciers?"))
+    assert reread.headers["x-infinigen-session"] == dropped_id and reread.headers["x-infinigen-continued"] == "true"
+    assert loaded.api_chat.restore.tokens_prefilled > 20  # the whole stored conversation was read again
+    usage = reread.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # every token of this prompt was read
