@@ -171,3 +171,54 @@ def test_the_page_asks_for_the_key_and_never_fetches_remote_images(app, image_se
     assert _Recorder.seen == []
     stored = Client(app.url, verbose=False, auth=("me", KEY)).predict(api_name="/list_sessions")[0]
     assert stored["message_count"] == 2  # the message was sent and stored (with its original text)
+
+
+class _Store:
+    """What sessions.budget uses of a SessionStore: the open session's 3 MiB of chunks, another's 1 MiB."""
+
+    def __init__(self, data_dir: Path, limit: int) -> None:
+        from sessions.storage import StorageConfig
+
+        self.data_dir, self.storage = data_dir, StorageConfig(kv_disk_limit=limit)
+        self.sizes = {"open": 3 << 20, "idle": 1 << 20}
+
+    def kv_bytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def sessions_with_chunks_least_recent_first(self) -> list[str]:
+        return [session_id for session_id, size in self.sizes.items() if size]
+
+    def drop_all_chunks(self, session_id: str) -> None:
+        self.sizes[session_id] = 0
+
+
+def test_a_disk_limit_below_the_open_session_is_recorded_logged_once_and_said(tmp_path, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from sessions.budget import enforce_disk_limit
+    from sessions.lock import session_lock
+    from ui.page_text import status_text
+
+    store = _Store(tmp_path, limit=2 << 20)
+    held = session_lock(tmp_path, "open").acquire()  # the open session: the budget must not touch it
+    try:
+        with caplog.at_level(logging.WARNING, logger="infinigen.sessions"):
+            assert enforce_disk_limit(store) == ["idle"]
+            assert enforce_disk_limit(store) == []  # still over, said once
+        assert store.sizes == {"open": 3 << 20, "idle": 0}
+        assert store.over_disk_limit == (3 << 20, 2 << 20)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "3.0 MiB" in warnings[0] and "over its limit of 2.0 MiB" in warnings[0]
+
+        controller = SimpleNamespace(engine=object(), store=store, status="Ready", restore_message="",
+                                     progress=SimpleNamespace(phase="idle"))
+        line = status_text(controller)
+        assert line.startswith("**Ready.**") and "over its limit" in line
+        assert "3.0 MiB used, limit 2.0 MiB" in line
+
+        store.storage = type(store.storage)(kv_disk_limit=8 << 20)  # a limit that fits again: nothing said
+        assert enforce_disk_limit(store) == [] and store.over_disk_limit is None
+        assert "limit" not in status_text(controller)
+    finally:
+        held.release()
