@@ -79,3 +79,14 @@ def running_app(data_dir: Path, timeout_s: float = 600, args: tuple[str, ...] = 
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def log_in(page, app: RunningApp) -> None:
+    """In a Playwright page that opened `app.url`: fill Gradio's login form when the app has a key (the page
+    shows no chat until then); nothing to do without one."""
+    if app.auth is None:
+        return
+    page.wait_for_selector("input[type='password']", timeout=60_000)
+    page.locator("input[type='text']").first.fill(app.auth[0])
+    page.locator("input[type='password']").fill(app.auth[1])
+    page.locator("button:has-text('Login')").click()

@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
-from app_server import running_app
+from app_server import log_in, running_app
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 
@@ -32,6 +32,7 @@ def page(app):
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         page = browser.new_page(viewport={"width": 1400, "height": 1300})
         page.goto(app.url)
+        log_in(page, app)  # when INFINIGEN_API_KEY is set, the page asks for it first
         page.wait_for_selector("#ig-status:has-text('Ready')", timeout=120_000)
         yield page
         browser.close()
@@ -115,7 +116,8 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page, app):
     import urllib.request
 
     body = json.dumps({"messages": [{"role": "user", "content": "Hello from a script"}], "max_tokens": 4}).encode()
-    request = urllib.request.Request(f"{app.url}v1/chat/completions", body, {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {app.auth[1]}"} if app.auth else {})
+    request = urllib.request.Request(f"{app.url}v1/chat/completions", body, headers)
     with urllib.request.urlopen(request, timeout=240) as response:
         assert response.status == 200
     page.locator("#ig-sessions input").click()

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from app_server import running_app
+from app_server import log_in, running_app
 from gradio_client import Client
 
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -45,6 +45,7 @@ def page(app):
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         page = browser.new_page(viewport={"width": 1280, "height": 800})
         page.goto(app.url)
+        log_in(page, app)  # when INFINIGEN_API_KEY is set, the page asks for it first
         page.wait_for_selector("#ig-status:has-text('Ready')", timeout=120_000)
         yield page
         browser.close()
@@ -62,7 +63,7 @@ def test_attach_a_file_ask_and_ask_again_in_a_new_chat_without_reading_it_again(
     ARTIFACTS.mkdir(exist_ok=True)
     document = tmp_path / "harbour log.txt"
     document.write_text(harbour_log())
-    status = Client(app.url, verbose=False)
+    status = Client(app.url, verbose=False, auth=app.auth)
 
     # attach through the message box's own file input: its card and the window share show before sending
     page.locator("#ig-message input[type=file]").set_input_files(str(document))
