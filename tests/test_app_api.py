@@ -87,7 +87,7 @@ def test_bad_input_gets_a_readable_message(client):
 
 
 def test_inspector_shows_fetched_tokens_beside_true_attention(client):
-    client.predict("infinigen", 5, "0.2", 0.25, "", True, 0.0, 1.0, 0, 1.0, 8, api_name="/apply_settings")
+    client.predict("infinigen", 5, "0.2", 0.25, "", True, 0.0, 1.0, 0, 1.0, 8, 0, api_name="/apply_settings")  # no floor: a short chat selects
     client.predict(api_name="/new_session")
     client.predict("Tell me about the moon.", api_name="/send")
     page = client.predict(4, 10, api_name="/inspect")

@@ -64,6 +64,9 @@ def render(engine, step_index: int, layer: int) -> str:
         return (f"<p>Layer {layer} is a sliding-window layer ({engine.adapter.layer_kind(layer)}): it attends to the "
                 f"last {window} tokens only, so InfiniGen does not select on it. Pick a global layer: "
                 f"{_global_layers(engine)}.</p>")
+    if stats.dense_reason:
+        return (f"<p>Layer {layer} attended densely at this step ({stats.dense_reason}: all {stats.context_len} "
+                f"past tokens fit in the fetch budget, so nothing was speculated or selected).</p>")
     if not stats.sparse:
         return (f"<p>Layer {layer} attended densely at this step (all {stats.context_len} past tokens): the first "
                 f"layers and the full and offload policies do not select.</p>")

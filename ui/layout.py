@@ -17,26 +17,16 @@ import gradio as gr
 from infinigen_core.config import POLICY_NAMES
 from sessions import format_size
 
+from .chat_view import ChatView
 from .controller import ChatController
 from .page_actions import ATTACHABLE, TICK_SECONDS, PageActions
 from .page_text import status_text
-from .remote_images import withhold_in_history
 
 CSS = """
 .ig-hit { border-radius: 3px; }
 #ig-status { min-height: 2.2em; }
 footer { display: none !important; }
 """
-
-
-class ChatView(gr.Chatbot):
-    """gr.Chatbot (`is_template`: the same frontend) that shows "[image from HOST withheld]" for a remote image
-    in any message: the page's CSP blocks the fetch anyway, this says so. What is stored is untouched."""
-
-    is_template = True
-
-    def postprocess(self, value):
-        return super().postprocess(withhold_in_history(value))
 
 
 def build_app(controller: ChatController) -> gr.Blocks:
@@ -180,6 +170,9 @@ class ChatPage:
         self.timer = gr.Timer(TICK_SECONDS)
         self.last_seen = gr.State(None)  # what the page was last sent (PageActions.tick)
         self.open_api = gr.Textbox(visible=False)
+        # scripts send and edit plain text (the page's box takes files too): /send and /edit_last
+        self.text_api = gr.Textbox(visible=False)
+        self.send_api_button, self.edit_api_button = gr.Button(visible=False), gr.Button(visible=False)
         # the inspector for scripts and tests: step by index (0 = oldest recent decode step), layer by number
         self.step_index_api, self.layer_api = gr.Number(visible=False, precision=0), gr.Number(visible=False,
                                                                                               precision=0)
@@ -199,9 +192,13 @@ class ChatPage:
         # switch, system prompt, disk storage, dropping turns) are the page's own and not an API
         act, hidden, private = self.actions, {"api_name": False}, {"api_visibility": "private"}
         chat_and_box = [self.chatbot, self.message, self.attachment_info]
-        send = self.send_button.click(act.send, self.message, chat_and_box, api_name="send")
-        self._then_refresh(self.message.submit(act.send, self.message, chat_and_box, **hidden))
-        self._then_refresh(send, **hidden)
+        self._then_refresh(self.send_button.click(act.send, self.message, chat_and_box, **hidden), **hidden)
+        self._then_refresh(self.message.submit(act.send, self.message, chat_and_box, **hidden), **hidden)
+        script_chat = [self.chatbot, self.text_api]
+        self._then_refresh(self.send_api_button.click(act.send_text, self.text_api, script_chat, api_name="send"),
+                           **hidden)
+        self._then_refresh(self.edit_api_button.click(act.edit_text, self.text_api, script_chat,
+                                                      api_name="edit_last"), **hidden)
         self.message.change(act.preview, self.message, self.attachment_info, api_name=False,
                             show_progress="hidden", trigger_mode="always_last")
         self._then_refresh(self.file_chat_button.click(act.file_chat, None, [self.chatbot, self.message,
@@ -210,8 +207,8 @@ class ChatPage:
         self.stop_button.click(act.stop, None, self.status, api_name="stop", queue=False)
         self._then_refresh(self.regenerate_button.click(act.regenerate, None, self.chatbot, api_name="regenerate"),
                            **hidden)
-        self._then_refresh(self.edit_button.click(act.edit, self.message, [self.chatbot, self.message],
-                                                  api_name="edit_last"), **hidden)
+        self._then_refresh(self.edit_button.click(act.edit, self.message, [self.chatbot, self.message], **hidden),
+                           **hidden)
         self.drop_button.click(act.drop, self.message, self.chatbot, **private)
         opened = [self.chatbot, self.status]
         self._then_refresh(self.session_picker.input(act.open, self.session_picker, opened, **hidden), **hidden)

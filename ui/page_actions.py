@@ -149,6 +149,16 @@ class PageActions:
         if documents and sent:
             yield history, EMPTY_BOX, self.tokens_read_note()
 
+    def send_text(self, text: str) -> Iterator[tuple[list[dict], str]]:
+        """`/send` for scripts: a plain message in, (history, "") out, as before the box took files."""
+        for history, _box, _note in self.send(text):
+            yield history, ""
+
+    def edit_text(self, text: str) -> Iterator[tuple[list[dict], str]]:
+        """`/edit_last` for scripts, likewise."""
+        for history, _box in self.edit(text):
+            yield history, ""
+
     def tokens_read_note(self) -> str:
         """After a turn with attachments: how much of its prompt the model read, and how much came from stored KV
         (a chat about a file read before starts from that chat's KV)."""

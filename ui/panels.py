@@ -36,6 +36,7 @@ class PanelData:
     window: int = 1
     policy: str = ""
     layer_kinds: list[str] = field(default_factory=list)  # per layer: "global", "sliding 512", "global, no RoPE"
+    dense_reason: str | None = None  # why the latest step's sparse layers attended densely (a short chat)
 
     def sliding_layers(self) -> list[int]:
         return [layer for layer, kind in enumerate(self.layer_kinds) if kind.startswith("sliding")]
@@ -70,6 +71,7 @@ def collect(engine, tokens_per_second: float = 0.0) -> PanelData:
         for layer in step.layers:
             matrix[layer.layer, column] = layer.fetched_ratio
     data.sparsity = matrix
+    data.dense_reason = steps[-1].dense_reason
     data.latest_ratio = matrix[:, -1].tolist()
     data.mean_ratio = matrix.mean(axis=1).tolist()
     splits = [s.time_split_ms() for s in steps]
@@ -102,6 +104,8 @@ def fetch_table(data: PanelData) -> Table:
                           "kind": kinds * 2})
     sliding = data.sliding_layers()
     caption = f"policy {data.policy}" if layers else "no decode step yet"
+    if data.dense_reason and layers:  # the budget covers every token: nothing to select yet
+        caption += f"; {data.dense_reason}"
     if sliding and layers:  # their whole window is read; InfiniGen selects on the global layers only
         caption += f"; sliding-window layers (whole window read): {', '.join(map(str, sliding))}"
     return frame, caption
