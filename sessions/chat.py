@@ -14,7 +14,7 @@ flight. Chunk files are made durable before the database rows that name them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from infinigen_core import chat_token_ids, generate, GenerationEvent, SamplingConfig
@@ -241,10 +241,13 @@ class ChatSession:
 
     def user_message(self, text: str, attachments: list[Document] | tuple[Document, ...] = ()) -> tuple[str, list[dict]]:
         """The stored content of a message (the documents' text before the question) and its attachment records."""
+        return message_with_attachments(text.strip(), attachments), self._records(attachments)
+
+    def _records(self, attachments: Sequence[Document]) -> list[dict]:
+        """What the message keeps of its attachments (for its card), with each one's tokens."""
         tokenizer = self.engine.tokenizer
-        records = [attachment_record(d, len(tokenizer.encode(attachment_text(d), add_special_tokens=False))
-                                     if tokenizer is not None else None) for d in attachments]
-        return message_with_attachments(text.strip(), attachments), records
+        return [attachment_record(d, len(tokenizer.encode(attachment_text(d), add_special_tokens=False))
+                                  if tokenizer is not None else None) for d in attachments]
 
     def send(self, text: str, sampling: SamplingConfig = SamplingConfig(), cancel=None,
              on_prefill_progress: Progress | None = None,
@@ -263,9 +266,11 @@ class ChatSession:
         yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress)
 
     def extend(self, turns: list[tuple[str, str]], sampling: SamplingConfig = SamplingConfig(), cancel=None,
-               on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
+               on_prefill_progress: Progress | None = None,
+               documents: Sequence[Sequence[Document]] = ()) -> Iterator[GenerationEvent]:
         """Append (role, content) messages as an API client sends them, then stream and store the reply to the
-        whole conversation. Checked against the window first; the messages are stored in one transaction."""
+        whole conversation. Checked against the window first; the messages are stored in one transaction.
+        `documents`, per turn where given, are the files whose text its content holds (kept as its cards)."""
         tokenizer = self.engine.tokenizer
         turns_so_far, rows = self._conversation(), []
         end = len(self._conversation_ids()) if turns_so_far else 0
@@ -274,7 +279,9 @@ class ChatSession:
                 raise SessionError(f"a stored message is from the user or the assistant, not {role!r}")
             turns_so_far.append({"role": role, "content": content})
             start, end = end, len(chat_token_ids(tokenizer, turns_so_far, add_generation_prompt=False))
-            rows.append([role, content, start, end])
+            rows.append([role, content, start, end, ()])
+        for row, attached in zip(rows, documents):
+            row[4] = self._records(attached)
         prompt_ids = reply_prompt_ids(tokenizer, turns_so_far, self.engine.max_context)
         if rows and rows[-1][0] == "user":
             rows[-1][3] = len(prompt_ids)  # like `send`: a user message's span ends after the reply's opening

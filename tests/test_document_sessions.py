@@ -132,6 +132,10 @@ def test_a_document_is_read_once_for_any_new_chat_also_after_a_restart(tmp_path,
                                            add_generation_prompt=True))
         assert response.json()["usage"]["prompt_tokens"] == prompt_tokens
         assert restarted.api_chat.last_read_tokens < 40
+        # the API's message keeps its attachment's record too: the page shows the card, not the document's text
+        stored = restarted.store.messages(restarted.api_chat.id)[0]
+        assert [(r["name"], r["sha256"]) for r in stored.attachments] == [("harbour log.txt", doc.sha256)]
+        assert stored.attachments[0]["tokens"] > 0
     finally:
         for chat in {restarted.chat, restarted.api_chat} - {None}:
             chat.close()
@@ -178,6 +182,7 @@ def test_api_file_parts_are_converted_and_bad_ones_are_a_400_in_openais_shape():
 
     parsed = request(file_part("harbour log.txt", DOCUMENT_BYTES), {"type": "text", "text": "How many ships?"})
     assert parsed.turns == (("user", message_with_attachments("How many ships?", [document()])),)
+    assert [[d.sha256 for d in attached] for attached in parsed.documents] == [[document().sha256]]
     for parts, words in [((file_part("broken.pdf", b"%PDF-1.7 no"), ), "broken.pdf"),
                          (({"type": "image_url", "image_url": {"url": "x"}},), "file parts"),
                          (({"type": "file", "file": {"file_id": "file-1"}},), "file_id is not"),

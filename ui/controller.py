@@ -177,5 +177,5 @@ class ChatController:
 
     def answer_api(self, system: str, turns: list[tuple[str, str]], prompt_ids: list[int],
                    sampling: SamplingConfig, cancel: threading.Event, turn: ApiTurn,
-                   max_waiting: int) -> Iterator[GenerationEvent]:
-        return self.api.answer(system, turns, prompt_ids, sampling, cancel, turn, max_waiting)
+                   max_waiting: int, documents=()) -> Iterator[GenerationEvent]:
+        return self.api.answer(system, turns, prompt_ids, sampling, cancel, turn, max_waiting, documents)

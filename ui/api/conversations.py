@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from documents import Document
 from infinigen_core import ConfigError, ContextOverflowError, GenerationEvent, SamplingConfig
 from sessions import ChatSession, SessionError, SessionLockedError, SessionStore
 
@@ -43,11 +44,13 @@ class ApiConversations:
         self.turns_run = 0  # API turns run, so the page knows to refresh its session list
 
     def answer(self, system: str, turns: Turns, prompt_ids: list[int], sampling: SamplingConfig,
-               cancel: threading.Event, turn: ApiTurn, max_waiting: int) -> Iterator[GenerationEvent]:
+               cancel: threading.Event, turn: ApiTurn, max_waiting: int,
+               documents: Sequence[tuple[Document, ...]] = ()) -> Iterator[GenerationEvent]:
         """Answer an API request's conversation (system prompt, then (role, content) turns, templated into
         `prompt_ids`), one turn at a time with the page. It extends the stored API conversation it continues,
         or starts a new API session that shares the longest stored token prefix's chunks. Raises QueueFull
-        when `max_waiting` requests already wait, Abandoned when `cancel` is set before the turn comes."""
+        when `max_waiting` requests already wait, Abandoned when `cancel` is set before the turn comes.
+        `documents`, per turn, are the files attached to it: stored as its attachment records (cards)."""
         self.host.require_engine()
         with self.turns.queued(cancel, max_waiting):  # only this client going away ends the wait
             try:
@@ -61,7 +64,8 @@ class ApiConversations:
                     on_progress(done, total)
                     turn.prefilled_tokens = turn.reread_tokens + total
 
-                yield from self.turns.track(chat.extend(new_turns, sampling, either, on_prefill))
+                attached = tuple(documents)[len(turns) - len(new_turns):] if documents else ()
+                yield from self.turns.track(chat.extend(new_turns, sampling, either, on_prefill, attached))
             except (SessionError, ContextOverflowError, ConfigError) as error:
                 raise UserError(str(error)) from None
             finally:

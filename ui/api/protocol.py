@@ -43,21 +43,22 @@ class ChatRequest:
     sampling: SamplingConfig
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
+    documents: tuple[tuple[Document, ...], ...] = ()  # per turn, the files attached to it (their text is in it)
 
 
 def _bad(message: str, param: str, code: str | None = None) -> ApiError:
     return ApiError(400, message, param, code or "invalid_value")
 
 
-def _content(message: dict, index: int) -> str:
+def _content(message: dict, index: int) -> tuple[str, tuple[Document, ...]]:
     param = f"messages[{index}].content"
     content = message.get("content")
     if content is None:
         if message.get("tool_calls") or message.get("function_call"):
             raise _bad("tool calls are not supported: this server has no tools", param, "unsupported_value")
-        return ""
+        return "", ()
     if isinstance(content, str):
-        return content
+        return content, ()
     if isinstance(content, list):
         parts, documents = [], []
         for number, part in enumerate(content):
@@ -71,7 +72,8 @@ def _content(message: dict, index: int) -> str:
             parts.append(part["text"])
         # the documents go before the question, in one fixed format: the same file gives the same tokens in
         # any conversation, so a new one shares the stored KV of an earlier one (documents.prompt)
-        return message_with_attachments("".join(parts).strip() if documents else "".join(parts), documents)
+        text = message_with_attachments("".join(parts).strip() if documents else "".join(parts), documents)
+        return text, tuple(documents)
     raise _bad("content must be a string or a list of text and file parts", param, "invalid_type")
 
 
@@ -99,10 +101,10 @@ def _file_part(part: dict, param: str) -> Document:
         raise _bad(str(error), param, "invalid_file") from None
 
 
-def _messages(value) -> tuple[str, tuple[tuple[str, str], ...]]:
+def _messages(value) -> tuple[str, tuple[tuple[str, str], ...], tuple[tuple[Document, ...], ...]]:
     if not isinstance(value, list) or not value:
         raise _bad("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects", "messages")
-    system, turns = [], []
+    system, turns, documents = [], [], []
     for index, message in enumerate(value):
         if not isinstance(message, dict):
             raise _bad("each message must be an object with a role and a content", f"messages[{index}]")
@@ -112,7 +114,7 @@ def _messages(value) -> tuple[str, tuple[tuple[str, str], ...]]:
                        "unsupported_value")
         if role not in SYSTEM_ROLES + CHAT_ROLES:
             raise _bad(f"unknown role {role!r}: use system, user or assistant", f"messages[{index}].role")
-        content = _content(message, index)
+        content, attached = _content(message, index)
         if role in SYSTEM_ROLES:
             if turns:
                 raise _bad("system messages are accepted only at the start of the conversation",
@@ -120,7 +122,8 @@ def _messages(value) -> tuple[str, tuple[tuple[str, str], ...]]:
             system.append(content)
         else:
             turns.append((role, content))
-    return "\n\n".join(system), tuple(turns)
+            documents.append(attached)
+    return "\n\n".join(system), tuple(turns), tuple(documents)
 
 
 def _number(body: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
@@ -181,7 +184,7 @@ def parse_chat_request(body, model_id: str, defaults: SamplingConfig) -> ChatReq
     if model is not None and model != model_id:
         raise ApiError(404, f"the model {model!r} is not served here; this server runs {model_id!r}", "model",
                        "model_not_found")
-    system, turns = _messages(body.get("messages"))
+    system, turns, documents = _messages(body.get("messages"))
     _refuse_unsupported(body)
     stream = body.get("stream")
     if stream not in (None, True, False):
@@ -205,4 +208,4 @@ def parse_chat_request(body, model_id: str, defaults: SamplingConfig) -> ChatReq
         )
     except ConfigError as error:  # a combination the sampler refuses
         raise _bad(str(error), None) from None
-    return ChatRequest(system, turns, sampling, bool(stream), bool(options.get("include_usage")))
+    return ChatRequest(system, turns, sampling, bool(stream), bool(options.get("include_usage")), documents)

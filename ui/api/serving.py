@@ -139,7 +139,7 @@ class Generation:
         self._loop = asyncio.get_running_loop()
         self._items: asyncio.Queue = asyncio.Queue()
         args = (chat_request.system, list(chat_request.turns), prompt_ids, chat_request.sampling,
-                self.cancel, self.turn, max_waiting)
+                self.cancel, self.turn, max_waiting, chat_request.documents)
         self._thread = threading.Thread(target=self._run, args=(controller, args), daemon=True,
                                         name="api-generation")
         self._thread.start()
