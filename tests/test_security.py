@@ -159,7 +159,9 @@ def test_the_page_asks_for_the_key_and_never_fetches_remote_images(app, image_se
         box = page.locator("#ig-message textarea")
         box.fill(f"Describe ![x]({url}) and <img src={url}?html> briefly.")
         box.press("Enter")
-        page.wait_for_function("document.querySelector('#ig-chat').innerText.includes('withheld')",
+        # the user's bubble is drawn, then redrawn as the turn's first update arrives: wait for its final text
+        page.wait_for_function("""[...document.querySelectorAll("#ig-chat [data-testid='user']")].some(
+                                      m => (m.innerText.match(/withheld/g) || []).length >= 2)""",
                                timeout=120_000)
         shown = page.locator("#ig-chat [data-testid='user']").last.inner_text()
         assert shown.count("[image from 127.0.0.1 withheld]") == 2, shown  # the Markdown image and the <img>
