@@ -19,7 +19,7 @@ import threading
 import zipfile
 from pathlib import Path, PurePath
 
-from documents.document import Document, DocumentError, DocumentKind
+from documents.document import Document, DocumentError
 from documents.html_text import html_to_text
 from documents.sniff import detect_kind
 

@@ -90,3 +90,27 @@ def log_in(page, app: RunningApp) -> None:
     page.locator("input[type='text']").first.fill(app.auth[0])
     page.locator("input[type='password']").fill(app.auth[1])
     page.locator("button:has-text('Login')").click()
+
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package: Playwright's own browser download fails here
+
+
+@contextlib.contextmanager
+def chromium_page(url: str, width: int = 1400, height: int = 1300) -> Iterator:
+    """A headless Chromium page at `url` (skips the test where Debian's chromium is missing)."""
+    import pytest
+
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian chromium is not installed (apt-get install chromium)")
+    args = ["--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    if os.geteuid() == 0:
+        args.append("--no-sandbox")
+    with playwright_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.goto(url)
+            yield page
+        finally:
+            browser.close()

@@ -5,11 +5,10 @@ import time
 from pathlib import Path
 
 import pytest
-from app_server import log_in, running_app
+from app_server import chromium_page, log_in, running_app
 
-playwright_api = pytest.importorskip("playwright.sync_api")
+pytest.importorskip("playwright.sync_api")
 
-CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
 BOT = "#ig-chat [data-testid='bot']"
@@ -23,19 +22,10 @@ def app(tmp_path_factory):
 
 @pytest.fixture
 def page(app):
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian chromium is not installed (apt-get install chromium)")
-    args = ["--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-    if os.geteuid() == 0:
-        args.append("--no-sandbox")
-    with playwright_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
-        page = browser.new_page(viewport={"width": 1400, "height": 1300})
-        page.goto(app.url)
+    with chromium_page(app.url, 1400, 1300) as page:
         log_in(page, app)  # when INFINIGEN_API_KEY is set, the page asks for it first
         page.wait_for_selector("#ig-status:has-text('Ready')", timeout=120_000)
         yield page
-        browser.close()
 
 
 def send(page, text: str, by: str = "Enter") -> None:

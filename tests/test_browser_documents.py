@@ -6,12 +6,12 @@ import re
 from pathlib import Path
 
 import pytest
-from app_server import log_in, running_app
+from app_server import chromium_page, log_in, running_app
 from gradio_client import Client
 
-playwright_api = pytest.importorskip("playwright.sync_api")
+pytest.importorskip("playwright.sync_api")
 
-from test_browser import BOT, CHROMIUM, reply_lengths_while_streaming  # noqa: E402
+from test_browser import BOT, reply_lengths_while_streaming  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -36,19 +36,10 @@ def app(tmp_path_factory):
 
 @pytest.fixture
 def page(app):
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian chromium is not installed (apt-get install chromium)")
-    args = ["--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-    if os.geteuid() == 0:
-        args.append("--no-sandbox")
-    with playwright_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
-        page = browser.new_page(viewport={"width": 1280, "height": 800})
-        page.goto(app.url)
+    with chromium_page(app.url, 1280, 800) as page:
         log_in(page, app)  # when INFINIGEN_API_KEY is set, the page asks for it first
         page.wait_for_selector("#ig-status:has-text('Ready')", timeout=120_000)
         yield page
-        browser.close()
 
 
 def ask(page, question: str, replies_before: int) -> None:

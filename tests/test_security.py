@@ -6,18 +6,16 @@ from __future__ import annotations
 import http.client
 import http.server
 import json
-import os
 import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from app_server import running_app
+from app_server import chromium_page, running_app
 from gradio_client import Client
 
 KEY = "sec-key-51c9"
-CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
@@ -139,16 +137,7 @@ def image_server():
 
 
 def test_the_page_asks_for_the_key_and_never_fetches_remote_images(app, image_server):
-    playwright_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian chromium is not installed")
-    args = ["--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-    if os.geteuid() == 0:
-        args.append("--no-sandbox")
-    with playwright_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
-        page = browser.new_page(viewport={"width": 1400, "height": 1300})
-        page.goto(app.url)
+    with chromium_page(app.url, 1400, 1300) as page:
         page.wait_for_selector("input[type='password']", timeout=60_000)
         assert page.locator("#ig-chat").count() == 0 and page.locator("#ig-message").count() == 0
         page.locator("input[type='text']").first.fill("me")
@@ -169,7 +158,6 @@ def test_the_page_asks_for_the_key_and_never_fetches_remote_images(app, image_se
         page.wait_for_function("!document.querySelector('#ig-status').innerText.match(/Generating|Reading/)",
                                timeout=240_000)
         page.wait_for_timeout(1000)
-        browser.close()
     assert _Recorder.seen == []
     stored = Client(app.url, verbose=False, auth=("me", KEY)).predict(api_name="/list_sessions")[0]
     assert stored["message_count"] == 2  # the message was sent and stored (with its original text)
