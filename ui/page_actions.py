@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,6 +25,7 @@ ATTACHABLE = (".pdf", ".docx", ".html", ".htm", ".xhtml", ".txt", ".md", ".markd
               ".py", ".rst", ".log", ".tex")
 EMPTY_BOX = {"text": "", "files": []}
 PANEL_OUTPUTS = 10  # the tick's outputs between the status line and its state: 4 plots, 2 pickers, 4 views
+CONVERTED_KEPT = 8  # converted attachments kept for the send that follows their preview
 TICK_SECONDS = 2.0  # the live panels' pace: one small table per tick costs a decode step nothing measurable
 
 
@@ -63,7 +65,8 @@ def shows_errors(handler: Callable) -> Callable:
 class PageActions:
     def __init__(self, controller: ChatController, export_dir: Path) -> None:
         self.controller, self.export_dir = controller, export_dir
-        self._converted: dict[str, Document] = {}  # by the file's sha256: a file is converted once per process
+        # by the file's sha256, the most recent few: a file is converted once, not again when the message is sent
+        self._converted: OrderedDict[str, Document] = OrderedDict()
         self.pending: list[Document] = []  # attached again by "New chat about this file", sent with the next message
 
     # ---------------------------------------------------------------- attachments
@@ -79,6 +82,9 @@ class PageActions:
                 document = self._converted.get(digest)
                 if document is None or document.name != name:
                     document = self._converted[digest] = convert_file(path, name)
+                self._converted.move_to_end(digest)
+                while len(self._converted) > CONVERTED_KEPT:  # each holds up to 2,000,000 characters
+                    self._converted.popitem(last=False)
             except DocumentError as error:
                 raise UserError(str(error)) from None
             except OSError as error:
@@ -196,6 +202,7 @@ class PageActions:
     def open(self, session_id):
         if session_id:
             self.controller.open_session(session_id)
+            self.pending = []  # files attached again for a new chat stay with that chat
         return self.history(), status_text(self.controller)
 
     @shows_errors
