@@ -37,6 +37,9 @@ class EngineConfig:
     The defaults (alpha 12, budget 0.15, partial ratio 0.5) come from the sweep in docs/BENCHMARKS.md: on
     SmolLM2's 64-channel heads the paper's alpha 5 / ratio 0.25 rehearse attention too coarsely.
     dense_layers: the first layers attend densely (their inputs differ too much to speculate from).
+    dense_under_budget: while the budget (its floor included) covers every past token, the sparse layers
+        attend densely and skip speculation, since a selection would keep every token anyway; False keeps
+        the selecting path at any length (to measure or test it).
     pool_limit_tokens: optional cap on the host KV pool; beyond it entries are evicted by fetch rate,
         sparing `sink_tokens` attention sinks and the `recent_window` newest tokens.
     """
@@ -48,6 +51,7 @@ class EngineConfig:
     min_fetch_tokens: int = 256
     partial_ratio: float = 0.5
     dense_layers: int = 2
+    dense_under_budget: bool = True
     pool_limit_tokens: int | None = None
     sink_tokens: int = 4
     recent_window: int = 64

@@ -335,7 +335,7 @@ class InfiniGenEngine:
 
     def _budget_covers(self, past_len: int) -> bool:
         """A sparse policy's budget (its floor included) reaches every past token: selecting would keep all."""
-        if not self._has_sparse_layers:
+        if not self._has_sparse_layers or not self.config.dense_under_budget:
             return False
         return self.config.budget_tokens_for(past_len) >= past_len
 

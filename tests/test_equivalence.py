@@ -19,10 +19,10 @@ def teacher_forced_logits(engine) -> torch.Tensor:
 def test_full_budget_matches_dense(request, model_fixture, policy):
     model_and_skew = request.getfixturevalue(model_fixture)
     dense = make_tiny_engine(model_and_skew, policy="full", prefill_chunk=40)
-    sparse = make_tiny_engine(model_and_skew, policy=policy, budget=1.0, alpha=1e9, prefill_chunk=40)
     # a budget covering the context attends densely (tests/test_decode_step.py); here the selecting path
     # itself must be exact when it selects every row
-    sparse._budget_covers = lambda past_len: False
+    sparse = make_tiny_engine(model_and_skew, policy=policy, budget=1.0, alpha=1e9, prefill_chunk=40,
+                              dense_under_budget=False)
     try:
         expected, actual = teacher_forced_logits(dense), teacher_forced_logits(sparse)
         decode_steps = [s for s in sparse.history if s.is_decode]

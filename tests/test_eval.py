@@ -82,11 +82,11 @@ def test_agreement_of_full_with_itself_is_perfect_and_a_tiny_budget_is_not(tiny_
     assert result["streaming"]["match_prefix"] < 12
 
 
-def test_recall_is_complete_when_everything_is_fetched_and_partial_otherwise(tiny_engine, monkeypatch):
+def test_recall_is_complete_when_everything_is_fetched_and_partial_otherwise(tiny_engine):
     ids = random_tokens(PREFILL + 6, seed=7)
     # a budget covering the context attends densely and measures nothing; the selecting path is what is measured
-    monkeypatch.setattr(tiny_engine, "_budget_covers", lambda past_len: False)
-    everything = attention_recall(tiny_engine, ids[:PREFILL], ids[PREFILL:], configs("infinigen", budget=1.0, alpha=1e9))
+    everything = attention_recall(tiny_engine, ids[:PREFILL], ids[PREFILL:],
+                                  configs("infinigen", budget=1.0, alpha=1e9, dense_under_budget=False))
     assert sorted(everything["infinigen"]["per_layer"]) == [2, 3]  # the sparse layers only
     assert everything["infinigen"]["recall"] == pytest.approx(1.0, abs=1e-4)
     small = attention_recall(tiny_engine, ids[:PREFILL], ids[PREFILL:], configs("streaming", "infinigen", budget=0.1, alpha=1e9))

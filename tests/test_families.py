@@ -200,10 +200,10 @@ def test_infinigen_at_full_budget_equals_full(family):
     model_type, model, _ = family
     adapter = ModelAdapter.for_model(model)
     dense = engine_for(family, policy="full", prefill_chunk=32)
-    sparse = engine_for(family, policy="infinigen", budget=1.0, alpha=1e9, min_fetch_tokens=0, prefill_chunk=32)
     # a budget covering the context attends densely (tests/test_decode_step.py); here the selecting path itself
     # must be exact when it selects every row
-    sparse._budget_covers = lambda past_len: False
+    sparse = engine_for(family, policy="infinigen", budget=1.0, alpha=1e9, min_fetch_tokens=0, prefill_chunk=32,
+                        dense_under_budget=False)
     try:
         expected, actual = teacher_forced(dense), teacher_forced(sparse)
         step = [s for s in sparse.history if s.is_decode][-1]
