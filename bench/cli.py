@@ -19,6 +19,7 @@ from pathlib import Path
 
 from infinigen_core import ConfigError, ContextOverflowError, EngineConfig
 from infinigen_core.config import parse_budget
+from infinigen_core.weights import WEIGHT_CHOICES, WEIGHTS_HELP
 from .common import (EvalError, format_table, load_token_ids, machine_description, parse_numbers, parse_policies,
                      read_text, to_json, windows)
 
@@ -52,8 +53,7 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
     parser.add_argument("--dense-layers", type=int, default=EngineConfig.dense_layers)
     parser.add_argument("--model", help="checkpoint directory or .gguf (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
-    parser.add_argument("--weights", choices=("fp32", "int8"), default=None,
-                        help="decode weights (default fp32; int8 is CPU only)")
+    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
 
@@ -75,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     agree.add_argument("--new-tokens", type=int, default=64)
     agree.add_argument("--windows", type=int, default=1)
 
+    weights = commands.add_parser("weights", help="perplexity and agreement of compact decode weights against fp32")
+    _common(weights, None)
+    weights.add_argument("--kinds", default="int8,int4,auto", help="decode weights to compare with fp32 (default int8,int4,auto)")
+    weights.add_argument("--policy", default="full", help="the KV policy every kind runs under (default full)")
+    weights.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
+    weights.add_argument("--prefill", type=int, help="tokens prefilled per window (default: all but the last min(256, N/4))")
+    weights.add_argument("--windows", type=int, default=2)
+    weights.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared per window (default 32)")
+
     recall = commands.add_parser("recall", help="per-layer share of the true attention mass fetched")
     _common(recall, "infinigen,h2o,streaming")
     recall.add_argument("--context", type=int, default=2048)
@@ -86,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--decode-tokens", type=int, default=24, help="timed decode steps per policy and context")
     speed.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the policies")
     speed.add_argument("--no-reference", action="store_true", help="skip the plain transformers row")
-    speed.add_argument("--int8-row", metavar="POLICY", help="also POLICY with int8 decode weights (row POLICY+int8)")
+    speed.add_argument("--weights-rows", metavar="POLICY+KIND,...", default="",
+                       help="also these policies with other decode weights, e.g. full+fp32,infinigen+int8")
     speed.add_argument("--llama-python", type=Path, help="an interpreter with llama-cpp-python: adds llama.cpp's "
                        "rows (same GGUF and token ids, n_threads=2) and each row's ratio to it")
     speed.add_argument("--gguf", type=Path, help="the GGUF llama.cpp loads (default: the default model's, cached)")
@@ -192,6 +202,28 @@ def run_agree(args) -> tuple[str, dict]:
         "context": args.context, **results}
 
 
+def run_weights(args) -> tuple[str, dict]:
+    from infinigen_core.weights import WEIGHT_CHOICES
+
+    from .weights import compare_weights
+
+    kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
+    unknown = [kind for kind in kinds if kind not in WEIGHT_CHOICES]
+    if unknown:
+        raise EvalError(f"--kinds: unknown {', '.join(unknown)}; use {', '.join(WEIGHT_CHOICES)}")
+    config = _base_config(args).with_changes(policy=args.policy)
+    text = read_text(args.text)  # bad input fails before the model loads
+    engine = _load_engine(args)
+    ids = load_token_ids(engine.tokenizer, text, args.context, args.text)
+    results = compare_weights(engine, windows(ids, args.context, args.windows), _prefill_for(args), kinds, config,
+                              args.new_tokens, _log)
+    rows = [{"weights": kind, **values} for kind, values in results.items()]
+    table = format_table(rows, ["weights", "ppl", "ppl_vs_fp32", "agreement", "match_prefix", "new_tokens",
+                                "max_logit_diff", "ms_per_token", "scored_tokens"])
+    return table, {"context": args.context, "prefill": _prefill_for(args), "windows": args.windows,
+                   "policy": args.policy, **results}
+
+
 def run_recall(args) -> tuple[str, dict]:
     from .recall import attention_recall
 
@@ -209,11 +241,16 @@ def run_recall(args) -> tuple[str, dict]:
 
 
 def run_speed(args) -> tuple[str, dict]:
-    from .speed import INT8_SUFFIX, decode_speed, llama_cpp_rows, tokens_needed, with_ratios
+    from infinigen_core.weights import WEIGHT_CHOICES
+
+    from .speed import decode_speed, llama_cpp_rows, row_weights, tokens_needed, with_ratios
 
     configs = _configs(args)
-    if args.int8_row:
-        configs[args.int8_row + INT8_SUFFIX] = _base_config(args).with_changes(policy=args.int8_row)
+    for name in filter(None, (row.strip() for row in args.weights_rows.split(","))):
+        policy, kind = row_weights(name)
+        if kind not in WEIGHT_CHOICES:
+            raise EvalError(f"--weights-rows {name!r}: write POLICY+KIND, KIND one of {', '.join(WEIGHT_CHOICES)}")
+        configs[name] = _base_config(args).with_changes(policy=policy)
     contexts = parse_numbers(args.context, int)
     text = read_text(args.text)  # bad input fails before the model loads
     gguf = args.gguf
@@ -340,7 +377,7 @@ def run_plot(args) -> tuple[str, dict]:
     return "\n".join(made) if made else "no saved results found", {"plots": made}
 
 
-RUNNERS = {"ppl": run_ppl, "agree": run_agree, "recall": run_recall, "speed": run_speed, "sweep": run_sweep,
+RUNNERS = {"ppl": run_ppl, "agree": run_agree, "weights": run_weights, "recall": run_recall, "speed": run_speed, "sweep": run_sweep,
            "resume": run_resume, "gpu": run_gpu, "api": run_api, "page": run_page,
            "documents": run_documents, "plot": run_plot}
 

@@ -8,8 +8,8 @@ process slows them alike; the first step after each switch is a warm-up and is n
 step time is reported (robust to such bursts) and its ratio to `full`'s. Two reference rows run plain
 transformers over the same tokens: `transformers` (its own DynamicCache, no engine) and `hf-offload`
 (`DynamicCache(offloading=True)`, what a transformers user picks to keep the cache off the GPU).
-`POLICY+int8` (`--int8-row POLICY`) is that policy with int8 decode weights (weights.py), in the same
-interleaved rounds. `llama.cpp` (`--llama-python PATH`) is llama.cpp on the same GGUF and the same token
+`POLICY+KIND` (`--weights-rows full+fp32,...`) is that policy with other decode weights (weights.py:
+fp32, int8, int4, auto) in the same interleaved rounds; the plain rows use the weights the model loaded with. `llama.cpp` (`--llama-python PATH`) is llama.cpp on the same GGUF and the same token
 ids, run by that interpreter in a subprocess (bench/llama_peer.py, n_threads=2), after our rounds: its
 rounds cannot interleave with ours. `prompt_tokens_per_s` is the prefill's; `ratio_to_llama_cpp` is a
 row's ms/token over llama.cpp's. Every row also gives the aten operations of one decode step (kernel launches on a GPU), how many of them
@@ -31,36 +31,19 @@ import torch
 from infinigen_core import EngineConfig
 from .common import EvalError, decode_tokens, load_prefix, synchronize
 from .opcount import OpCounter
+from .weights import DecodeWeights
 
 REFERENCE = "transformers"
 HF_OFFLOAD = "hf-offload"
 LLAMA_CPP = "llama.cpp"
-INT8_SUFFIX = "+int8"
+WEIGHTS_SEPARATOR = "+"  # a row "POLICY+KIND" runs POLICY with those decode weights
 PEER_SCRIPT = Path(__file__).with_name("llama_peer.py")
 
 
-class _DecodeWeights:
-    """Switches the engine's model between fp32 and int8 decode weights, back to how it was loaded after."""
-
-    def __init__(self, model) -> None:
-        from infinigen_core.weights import Int8DecodeLinear
-
-        self.model = model
-        self.loaded_int8 = any(isinstance(m, Int8DecodeLinear) for m in model.modules())
-        self.int8 = self.loaded_int8
-
-    def use(self, int8: bool) -> None:
-        from infinigen_core.weights import restore_fp32_weights, use_int8_decode_weights
-
-        if int8 != self.int8:
-            if int8 and not use_int8_decode_weights(self.model):
-                raise EvalError("int8 decode weights are unavailable here (see the log)")
-            if not int8:
-                restore_fp32_weights(self.model)
-            self.int8 = int8
-
-    def restore(self) -> None:
-        self.use(self.loaded_int8)
+def row_weights(name: str) -> tuple[str, str | None]:
+    """A row name's (policy, decode weights): "full+fp32" -> ("full", "fp32"), "full" -> ("full", None)."""
+    policy, _, kind = name.partition(WEIGHTS_SEPARATOR)
+    return policy, kind or None
 
 
 def tokens_needed(context: int, decode_tokens_n: int, rounds: int) -> int:
@@ -82,7 +65,7 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
                         f"{engine.max_context}: use a context of at most {engine.max_context - per_round - 2}")
     prefix = list(ids[:context])
     first = next(iter(configs.values()))
-    weights = _DecodeWeights(engine.model)
+    weights = DecodeWeights(engine.model)
     if progress:
         progress(f"context {context}: prefill")
     engine.reset()
@@ -94,7 +77,7 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
         for name, config in configs.items():
             if progress:
                 progress(f"context {context}: round {round_index + 1}/{rounds}, {name}")
-            weights.use(name.endswith(INT8_SUFFIX) or weights.loaded_int8)
+            weights.use(row_weights(name)[1])
             load_prefix(engine, config, prefix)
             engine.prepare(per_round + 2)  # as a reply does: no pool growth inside a timed step
             # each round decodes the same next tokens: the same work for every policy

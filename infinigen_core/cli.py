@@ -19,6 +19,7 @@ from .arch import UnsupportedModelError
 from .config import POLICY_NAMES, ConfigError, EngineConfig, SamplingConfig, parse_budget, parse_pool_limit, pool_limit_tokens
 from .engine import ContextOverflowError
 from .loading import ModelLoadError
+from .weights import WEIGHT_CHOICES, WEIGHTS_HELP
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,8 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     gen.add_argument("--quantize", choices=("8bit", "4bit"), default=None,
                      help="load the weights in 8 or 4 bits with bitsandbytes (CUDA only)")
-    gen.add_argument("--weights", choices=("fp32", "int8"), default=None,
-                     help="decode with int8 (fbgemm) or fp32 Linear weights; prefill stays fp32 (default fp32; int8 is CPU only)")
+    gen.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
     gen.add_argument("--cache-dir", type=Path, default=None, help="model and skew cache (default: user cache)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the results last")
     return parser

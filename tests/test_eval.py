@@ -16,8 +16,10 @@ from bench.ppl import perplexity
 from bench.recall import attention_recall
 from bench.speed import decode_speed
 from bench.sweep import choose_defaults, sweep
+from bench.weights import compare_weights
 from infinigen_core import EngineConfig
 from infinigen_core.calibration import calibration_text
+from infinigen_core.weights import decode_weight_kinds
 
 CONTEXT = 160
 PREFILL = 128
@@ -118,6 +120,32 @@ def test_speed_rows_compare_every_policy_with_full_in_the_same_run(tiny_engine):
         decode_speed(tiny_engine, ids[:PREFILL], PREFILL, configs("full"), decode_tokens_n=6)
     with pytest.raises(EvalError, match="exceeds the model's window"):
         decode_speed(tiny_engine, random_tokens(1100), 1022, configs("full"), decode_tokens_n=6)
+
+
+def test_weights_rows_run_in_the_same_rounds_and_the_model_ends_as_it_was_loaded(tiny_engine, monkeypatch):
+    monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)  # the tiny model's layers are small
+    ids = random_tokens(PREFILL + 12, seed=11)
+    runs = {**configs("full"), "full+int4": configs("full")["full"], "full+fp32": configs("full")["full"]}
+    rows = decode_speed(tiny_engine, ids, PREFILL, runs, decode_tokens_n=4, rounds=2, reference=False)
+    assert [row["policy"] for row in rows] == ["full", "full+int4", "full+fp32"]
+    assert all(row["decode_steps"] == 4 and row["ops_per_step"] > 0 for row in rows)
+    assert decode_weight_kinds(tiny_engine.model) == {}  # loaded fp32: fp32 again after
+
+
+def test_compare_weights_scores_every_kind_against_fp32_on_the_same_tokens(tiny_engine, monkeypatch):
+    monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)
+    window = random_tokens(CONTEXT, seed=12)
+    result = compare_weights(tiny_engine, [window], PREFILL, ["int8", "fp32", "int4"], EngineConfig(policy="full"),
+                             new_tokens=4)
+    assert list(result) == ["fp32", "int8", "int4"]  # the reference first, once
+    fp32 = result["fp32"]
+    assert (fp32["ppl_vs_fp32"], fp32["agreement"], fp32["max_logit_diff"], fp32["match_prefix"]) == (0, 1, 0, 4)
+    assert fp32["ppl"] == pytest.approx(perplexity(tiny_engine, [window], PREFILL, configs("full"))["full"]["ppl"], rel=1e-6)
+    for kind in ("int8", "int4"):
+        row = result[kind]
+        assert 0 < row["max_logit_diff"] < 0.5 and abs(row["ppl_vs_fp32"]) < 0.05 and row["agreement"] >= 0.8
+        assert row["scored_tokens"] == CONTEXT - PREFILL - 1
+    assert decode_weight_kinds(tiny_engine.model) == {} and tiny_engine.num_tokens == 0
 
 
 def test_sweep_covers_the_grid_and_choose_defaults_takes_the_cheapest_within_tolerance(tiny_engine):

@@ -7,6 +7,8 @@ import ipaddress
 import os
 from pathlib import Path
 
+from infinigen_core.weights import WEIGHT_CHOICES, WEIGHTS_HELP
+
 API_KEY_VARIABLE = "INFINIGEN_API_KEY"
 
 
@@ -28,8 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where sessions are stored (default: $INFINIGEN_DATA_DIR or ~/.local/share/infinigen-chat)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--weights", choices=("fp32", "int8"), default=None,
-                        help="decode with int8 or fp32 Linear weights (default fp32; int8 is CPU only)")
+    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
     parser.add_argument("--quantize", choices=("8bit", "4bit"), default=None,
                         help="load the weights in 8 or 4 bits with bitsandbytes (CUDA only)")
     parser.add_argument("--share", action="store_true", help="also create a public Gradio share link (off by default)")

@@ -36,7 +36,7 @@ class ModelHost:
     def __init__(self, model: str | None = None, device: str = "auto", quantize: str | None = None,
                  loader: Callable | None = None, weights: str | None = None) -> None:
         self.model_path, self.device, self.quantize = model, device, quantize
-        self.weights = weights  # fp32 | int8 | None (load_engine's default: fp32)
+        self.weights = weights  # auto | fp32 | int8 | int4 | None (load_engine's default: auto on the CPU)
         self.engine = None
         self.status = "Starting..."
         self.load_error: str | None = None

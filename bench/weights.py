@@ -1,0 +1,117 @@
+"""How much compact decode weights (infinigen_core/weights.py) change what the model says, against fp32.
+
+    python -m bench weights --text book.txt --context 1024 --windows 2 --kinds int8,int4,auto
+
+Per window of the text: the first `prefill` tokens are prefilled (always with the fp32 weights), the rest
+are fed one decode step at a time with each kind of decode weights in turn, under one policy (default
+full). Per kind: perplexity of the scored tokens and its change against fp32 (`ppl_vs_fp32`); `agreement`,
+the share of steps whose top token is fp32's top token (teacher-forced on the text, so one slip does not
+spoil the rest); `max_logit_diff`; and `match_prefix`, the greedy tokens generated from the window's
+prefix that equal fp32's before the first difference (what a chat user would see), out of `--new-tokens`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+
+from infinigen_core import EngineConfig
+from .common import EvalError, decode_tokens, load_prefix, mean_nll
+
+REFERENCE_KIND = "fp32"
+
+
+class DecodeWeights:
+    """Switches the engine's model between decode-weight kinds (weights.py), each built once, and back to
+    how it was loaded after."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.current = "loaded"
+        self.layers = {"loaded": self._compact_layers()}
+
+    def _compact_layers(self) -> list[tuple]:
+        from infinigen_core.weights import DecodeLinear
+
+        return [(parent, name, child) for parent in self.model.modules() for name, child in parent.named_children()
+                if isinstance(child, DecodeLinear)]
+
+    def use(self, kind: str | None) -> None:
+        """`kind` (fp32 | int8 | int4 | auto) for every layer, or None: as loaded."""
+        from infinigen_core.weights import restore_fp32_weights, use_decode_weights
+
+        kind = kind or "loaded"
+        if kind == self.current:
+            return
+        restore_fp32_weights(self.model)
+        if kind not in self.layers:
+            if kind != "fp32" and not use_decode_weights(self.model, kind):
+                raise EvalError(f"{kind} decode weights are unavailable here (see the log)")
+            self.layers[kind] = self._compact_layers()
+        for parent, name, child in self.layers[kind]:
+            setattr(parent, name, child)
+        self.current = kind
+
+    def restore(self) -> None:
+        self.use(None)
+
+
+
+def _greedy(engine, config: EngineConfig, prefix: list[int], new_tokens: int) -> list[int]:
+    load_prefix(engine, config, prefix[:-1])
+    tokens, token = [], prefix[-1]
+    for _ in range(new_tokens):
+        token = int(engine.decode(token).argmax())
+        tokens.append(token)
+    return tokens
+
+
+def _same_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def compare_weights(engine, windows: Sequence[Sequence[int]], prefill: int, kinds: Sequence[str], config: EngineConfig,
+                    new_tokens: int = 32, progress=None) -> dict[str, dict]:
+    """Per kind (fp32 first, the reference): ppl, ppl_vs_fp32, agreement, max_logit_diff, match_prefix, ms_per_token."""
+    if not windows:
+        raise EvalError("no text windows to score")
+    if not 1 <= prefill <= len(windows[0]) - 2:
+        raise EvalError(f"prefill must leave at least 2 of the {len(windows[0])} tokens to score, got {prefill}")
+    kinds = [REFERENCE_KIND, *(kind for kind in kinds if kind != REFERENCE_KIND)]
+    weights = DecodeWeights(engine.model)
+    per = {kind: {"nll": 0.0, "count": 0, "agree": [], "diff": 0.0, "prefix": [], "ms": []} for kind in kinds}
+    try:
+        for index, window in enumerate(windows):
+            prefix, rest = list(window[:prefill]), list(window[prefill:])
+            reference_logits = reference_greedy = None
+            for kind in kinds:
+                if progress:
+                    progress(f"window {index + 1}/{len(windows)}: {kind} ({len(rest) - 1} decode steps)")
+                weights.use(kind)
+                load_prefix(engine, config, prefix)
+                run = decode_tokens(engine, rest[:-1])
+                greedy = _greedy(engine, config, prefix, new_tokens)
+                if reference_logits is None:
+                    reference_logits, reference_greedy = run.logits, greedy
+                totals = per[kind]
+                nll, count = mean_nll(run.logits, rest[1:])
+                totals["nll"] += nll
+                totals["count"] += count
+                totals["agree"] += (run.logits.argmax(-1) == reference_logits.argmax(-1)).tolist()
+                totals["diff"] = max(totals["diff"], float((run.logits - reference_logits).abs().max()))
+                totals["prefix"].append(_same_prefix(greedy, reference_greedy))
+                totals["ms"] += run.step_ms
+    finally:
+        engine.reset()
+        weights.restore()
+    reference_ppl = math.exp(per[REFERENCE_KIND]["nll"] / per[REFERENCE_KIND]["count"])
+    results = {}
+    for kind, totals in per.items():
+        ppl = math.exp(totals["nll"] / totals["count"])
+        results[kind] = {"ppl": ppl, "ppl_vs_fp32": ppl / reference_ppl - 1.0,
+                         "agreement": statistics.fmean(totals["agree"]), "max_logit_diff": totals["diff"],
+                         "match_prefix": statistics.fmean(totals["prefix"]), "new_tokens": new_tokens,
+                         "ms_per_token": statistics.fmean(totals["ms"]), "scored_tokens": totals["count"]}
+    return results
