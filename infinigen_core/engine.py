@@ -32,7 +32,7 @@ from .policies import POLICIES, PolicyContext, Selection
 from .prefix import common_prefix_length
 from .rows import export_rows, import_rows
 from .stats import DeferredValues, LayerStats, StepStats
-from .weights import weights_label
+from .weights import plain_fp32_weights, weights_label
 
 ATTENTION_NAME = "infinigen"
 KEEP_SELECTIONS_STEPS = 16  # decode steps whose selected positions stay inspectable (they stay on the device)
@@ -106,7 +106,7 @@ class InfiniGenEngine:
         self.skew_set = skew_set
         self.fingerprint = fingerprint
         self.legacy_fingerprints: tuple[str, ...] = ()  # what earlier versions called this model (loading.py)
-        self.weights = weights_label(model)  # "int8 weights" where decode runs int8 layers (weights.py)
+        self.weights = weights_label(model)  # e.g. "int4 weights (head bf16)": what decode steps read (weights.py)
         self.token_ids: list[int] = []
         self.history: deque[StepStats] = deque(maxlen=config.history_steps)
         self.steps_run = 0
@@ -186,16 +186,22 @@ class InfiniGenEngine:
 
     @torch.inference_mode()
     def prefill(self, token_ids: Iterable[int], progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
-        """Append tokens in chunks of `prefill_chunk`; returns the logits [vocab] after the last one."""
+        """Append tokens in chunks of `prefill_chunk`; returns the logits [vocab] after the last one.
+
+        Prefill runs the plain fp32 model even where decode steps read compact weights (weights.py): the
+        prompt's K/V are the fp32 model's, and so is the first reply token, also when the prompt was cached
+        and only its last token runs again (the same seed gives the same reply either way).
+        """
         token_ids = list(token_ids)
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         self._check_fits(len(token_ids))
         logits = None
-        for start in range(0, len(token_ids), self.config.prefill_chunk):
-            logits = self._forward(token_ids[start : start + self.config.prefill_chunk])[-1]
-            if progress is not None:
-                progress(min(start + self.config.prefill_chunk, len(token_ids)), len(token_ids))
+        with plain_fp32_weights(self.model):
+            for start in range(0, len(token_ids), self.config.prefill_chunk):
+                logits = self._forward(token_ids[start : start + self.config.prefill_chunk])[-1]
+                if progress is not None:
+                    progress(min(start + self.config.prefill_chunk, len(token_ids)), len(token_ids))
         return logits
 
     @torch.inference_mode()
