@@ -2,10 +2,12 @@
 
 One forward step, in order:
   1. the pool reserves slots for the new tokens (evicting now, if limited);
-  2. the model runs its own forward; before each attention module a pre-hook hands that layer's input
-     to the policy, which may speculate which slots a later layer needs and start fetching them;
-  3. our registered attention function writes the layer's new K/V to the pool, then attends densely
-     (prefill, dense layers, dense policies) or over the fetched rows plus the new token;
+  2. the model runs its own forward (at one token, `decode_step`: compiled where compiled.py could, else
+     eager; prefill always eager); a pre-hook passes each attention module's input on to our attention;
+  3. our registered attention function (`_attend`, one opaque op inside a compiled step) first lets the
+     policy speculate from that input which slots the next layer needs and start fetching them, then
+     writes the layer's new K/V to the pool and attends densely (prefill, dense layers, dense policies) or
+     over the fetched rows plus the new token;
   4. per-layer statistics of the step are kept for the UI and the benchmarks.
 Masks come from the pool's positions, not from transformers, so the mask registration returns None.
 The attention maths of step 3 lives in attention.py; a saved session's rows are exported and imported by
@@ -26,6 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .arch import ModelAdapter
 from .attention import PoolAttention
 from .config import ConfigError, EngineConfig
+from .compiled import DecodeStep, pool_attention, stepping
 from .fetch import PendingFetch, make_fetcher
 from .kv_pool import KVPool, release_pinned_memory
 from .policies import POLICIES, PolicyContext, Selection
@@ -73,10 +76,18 @@ class _Step:
 
 
 def _attention_entry(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    step = kwargs.pop("infinigen_step", None)
-    if step is None:  # the model used outside the engine: plain causal attention
+    if not kwargs.pop("infinigen_pool", False):  # the model used outside the engine: plain causal attention
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    return step.engine._attend(module.layer_idx, query, key, value, scaling, step)
+    layer_input, position_embeddings = kwargs.get("infinigen_layer_input", (None, None))  # None: hooks removed
+    return pool_attention(module.layer_idx, query, key, value, scaling, layer_input, position_embeddings), None
+
+
+def _hand_layer_input_to_attention(module, args, kwargs):
+    """The attention module's input, passed on to our attention function: speculation for the next layer
+    reads it there. A plain function of its arguments, so that a compiled step traces it (see compiled.py)."""
+    if not kwargs.get("infinigen_pool", False):
+        return None
+    return args, {**kwargs, "infinigen_layer_input": (kwargs["hidden_states"], kwargs.get("position_embeddings"))}
 
 
 def _masks_come_from_the_pool(*args, **kwargs):
@@ -113,12 +124,13 @@ class InfiniGenEngine:
         self._attention_modules = self.adapter.attention_modules(model)
         model.set_attn_implementation(ATTENTION_NAME)
         self._hooks = [
-            module.register_forward_pre_hook(self._before_attention, with_kwargs=True)
+            module.register_forward_pre_hook(_hand_layer_input_to_attention, with_kwargs=True)
             for module in self._attention_modules
         ]
         self.pool: KVPool | None = None
         self.fetcher = None
         self._ones: torch.Tensor | None = None
+        self.decode_step = DecodeStep(model)  # one-token steps: compiled by compiled.compile_decode, else eager
         self.configure(config)
 
     # ------------------------------------------------------------------ settings
@@ -305,17 +317,19 @@ class InfiniGenEngine:
         if step.is_decode and not self.policy.keeps_pool_on_device:
             step.prefetched[0] = self._start_fetch(0, step)  # later layers are started one layer ahead
         started = time.perf_counter()
+        run = self.decode_step if step.is_decode else self.model
         try:
-            output = self.model(
-                input_ids=self._to_device(torch.tensor([token_ids])),
-                position_ids=step.query_positions.unsqueeze(0),
-                # our mask function returns None; passing a mask only spares transformers a look at the
-                # position ids (a host read) for packed sequences
-                attention_mask=self._all_ones(n),
-                use_cache=False,
-                logits_to_keep=1,
-                infinigen_step=step,
-            )
+            with stepping(step):
+                output = run(
+                    input_ids=self._to_device(torch.tensor([token_ids])),
+                    position_ids=step.query_positions.unsqueeze(0),
+                    # our mask function returns None; passing a mask only spares transformers a look at the
+                    # position ids (a host read) for packed sequences
+                    attention_mask=self._all_ones(n),
+                    use_cache=False,
+                    logits_to_keep=1,
+                    infinigen_pool=True,
+                )
         except BaseException:
             self.policy.finish_step(completed=False)
             if self.pool.truncate(first):
@@ -373,23 +387,20 @@ class InfiniGenEngine:
         on_device = self.pool.bytes_allocated() if self.policy.keeps_pool_on_device else 0
         return partial + on_device
 
-    def _before_attention(self, module, args, kwargs):
-        step = kwargs.get("infinigen_step")
-        # Several engines may wrap one model (tests, the eval tools); each handles only its own steps.
-        if step is None or step.engine is not self or not step.is_decode:
-            return None
-        target = module.layer_idx + 1
+    def _speculate_next(self, layer: int, layer_input, position_embeddings, step: "_Step") -> None:
+        """Before `layer` attends: start the next layer's fetch, of the slots the policy speculates it needs
+        (from this layer's input) or of all its rows, so that the fetch overlaps this layer's work."""
+        target = layer + 1
         if target >= self.adapter.num_layers:
-            return None
+            return
         if step.selects(target):
             new_slots = None if self.pool.last_reserved_contiguous else step.device_slots[target]
-            selection = self.policy.speculate(module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"),
-                                              step.query_positions, step.past_len, new_slots)
+            selection = self.policy.speculate(layer, layer_input, position_embeddings, step.query_positions,
+                                              step.past_len, new_slots)
             if selection is not None:
                 step.prefetched[target] = (self.fetcher.start_rows(target, selection.slots), selection)
         elif not self.policy.keeps_pool_on_device:
             step.prefetched[target] = self._start_fetch(target, step)
-        return None
 
     def _start_fetch(self, layer: int, step: "_Step") -> tuple[PendingFetch, Selection | None]:
         """Start the fetch of a layer that nothing speculated for: its selected rows, or all of it."""
@@ -399,7 +410,9 @@ class InfiniGenEngine:
                 return self.fetcher.start_rows(layer, selection.slots), selection
         return self.fetcher.start_layer(layer), None
 
-    def _attend(self, layer: int, query, key, value, scaling: float, step: _Step):
+    def _attend(self, step: _Step, layer: int, query, key, value, scaling: float, layer_input, position_embeddings):
+        if step.is_decode and layer_input is not None:
+            self._speculate_next(layer, layer_input, position_embeddings, step)
         started = time.perf_counter()
         new_keys, new_values = key[0], value[0]  # [kv_heads, n, dim]
         self.fetcher.write(layer, step.slots[layer], new_keys, new_values)
@@ -420,7 +433,7 @@ class InfiniGenEngine:
                 self._record_selection(layer, query, key, scaling, selection, stats, step)
         stats.compute_ms = (time.perf_counter() - started) * 1e3 - stats.fetch_wait_ms
         step.stats.layers.append(stats)
-        return out, None
+        return out
 
     def _record_selection(self, layer, query, key, scaling, selection, stats, step) -> None:
         """What a sparse layer fetched, for the panels and the inspector: no host read here."""
