@@ -97,8 +97,15 @@ def compile_unavailable_reason(device: torch.device) -> str | None:
 
         get_cpp_compiler()  # raises where no working C++ compiler is found
     except Exception as error:  # an import or a probe failing says the same: not here
-        return f"{type(error).__name__}: {error}"
+        return _reason(error)
     return None
+
+
+def _reason(error: Exception) -> str:
+    """One line for the log and the model summary: the compiler's own error where dynamo wrapped it."""
+    cause = getattr(error, "inner_exception", None) or error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[0] if lines else 'no message'}"
 
 
 class DecodeStep:
@@ -128,7 +135,7 @@ class DecodeStep:
             try:
                 self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False, **options)
             except Exception as error:  # torch.compile itself refusing (an unsupported Python, a bad option)
-                reason = f"{type(error).__name__}: {error}"
+                reason = _reason(error)
         if reason is not None:
             self._fall_back(reason)
         else:
@@ -142,7 +149,7 @@ class DecodeStep:
                 return self._compiled(**inputs)
             except torch._dynamo.exc.TorchDynamoException as error:
                 # tracing or compiling failed; with fullgraph nothing of the step has run yet: run it eager
-                self._fall_back(f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}")
+                self._fall_back(_reason(error))
         return self.model(**inputs)
 
     def _fall_back(self, reason: str) -> None:

@@ -17,6 +17,7 @@ rows.py; the engine attaches to the model, runs the step in this order and keeps
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -78,7 +79,7 @@ class _Step:
 def _attention_entry(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     if not kwargs.pop("infinigen_pool", False):  # the model used outside the engine: plain causal attention
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    layer_input, position_embeddings = kwargs.get("infinigen_layer_input", (None, None))  # None: hooks removed
+    layer_input, position_embeddings = kwargs["infinigen_layer_input"]
     return pool_attention(module.layer_idx, query, key, value, scaling, layer_input, position_embeddings), None
 
 
@@ -88,6 +89,18 @@ def _hand_layer_input_to_attention(module, args, kwargs):
     if not kwargs.get("infinigen_pool", False):
         return None
     return args, {**kwargs, "infinigen_layer_input": (kwargs["hidden_states"], kwargs.get("position_embeddings"))}
+
+
+_HOOKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # attention modules that carry the pre-hook
+
+
+def _pass_layer_inputs_on(attention_modules: list[torch.nn.Module]) -> None:
+    """One pre-hook per attention module for as long as the model lives, however many engines wrap it: the
+    model a compiled step traced stays the model it runs (engines coming and going would change its hooks)."""
+    for module in attention_modules:
+        if module not in _HOOKED:
+            module.register_forward_pre_hook(_hand_layer_input_to_attention, with_kwargs=True)
+            _HOOKED.add(module)
 
 
 def _masks_come_from_the_pool(*args, **kwargs):
@@ -123,10 +136,7 @@ class InfiniGenEngine:
         self.steps_run = 0
         self._attention_modules = self.adapter.attention_modules(model)
         model.set_attn_implementation(ATTENTION_NAME)
-        self._hooks = [
-            module.register_forward_pre_hook(_hand_layer_input_to_attention, with_kwargs=True)
-            for module in self._attention_modules
-        ]
+        _pass_layer_inputs_on(self._attention_modules)
         self.pool: KVPool | None = None
         self.fetcher = None
         self._ones: torch.Tensor | None = None
@@ -180,10 +190,8 @@ class InfiniGenEngine:
         self.policy.ensure_capacity(self.pool.capacity)
 
     def close(self) -> None:
-        """Detach from the model (its hooks) and stop the fetch worker; the engine is unusable after."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        """Stop the fetch worker and free the pool; the engine is unusable after (the model is not: outside an
+        engine's step it attends as transformers does)."""
         self.fetcher.close()
         release_pinned_memory(self.pool)
 
@@ -348,10 +356,13 @@ class InfiniGenEngine:
         return output.logits[0].float()
 
     def _budget_covers(self, past_len: int) -> bool:
-        """A sparse policy's budget (its floor included) reaches every past token: selecting would keep all."""
-        if not self._has_sparse_layers or not self.config.dense_under_budget:
+        """A sparse policy's budget (its floor included) reaches every past token: selecting would keep all.
+        With no past token at all (a first token decoded alone) there is nothing to select, whatever the config."""
+        if not self._has_sparse_layers:
             return False
-        return self.config.budget_tokens_for(past_len) >= past_len
+        if past_len == 0:
+            return True
+        return self.config.dense_under_budget and self.config.budget_tokens_for(past_len) >= past_len
 
     def _slots_on_device(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.pool.device == self.device:
@@ -367,9 +378,10 @@ class InfiniGenEngine:
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _all_ones(self, n: int) -> torch.Tensor:
-        if self._ones is None or self._ones.shape[1] < n:
-            self._ones = torch.ones(1, max(n, self.config.prefill_chunk), dtype=torch.long, device=self.device)
-        return self._ones[:, :n]
+        """[1, n] ones whose strides depend on n only (a compiled step's guards check them)."""
+        if self._ones is None or self._ones.shape[0] < n:
+            self._ones = torch.ones(max(n, self.config.prefill_chunk), dtype=torch.long, device=self.device)
+        return self._ones[:n].unsqueeze(0)
 
     def _send_device_values_to_host(self, step: "_Step") -> None:
         """One stacked, non-blocking copy per step of what the layers left on the device (alpha counts)."""
