@@ -28,11 +28,13 @@ step logs the reason once and decoding runs eager: the same tokens, only slower.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
@@ -156,6 +158,17 @@ class DecodeStep:
         self._compiled = None
         self.eager_reason = reason
         log.warning("decode steps run eager: %s", reason)
+
+
+def keep_cache_in(directory: Path) -> None:
+    """Inductor's cache (compiled graphs and kernels: the next start's compilation takes seconds) goes to
+    `directory`, unless $TORCHINDUCTOR_CACHE_DIR names a place of its own. Importing dynamo already set the
+    variable to inductor's default (in /tmp, gone at a reboot), so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
 
 
 def compile_decode(engine, progress: Callable[[str], None] = print, **options) -> str | None:

@@ -26,7 +26,7 @@ import torch
 
 from .arch import FAMILIES, ModelAdapter, UnsupportedModelError, unsupported_message
 from .calibration import calibrate, calibration_digest, calibration_text
-from .compiled import compile_decode as compile_decode_step
+from .compiled import compile_decode as compile_decode_step, keep_cache_in
 from .config import EngineConfig
 from .engine import InfiniGenEngine
 from .hub import ModelLoadError, names_a_hub_model, resolve_hub_id
@@ -305,6 +305,6 @@ def load_engine(model: str | None = None, *, device: str = "auto", config: Engin
     engine.legacy_fingerprints = (legacy,)
     engine.model_name = name
     if resolve_compile(compile_decode, compute_device):
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+        keep_cache_in(cache / "inductor")
         compile_decode_step(engine, progress)
     return engine
