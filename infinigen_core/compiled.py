@@ -66,6 +66,9 @@ def _attend(layer: int, query, key, value, scaling: float, layer_input, position
 @torch.library.custom_op("infinigen::pool_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _pool_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_input: torch.Tensor | None,
                        cos: torch.Tensor | None, sin: torch.Tensor | None, layer: int, scaling: float) -> torch.Tensor:
+    # The graph reuses its buffers once the op returns, but the engine keeps the new K/V past it (InfiniGen's
+    # partial keys are written at the step's end, a GPU's pool write lands later): it gets copies of its own.
+    key, value = key.clone(), value.clone()
     return _attend(layer, query, key, value, scaling, layer_input, None if cos is None else (cos, sin))
 
 
