@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot use the data directory: {error}", file=sys.stderr)
         return 2
     controller.host.weights = args.weights
+    controller.host.compile_decode = args.compile_decode
     controller.load_in_background(progress=lambda message: print(message, flush=True))
     demo = build_app(controller)
     from starlette.middleware import Middleware

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from infinigen_core import ConfigError, ContextOverflowError, EngineConfig
 from infinigen_core.config import parse_budget
+from infinigen_core.compiled import COMPILE_HELP
 from infinigen_core.weights import WEIGHT_CHOICES, WEIGHTS_HELP
 from .common import (EvalError, format_table, load_token_ids, machine_description, parse_numbers, parse_policies,
                      read_text, to_json, windows)
@@ -54,6 +55,8 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
     parser.add_argument("--model", help="checkpoint directory or .gguf (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
+    parser.add_argument("--compile", dest="compile_decode", action=argparse.BooleanOptionalAction, default=None,
+                        help=COMPILE_HELP)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
 
@@ -96,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the policies")
     speed.add_argument("--no-reference", action="store_true", help="skip the plain transformers row")
     speed.add_argument("--weights-rows", metavar="POLICY+KIND,...", default="",
-                       help="also these policies with other decode weights, e.g. full+fp32,infinigen+int8")
+                       help="also these policies with other decode weights, e.g. full+fp32,infinigen+int8, or "
+                            "with the decode step uncompiled: full+eager")
     speed.add_argument("--llama-python", type=Path, help="an interpreter with llama-cpp-python: adds llama.cpp's "
                        "rows (same GGUF and token ids, n_threads=2) and each row's ratio to it")
     speed.add_argument("--gguf", type=Path, help="the GGUF llama.cpp loads (default: the default model's, cached)")
@@ -165,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_engine(args):
     from infinigen_core import load_engine
 
-    return load_engine(args.model, device=args.device, config=_base_config(args), weights=args.weights, progress=_log)
+    return load_engine(args.model, device=args.device, config=_base_config(args), weights=args.weights,
+                       compile_decode=args.compile_decode, progress=_log)
 
 
 def _prefill_for(args) -> int:
@@ -243,13 +248,14 @@ def run_recall(args) -> tuple[str, dict]:
 def run_speed(args) -> tuple[str, dict]:
     from infinigen_core.weights import WEIGHT_CHOICES
 
-    from .speed import decode_speed, llama_cpp_rows, row_weights, tokens_needed, with_ratios
+    from .speed import EAGER, decode_speed, llama_cpp_rows, row_weights, tokens_needed, with_ratios
 
     configs = _configs(args)
     for name in filter(None, (row.strip() for row in args.weights_rows.split(","))):
         policy, kind = row_weights(name)
-        if kind not in WEIGHT_CHOICES:
-            raise EvalError(f"--weights-rows {name!r}: write POLICY+KIND, KIND one of {', '.join(WEIGHT_CHOICES)}")
+        if kind not in (*WEIGHT_CHOICES, EAGER):
+            raise EvalError(f"--weights-rows {name!r}: write POLICY+KIND, KIND one of "
+                            f"{', '.join((*WEIGHT_CHOICES, EAGER))}")
         configs[name] = _base_config(args).with_changes(policy=policy)
     contexts = parse_numbers(args.context, int)
     text = read_text(args.text)  # bad input fails before the model loads

@@ -9,7 +9,8 @@ step time is reported (robust to such bursts) and its ratio to `full`'s. Two ref
 transformers over the same tokens: `transformers` (its own DynamicCache, no engine) and `hf-offload`
 (`DynamicCache(offloading=True)`, what a transformers user picks to keep the cache off the GPU).
 `POLICY+KIND` (`--weights-rows full+fp32,...`) is that policy with other decode weights (weights.py:
-fp32, int8, int4, auto) in the same interleaved rounds; the plain rows use the weights the model loaded with. `llama.cpp` (`--llama-python PATH`) is llama.cpp on the same GGUF and the same token
+fp32, int8, int4, auto) in the same interleaved rounds, and `POLICY+eager` that policy with its decode step
+run eagerly where the engine compiled it (compiled.py); the plain rows use the weights the model loaded with. `llama.cpp` (`--llama-python PATH`) is llama.cpp on the same GGUF and the same token
 ids, run by that interpreter in a subprocess (bench/llama_peer.py, n_threads=2), after our rounds: its
 rounds cannot interleave with ours. `prompt_tokens_per_s` is the prefill's; `ratio_to_llama_cpp` is a
 row's ms/token over llama.cpp's. Every row also gives the aten operations of one decode step (kernel launches on a GPU), how many of them
@@ -18,6 +19,7 @@ read a device value back to the host (a stall each on a GPU) and the engine's co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -37,6 +39,7 @@ REFERENCE = "transformers"
 HF_OFFLOAD = "hf-offload"
 LLAMA_CPP = "llama.cpp"
 WEIGHTS_SEPARATOR = "+"  # a row "POLICY+KIND" runs POLICY with those decode weights
+EAGER = "eager"  # a row "POLICY+eager" runs POLICY with the weights as loaded and the decode step uncompiled
 PEER_SCRIPT = Path(__file__).with_name("llama_peer.py")
 
 
@@ -77,11 +80,13 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
         for name, config in configs.items():
             if progress:
                 progress(f"context {context}: round {round_index + 1}/{rounds}, {name}")
-            weights.use(row_weights(name)[1])
+            kind = row_weights(name)[1]
+            weights.use(None if kind == EAGER else kind)
             load_prefix(engine, config, prefix)
             engine.prepare(per_round + 2)  # as a reply does: no pool growth inside a timed step
             # each round decodes the same next tokens: the same work for every policy
-            run = decode_tokens(engine, ids[context : context + per_round + 1])
+            with torch.compiler.set_stance("force_eager") if kind == EAGER else contextlib.nullcontext():
+                run = decode_tokens(engine, ids[context : context + per_round + 1])
             times[name] += run.step_ms[1:]
             splits[name] += [step.time_split_ms() for step in list(engine.history)[-per_round:]]
             if round_index == rounds - 1:  # the same in every round: counted once (the count is slow)

@@ -19,6 +19,7 @@ from .arch import UnsupportedModelError
 from .config import POLICY_NAMES, ConfigError, EngineConfig, SamplingConfig, parse_budget, parse_pool_limit, pool_limit_tokens
 from .engine import ContextOverflowError
 from .loading import ModelLoadError
+from .compiled import COMPILE_HELP
 from .weights import WEIGHT_CHOICES, WEIGHTS_HELP
 
 
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quantize", choices=("8bit", "4bit"), default=None,
                      help="load the weights in 8 or 4 bits with bitsandbytes (CUDA only)")
     gen.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
+    gen.add_argument("--compile", dest="compile_decode", action=argparse.BooleanOptionalAction, default=None,
+                     help=COMPILE_HELP)
     gen.add_argument("--cache-dir", type=Path, default=None, help="model and skew cache (default: user cache)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the results last")
     return parser
@@ -88,7 +91,8 @@ def run_generate(args) -> dict:
     engine_config, sampling = _settings(args)
     prompt = _read_prompt(args)
     engine = load_engine(args.model, device=args.device, config=engine_config, cache_dir=args.cache_dir,
-                         quantize=args.quantize, weights=args.weights, progress=lambda message: print(message, file=sys.stderr, flush=True))
+                         quantize=args.quantize, weights=args.weights, compile_decode=args.compile_decode,
+                         progress=lambda message: print(message, file=sys.stderr, flush=True))
     if args.pool_limit:
         limit = pool_limit_tokens(args.pool_limit, engine.pool.bytes_per_token())
         engine.configure(engine_config.with_changes(pool_limit_tokens=limit))
@@ -127,6 +131,7 @@ def run_generate(args) -> dict:
         "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
         "weights": engine.weights,
+        "decode": engine.decode_step.label,
         "layer_kinds": [engine.adapter.layer_kind(layer) for layer in range(engine.adapter.num_layers)],
         "settings": {"alpha": engine_config.alpha, "budget": engine_config.budget,
                      "budget_is_tokens": engine_config.budget_is_tokens,

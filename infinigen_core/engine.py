@@ -2,10 +2,12 @@
 
 One forward step, in order:
   1. the pool reserves slots for the new tokens (evicting now, if limited);
-  2. the model runs its own forward; before each attention module a pre-hook hands that layer's input
-     to the policy, which may speculate which slots a later layer needs and start fetching them;
-  3. our registered attention function writes the layer's new K/V to the pool, then attends densely
-     (prefill, dense layers, dense policies) or over the fetched rows plus the new token;
+  2. the model runs its own forward (at one token, `decode_step`: compiled where compiled.py could, else
+     eager; prefill always eager); a pre-hook passes each attention module's input on to our attention;
+  3. our registered attention function (`_attend`, one opaque op inside a compiled step) first lets the
+     policy speculate from that input which slots the next layer needs and start fetching them, then
+     writes the layer's new K/V to the pool and attends densely (prefill, dense layers, dense policies) or
+     over the fetched rows plus the new token;
   4. per-layer statistics of the step are kept for the UI and the benchmarks.
 Masks come from the pool's positions, not from transformers, so the mask registration returns None.
 The attention maths of step 3 lives in attention.py; a saved session's rows are exported and imported by
@@ -15,6 +17,7 @@ rows.py; the engine attaches to the model, runs the step in this order and keeps
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .arch import ModelAdapter
 from .attention import PoolAttention
 from .config import ConfigError, EngineConfig
+from .compiled import DecodeStep, pool_attention, stepping
 from .fetch import PendingFetch, make_fetcher
 from .kv_pool import KVPool, release_pinned_memory
 from .policies import POLICIES, PolicyContext, Selection
@@ -73,10 +77,30 @@ class _Step:
 
 
 def _attention_entry(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    step = kwargs.pop("infinigen_step", None)
-    if step is None:  # the model used outside the engine: plain causal attention
+    if not kwargs.pop("infinigen_pool", False):  # the model used outside the engine: plain causal attention
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    return step.engine._attend(module.layer_idx, query, key, value, scaling, step)
+    layer_input, position_embeddings = kwargs["infinigen_layer_input"]
+    return pool_attention(module.layer_idx, query, key, value, scaling, layer_input, position_embeddings), None
+
+
+def _hand_layer_input_to_attention(module, args, kwargs):
+    """The attention module's input, passed on to our attention function: speculation for the next layer
+    reads it there. A plain function of its arguments, so that a compiled step traces it (see compiled.py)."""
+    if not kwargs.get("infinigen_pool", False):
+        return None
+    return args, {**kwargs, "infinigen_layer_input": (kwargs["hidden_states"], kwargs.get("position_embeddings"))}
+
+
+_HOOKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # attention modules that carry the pre-hook
+
+
+def _pass_layer_inputs_on(attention_modules: list[torch.nn.Module]) -> None:
+    """One pre-hook per attention module for as long as the model lives, however many engines wrap it: the
+    model a compiled step traced stays the model it runs (engines coming and going would change its hooks)."""
+    for module in attention_modules:
+        if module not in _HOOKED:
+            module.register_forward_pre_hook(_hand_layer_input_to_attention, with_kwargs=True)
+            _HOOKED.add(module)
 
 
 def _masks_come_from_the_pool(*args, **kwargs):
@@ -112,13 +136,11 @@ class InfiniGenEngine:
         self.steps_run = 0
         self._attention_modules = self.adapter.attention_modules(model)
         model.set_attn_implementation(ATTENTION_NAME)
-        self._hooks = [
-            module.register_forward_pre_hook(self._before_attention, with_kwargs=True)
-            for module in self._attention_modules
-        ]
+        _pass_layer_inputs_on(self._attention_modules)
         self.pool: KVPool | None = None
         self.fetcher = None
         self._ones: torch.Tensor | None = None
+        self.decode_step = DecodeStep(model)  # one-token steps: compiled by compiled.compile_decode, else eager
         self.configure(config)
 
     # ------------------------------------------------------------------ settings
@@ -168,10 +190,8 @@ class InfiniGenEngine:
         self.policy.ensure_capacity(self.pool.capacity)
 
     def close(self) -> None:
-        """Detach from the model (its hooks) and stop the fetch worker; the engine is unusable after."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        """Stop the fetch worker and free the pool; the engine is unusable after (the model is not: outside an
+        engine's step it attends as transformers does)."""
         self.fetcher.close()
         release_pinned_memory(self.pool)
 
@@ -311,17 +331,19 @@ class InfiniGenEngine:
         if step.is_decode and not self.policy.keeps_pool_on_device:
             step.prefetched[0] = self._start_fetch(0, step)  # later layers are started one layer ahead
         started = time.perf_counter()
+        run = self.decode_step if step.is_decode else self.model
         try:
-            output = self.model(
-                input_ids=self._to_device(torch.tensor([token_ids])),
-                position_ids=step.query_positions.unsqueeze(0),
-                # our mask function returns None; passing a mask only spares transformers a look at the
-                # position ids (a host read) for packed sequences
-                attention_mask=self._all_ones(n),
-                use_cache=False,
-                logits_to_keep=1,
-                infinigen_step=step,
-            )
+            with stepping(step):
+                output = run(
+                    input_ids=self._to_device(torch.tensor([token_ids])),
+                    position_ids=step.query_positions.unsqueeze(0),
+                    # our mask function returns None; passing a mask only spares transformers a look at the
+                    # position ids (a host read) for packed sequences
+                    attention_mask=self._all_ones(n),
+                    use_cache=False,
+                    logits_to_keep=1,
+                    infinigen_pool=True,
+                )
         except BaseException:
             self.policy.finish_step(completed=False)
             if self.pool.truncate(first):
@@ -340,10 +362,13 @@ class InfiniGenEngine:
         return output.logits[0].float()
 
     def _budget_covers(self, past_len: int) -> bool:
-        """A sparse policy's budget (its floor included) reaches every past token: selecting would keep all."""
-        if not self._has_sparse_layers or not self.config.dense_under_budget:
+        """A sparse policy's budget (its floor included) reaches every past token: selecting would keep all.
+        With no past token at all (a first token decoded alone) there is nothing to select, whatever the config."""
+        if not self._has_sparse_layers:
             return False
-        return self.config.budget_tokens_for(past_len) >= past_len
+        if past_len == 0:
+            return True
+        return self.config.dense_under_budget and self.config.budget_tokens_for(past_len) >= past_len
 
     def _slots_on_device(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.pool.device == self.device:
@@ -359,9 +384,10 @@ class InfiniGenEngine:
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _all_ones(self, n: int) -> torch.Tensor:
-        if self._ones is None or self._ones.shape[1] < n:
-            self._ones = torch.ones(1, max(n, self.config.prefill_chunk), dtype=torch.long, device=self.device)
-        return self._ones[:, :n]
+        """[1, n] ones whose strides depend on n only (a compiled step's guards check them)."""
+        if self._ones is None or self._ones.shape[0] < n:
+            self._ones = torch.ones(max(n, self.config.prefill_chunk), dtype=torch.long, device=self.device)
+        return self._ones[:n].unsqueeze(0)
 
     def _send_device_values_to_host(self, step: "_Step") -> None:
         """One stacked, non-blocking copy per step of what the layers left on the device (alpha counts)."""
@@ -379,23 +405,20 @@ class InfiniGenEngine:
         on_device = self.pool.bytes_allocated() if self.policy.keeps_pool_on_device else 0
         return partial + on_device
 
-    def _before_attention(self, module, args, kwargs):
-        step = kwargs.get("infinigen_step")
-        # Several engines may wrap one model (tests, the eval tools); each handles only its own steps.
-        if step is None or step.engine is not self or not step.is_decode:
-            return None
-        target = module.layer_idx + 1
+    def _speculate_next(self, layer: int, layer_input, position_embeddings, step: "_Step") -> None:
+        """Before `layer` attends: start the next layer's fetch, of the slots the policy speculates it needs
+        (from this layer's input) or of all its rows, so that the fetch overlaps this layer's work."""
+        target = layer + 1
         if target >= self.adapter.num_layers:
-            return None
+            return
         if step.selects(target):
             new_slots = None if self.pool.last_reserved_contiguous else step.device_slots[target]
-            selection = self.policy.speculate(module.layer_idx, kwargs["hidden_states"], kwargs.get("position_embeddings"),
-                                              step.query_positions, step.past_len, new_slots)
+            selection = self.policy.speculate(layer, layer_input, position_embeddings, step.query_positions,
+                                              step.past_len, new_slots)
             if selection is not None:
                 step.prefetched[target] = (self.fetcher.start_rows(target, selection.slots), selection)
         elif not self.policy.keeps_pool_on_device:
             step.prefetched[target] = self._start_fetch(target, step)
-        return None
 
     def _start_fetch(self, layer: int, step: "_Step") -> tuple[PendingFetch, Selection | None]:
         """Start the fetch of a layer that nothing speculated for: its selected rows, or all of it."""
@@ -405,7 +428,9 @@ class InfiniGenEngine:
                 return self.fetcher.start_rows(layer, selection.slots), selection
         return self.fetcher.start_layer(layer), None
 
-    def _attend(self, layer: int, query, key, value, scaling: float, step: _Step):
+    def _attend(self, step: _Step, layer: int, query, key, value, scaling: float, layer_input, position_embeddings):
+        if step.is_decode and layer_input is not None:
+            self._speculate_next(layer, layer_input, position_embeddings, step)
         started = time.perf_counter()
         new_keys, new_values = key[0], value[0]  # [kv_heads, n, dim]
         self.fetcher.write(layer, step.slots[layer], new_keys, new_values)
@@ -426,7 +451,7 @@ class InfiniGenEngine:
                 self._record_selection(layer, query, key, scaling, selection, stats, step)
         stats.compute_ms = (time.perf_counter() - started) * 1e3 - stats.fetch_wait_ms
         step.stats.layers.append(stats)
-        return out, None
+        return out
 
     def _record_selection(self, layer, query, key, scaling, selection, stats, step) -> None:
         """What a sparse layer fetched, for the panels and the inspector: no host read here."""

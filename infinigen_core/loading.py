@@ -26,6 +26,7 @@ import torch
 
 from .arch import FAMILIES, ModelAdapter, UnsupportedModelError, unsupported_message
 from .calibration import calibrate, calibration_digest, calibration_text
+from .compiled import compile_decode as compile_decode_step, keep_cache_in
 from .config import EngineConfig
 from .engine import InfiniGenEngine
 from .hub import ModelLoadError, names_a_hub_model, resolve_hub_id
@@ -272,13 +273,23 @@ def resolve_weights(weights: str | None, device: torch.device) -> str:
     return "fp32" if weights == "auto" and device.type != "cpu" else weights
 
 
+def resolve_compile(compile_decode: bool | None, device: torch.device) -> bool:
+    """Whether to compile the decode step (None: on the CPU, where it was measured, see docs/BENCHMARKS.md;
+    not yet on a GPU)."""
+    if compile_decode is None:
+        return device.type == "cpu"
+    return bool(compile_decode)
+
+
 def load_engine(model: str | None = None, *, device: str = "auto", config: EngineConfig | None = None,
                 cache_dir: str | Path | None = None, quantize: str | None = None, weights: str | None = None,
-                progress: Progress = print) -> InfiniGenEngine:
+                compile_decode: bool | None = None, progress: Progress = print) -> InfiniGenEngine:
     """A ready engine for the default model (or `model`), calibrated and with an empty conversation.
 
     `weights` (auto | fp32 | int8 | int4; default auto on the CPU, fp32 on a GPU) picks what the Linear
     layers read at decode steps (weights.py); prefill, the fingerprint and the skew are the fp32 model's either way.
+    `compile_decode` (default: on the CPU) compiles the one-token step now (compiled.py), kept in inductor's
+    cache ($TORCHINDUCTOR_CACHE_DIR, else `inductor/` in the cache directory) for the next start.
     """
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     compute_device = resolve_device(device)
@@ -293,4 +304,7 @@ def load_engine(model: str | None = None, *, device: str = "auto", config: Engin
                              device=compute_device, fingerprint=fingerprint)
     engine.legacy_fingerprints = (legacy,)
     engine.model_name = name
+    if resolve_compile(compile_decode, compute_device):
+        keep_cache_in(cache / "inductor")
+        compile_decode_step(engine, progress)
     return engine

@@ -7,6 +7,7 @@ import ipaddress
 import os
 from pathlib import Path
 
+from infinigen_core.compiled import COMPILE_HELP
 from infinigen_core.weights import WEIGHT_CHOICES, WEIGHTS_HELP
 
 API_KEY_VARIABLE = "INFINIGEN_API_KEY"
@@ -31,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where sessions are stored (default: $INFINIGEN_DATA_DIR or ~/.local/share/infinigen-chat)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
+    parser.add_argument("--compile", dest="compile_decode", action=argparse.BooleanOptionalAction, default=None,
+                        help=COMPILE_HELP)
     parser.add_argument("--quantize", choices=("8bit", "4bit"), default=None,
                         help="load the weights in 8 or 4 bits with bitsandbytes (CUDA only)")
     parser.add_argument("--share", action="store_true", help="also create a public Gradio share link (off by default)")

@@ -34,9 +34,11 @@ class ModelHost:
     DEFAULT_CHOICE = "default"
 
     def __init__(self, model: str | None = None, device: str = "auto", quantize: str | None = None,
-                 loader: Callable | None = None, weights: str | None = None) -> None:
+                 loader: Callable | None = None, weights: str | None = None,
+                 compile_decode: bool | None = None) -> None:
         self.model_path, self.device, self.quantize = model, device, quantize
         self.weights = weights  # auto | fp32 | int8 | int4 | None (load_engine's default: auto on the CPU)
+        self.compile_decode = compile_decode  # None: load_engine's default (compiled on the CPU)
         self.engine = None
         self.status = "Starting..."
         self.load_error: str | None = None
@@ -55,7 +57,10 @@ class ModelHost:
         from infinigen_core.loading import load_engine
 
         loader = self._loader or load_engine
-        kwargs = {"weights": self.weights} if self.weights else {}  # test loaders need not know the option
+        # test loaders need not know these options
+        kwargs = {"weights": self.weights} if self.weights else {}
+        if self.compile_decode is not None:
+            kwargs["compile_decode"] = self.compile_decode
         return loader(model, device=self.device, config=config, quantize=self.quantize, progress=report, **kwargs)
 
     # ------------------------------------------------------------------ start-up
@@ -145,7 +150,9 @@ class ModelHost:
         kinds += f" ({nope} without RoPE)" if nope and adapter.family.rope else ""
         dtype = str(engine.dtype).replace("torch.", "")
         weights = getattr(engine, "weights", f"{dtype} weights")
-        return f"{engine.model_name} · {adapter.family.label} · {kinds} layers · {dtype} on {engine.device} · {weights}"
+        decode = engine.decode_step.label if hasattr(engine, "decode_step") else "eager decode"
+        return (f"{engine.model_name} · {adapter.family.label} · {kinds} layers · {dtype} on {engine.device} · "
+                f"{weights} · {decode}")
 
     def ready_line(self) -> str:
         return f"Ready: {self.engine.model_name} on {self.engine.device}"

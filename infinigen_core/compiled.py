@@ -1,0 +1,196 @@
+"""The decode step compiled: the model's forward at one token through torch.compile (inductor), with the
+engine's attention left eager inside it.
+
+    decode = DecodeStep(model)          # eager until compiled
+    decode.compile()                    # None, or why decoding stays eager (logged)
+    output = decode(**model_inputs)     # the engine's one-token steps; prefill calls the model itself
+    decode.label                        # "compiled decode" or "eager decode"
+    compile_decode(engine, progress)    # at load: compile an engine's step and warm it up (one decode step)
+
+What one graph holds: the whole forward at one token (embedding, norms, projections, RoPE, MLPs, residuals,
+the head), captured with `fullgraph=True`, so a step is either compiled whole or not at all. What it does
+not hold: the engine's attention (pool write, fetch, speculation, attention over the pool's rows), Python
+that changes with the policy and the pool. It is one opaque custom op per layer, `infinigen::pool_attention`,
+which finds the running step through `stepping(step)` (the way vLLM's attention op reads its forward
+context). The graph therefore holds no engine, step or pool: it never recompiles as the conversation and
+the pool grow, when the policy changes, or when another engine wraps the same model. Prefill (many tokens)
+stays eager, so the graph only ever sees static one-token shapes; inductor's guards still notice a model
+whose layers were swapped (weights.py) and compile it again.
+
+On CUDA the op is tagged `cudagraph_unsafe`: with `compile(mode="reduce-overhead")` inductor's graph
+partition captures the pieces between attention ops as CUDA graphs (not yet measured; the CPU default is
+inductor's plain mode).
+
+Where torch.compile, inductor or a C++ compiler is missing, or compiling raises, `compile` or the first
+step logs the reason once and decoding runs eager: the same tokens, only slower.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+log = logging.getLogger(__name__)
+
+COMPILE_HELP = ("compile the one-token decode step with torch.compile at load (default: on the CPU; about a minute "
+                "the first time, seconds from inductor's cache after); --no-compile decodes eagerly")
+
+_running = threading.local()  # .step: the step this thread's forward is running (engine.py's _Step)
+
+
+@contextmanager
+def stepping(step) -> Iterator[None]:
+    """Inside the block, attention ops of this thread run for `step` (what `pool_attention` reads)."""
+    outer = getattr(_running, "step", None)
+    _running.step = step
+    try:
+        yield
+    finally:
+        _running.step = outer
+
+
+def _attend(layer: int, query, key, value, scaling: float, layer_input, position_embeddings) -> torch.Tensor:
+    step = _running.step
+    return step.engine._attend(step, layer, query, key, value, scaling, layer_input, position_embeddings)
+
+
+@torch.library.custom_op("infinigen::pool_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _pool_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_input: torch.Tensor | None,
+                       cos: torch.Tensor | None, sin: torch.Tensor | None, layer: int, scaling: float) -> torch.Tensor:
+    # The graph reuses its buffers once the op returns, but the engine keeps the new K/V past it (InfiniGen's
+    # partial keys are written at the step's end, a GPU's pool write lands later): it gets copies of its own.
+    key, value = key.clone(), value.clone()
+    return _attend(layer, query, key, value, scaling, layer_input, None if cos is None else (cos, sin))
+
+
+@_pool_attention_op.register_fake
+def _(query, key, value, layer_input, cos, sin, layer, scaling):
+    batch, heads, tokens, dim = query.shape
+    return query.new_empty(batch, tokens, heads, dim)
+
+
+def pool_attention(layer: int, query, key, value, scaling: float, layer_input, position_embeddings) -> torch.Tensor:
+    """The engine's attention for `layer` in the running step: [1, n, heads, dim].
+
+    Traced, it is the opaque op; run eagerly, a plain call (the op's dispatch would only cost time).
+    """
+    if torch.compiler.is_compiling():
+        cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+        return _pool_attention_op(query, key, value, layer_input, cos, sin, layer, scaling)
+    return _attend(layer, query, key, value, scaling, layer_input, position_embeddings)
+
+
+def compile_unavailable_reason(device: torch.device) -> str | None:
+    """Why torch.compile cannot serve decoding on `device` (None: it can), found without compiling anything."""
+    try:
+        if not torch._dynamo.is_dynamo_supported():
+            return f"torch.compile does not support this Python or platform (PyTorch {torch.__version__})"
+        if device.type == "cuda":
+            from torch.utils._triton import has_triton
+
+            return None if has_triton() else "inductor needs Triton on CUDA, and it is not installed"
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()  # raises where no working C++ compiler is found
+    except Exception as error:  # an import or a probe failing says the same: not here
+        return _reason(error)
+    return None
+
+
+def _reason(error: Exception) -> str:
+    """One line for the log and the model summary: the compiler's own error where dynamo wrapped it."""
+    cause = getattr(error, "inner_exception", None) or error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[0] if lines else 'no message'}"
+
+
+class DecodeStep:
+    """The model's forward for one-token steps: compiled once `compile()` succeeded, eager otherwise."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._compiled = None
+        self.eager_reason: str | None = "not compiled"  # why decoding is eager (None: it is compiled)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled is not None
+
+    @property
+    def label(self) -> str:
+        return "compiled decode" if self.is_compiled else "eager decode"
+
+    def compile(self, **options) -> str | None:
+        """Compile the step (lazily: the first call traces and compiles); returns why not, or None.
+
+        `options` go to torch.compile (mode="reduce-overhead" on CUDA; a test's `backend`).
+        """
+        device = next(self.model.parameters()).device
+        reason = None if "backend" in options else compile_unavailable_reason(device)
+        if reason is None:
+            try:
+                self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False, **options)
+            except Exception as error:  # torch.compile itself refusing (an unsupported Python, a bad option)
+                reason = _reason(error)
+        if reason is not None:
+            self._fall_back(reason)
+        else:
+            self.eager_reason = None
+        return reason
+
+    def __call__(self, **inputs):
+        # under a dispatch mode of the caller's (bench's OpCounter) dynamo compiles nothing: such a step runs eager
+        if self._compiled is not None and not is_in_torch_dispatch_mode(include_infra_modes=False):
+            try:
+                return self._compiled(**inputs)
+            except torch._dynamo.exc.TorchDynamoException as error:
+                # tracing or compiling failed; with fullgraph nothing of the step has run yet: run it eager
+                self._fall_back(_reason(error))
+        return self.model(**inputs)
+
+    def _fall_back(self, reason: str) -> None:
+        self._compiled = None
+        self.eager_reason = reason
+        log.warning("decode steps run eager: %s", reason)
+
+
+def keep_cache_in(directory: Path) -> None:
+    """Inductor's cache (compiled graphs and kernels: the next start's compilation takes seconds) goes to
+    `directory`, unless $TORCHINDUCTOR_CACHE_DIR names a place of its own. Importing dynamo already set the
+    variable to inductor's default (in /tmp, gone at a reboot), so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
+
+
+def compile_decode(engine, progress: Callable[[str], None] = print, **options) -> str | None:
+    """Compile `engine`'s decode step and run one step on its (empty) conversation, so that the compilation
+    happens now and not in the first reply; returns why decoding stays eager, or None."""
+    if engine.num_tokens:
+        raise ValueError("compile_decode warms up on an empty conversation: call it before the first prefill")
+    progress("Compiling the decode step with torch.compile (a minute or more the first time, seconds from "
+             "inductor's cache after)...")
+    started = time.perf_counter()
+    reason = engine.decode_step.compile(**options)
+    if reason is None:
+        try:
+            engine.decode(0)  # the step compiles on its first call (falling back to eager if that fails)
+        finally:
+            engine.reset()
+        reason = engine.decode_step.eager_reason
+    if reason is None:
+        progress(f"Decode step compiled in {time.perf_counter() - started:.0f} s")
+    else:
+        progress(f"Decode steps run eager (torch.compile unavailable): {reason}")
+    return reason
