@@ -219,7 +219,7 @@ class InfiniGenEngine:
         logits = None
         with plain_fp32_weights(self.model):
             for start in range(0, len(token_ids), self.config.prefill_chunk):
-                logits = self._forward(token_ids[start : start + self.config.prefill_chunk])[-1]
+                logits = self._forward(token_ids[start : start + self.config.prefill_chunk], eager=True)[-1]
                 if progress is not None:
                     progress(min(start + self.config.prefill_chunk, len(token_ids)), len(token_ids))
         return logits
@@ -310,7 +310,9 @@ class InfiniGenEngine:
 
     # ------------------------------------------------------------------ one forward step
     @torch.inference_mode()
-    def _forward(self, token_ids: list[int]) -> torch.Tensor:
+    def _forward(self, token_ids: list[int], eager: bool = False) -> torch.Tensor:
+        """One forward step over `token_ids`; `eager`: never the compiled one-token step (prefill, whose
+        weights differ from the ones it was compiled for, runs a one-token chunk too)."""
         n, first = len(token_ids), self.pool.total_tokens
         if n > 1:
             self.fetcher.flush()  # prefill reads the pool from this thread: pending writes land first
@@ -331,7 +333,7 @@ class InfiniGenEngine:
         if step.is_decode and not self.policy.keeps_pool_on_device:
             step.prefetched[0] = self._start_fetch(0, step)  # later layers are started one layer ahead
         started = time.perf_counter()
-        run = self.decode_step if step.is_decode else self.model
+        run = self.decode_step if step.is_decode and not eager else self.model
         try:
             with stepping(step):
                 output = run(
