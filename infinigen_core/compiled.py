@@ -17,12 +17,17 @@ the pool grow, when the policy changes, or when another engine wraps the same mo
 stays eager, so the graph only ever sees static one-token shapes; inductor's guards still notice a model
 whose layers were swapped (weights.py) and compile it again.
 
-On CUDA the op is tagged `cudagraph_unsafe`: with `compile(mode="reduce-overhead")` inductor's graph
-partition captures the pieces between attention ops as CUDA graphs (not yet measured; the CPU default is
-inductor's plain mode).
+Numbers: with fp32 weights a compiled step's logits are eager's to ~3e-5 (fused kernels sum in another
+order). Layers that round their input row to bf16 (int4/int8/bf16 decode weights) turn such an ulp into a
+bf16 step now and then, so there the two agree only as closely as any two bf16 roundings do (measured in
+docs/BENCHMARKS.md: as far from fp32 as eager is).
+
+On CUDA the op is tagged `cudagraph_unsafe`, so that `compile(mode="reduce-overhead")` lets inductor's graph
+partition capture the pieces between attention ops as CUDA graphs (untested: no GPU was at hand; a GPU's
+default is eager decoding).
 
 Where torch.compile, inductor or a C++ compiler is missing, or compiling raises, `compile` or the first
-step logs the reason once and decoding runs eager: the same tokens, only slower.
+step logs the reason once and decoding runs eager.
 """
 
 from __future__ import annotations
@@ -31,8 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -186,6 +190,8 @@ def compile_decode(engine, progress: Callable[[str], None] = print, **options) -
     if reason is None:
         try:
             engine.decode(0)  # the step compiles on its first call (falling back to eager if that fails)
+        except Exception as error:  # the compiled step failed when run: load the model all the same, eager
+            engine.decode_step._fall_back(_reason(error))
         finally:
             engine.reset()
         reason = engine.decode_step.eager_reason
