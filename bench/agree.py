@@ -26,6 +26,11 @@ def greedy_continuation(engine, config: EngineConfig, prefix: list[int], new_tok
     return tokens
 
 
+def matching_prefix(tokens: Sequence[int], expected: Sequence[int]) -> int:
+    """How many of `tokens` equal `expected` before the first difference."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected)))
+
+
 def agreement(engine, prompts: Sequence[Sequence[int]], new_tokens: int, configs: dict[str, EngineConfig],
               progress=None) -> dict[str, dict]:
     """Per config: agreement (teacher-forced top-1 match with full), match_prefix (free-running), fetched_ratio."""
@@ -47,8 +52,7 @@ def agreement(engine, prompts: Sequence[Sequence[int]], new_tokens: int, configs
             per[name]["agree"].append(sum(p == e for p, e in zip(predicted, expected)) / new_tokens)
             per[name]["fetched"] += forced.fetched_ratios
             free = greedy_continuation(engine, config, prompt, new_tokens)
-            same = next((i for i, (a, b) in enumerate(zip(free, expected)) if a != b), new_tokens)
-            per[name]["prefix"].append(same)
+            per[name]["prefix"].append(matching_prefix(free, expected))
     engine.reset()
     return {
         name: {

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 
 from infinigen_core import EngineConfig
+from .agree import greedy_continuation, matching_prefix
 from .common import EvalError, decode_tokens, load_prefix, mean_nll
 
 REFERENCE_KIND = "fp32"
@@ -59,19 +60,6 @@ class DecodeWeights:
 
 
 
-def _greedy(engine, config: EngineConfig, prefix: list[int], new_tokens: int) -> list[int]:
-    load_prefix(engine, config, prefix[:-1])
-    tokens, token = [], prefix[-1]
-    for _ in range(new_tokens):
-        token = int(engine.decode(token).argmax())
-        tokens.append(token)
-    return tokens
-
-
-def _same_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def compare_weights(engine, windows: Sequence[Sequence[int]], prefill: int, kinds: Sequence[str], config: EngineConfig,
                     new_tokens: int = 32, progress=None) -> dict[str, dict]:
     """Per kind (fp32 first, the reference): ppl, ppl_vs_fp32, agreement, max_logit_diff, match_prefix, ms_per_token."""
@@ -92,7 +80,7 @@ def compare_weights(engine, windows: Sequence[Sequence[int]], prefill: int, kind
                 weights.use(kind)
                 load_prefix(engine, config, prefix)
                 run = decode_tokens(engine, rest[:-1])
-                greedy = _greedy(engine, config, prefix, new_tokens)
+                greedy = greedy_continuation(engine, config, prefix, new_tokens)
                 if reference_logits is None:
                     reference_logits, reference_greedy = run.logits, greedy
                 totals = per[kind]
@@ -101,7 +89,7 @@ def compare_weights(engine, windows: Sequence[Sequence[int]], prefill: int, kind
                 totals["count"] += count
                 totals["agree"] += (run.logits.argmax(-1) == reference_logits.argmax(-1)).tolist()
                 totals["diff"] = max(totals["diff"], float((run.logits - reference_logits).abs().max()))
-                totals["prefix"].append(_same_prefix(greedy, reference_greedy))
+                totals["prefix"].append(matching_prefix(greedy, reference_greedy))
                 totals["ms"] += run.step_ms
     finally:
         engine.reset()
