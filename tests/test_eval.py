@@ -133,6 +133,17 @@ def test_weights_rows_run_in_the_same_rounds_and_the_model_ends_as_it_was_loaded
     assert decode_weight_kinds(tiny_engine.model) == {}  # loaded fp32: fp32 again after
 
 
+def test_a_ranked_row_runs_infinigen_as_on_a_gpu_beside_the_cpu_s_counted_rows(tiny_engine):
+    ids = random_tokens(PREFILL + 12, seed=13)
+    infinigen = configs("infinigen", budget=0.2)["infinigen"]
+    rows = decode_speed(tiny_engine, ids, PREFILL, {"infinigen": infinigen, "infinigen+ranked": infinigen},
+                        decode_tokens_n=4, rounds=2, reference=False)
+    counted, ranked = rows
+    assert ranked["policy"] == "infinigen+ranked" and ranked["syncs_per_step"] == 0  # nothing read back
+    assert counted["syncs_per_step"] == 2  # the alpha count of each of the tiny model's 2 sparse layers
+    assert ranked["decode_steps"] == counted["decode_steps"] == 4
+
+
 def test_compare_weights_scores_every_kind_against_fp32_on_the_same_tokens(tiny_engine, monkeypatch):
     monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)
     window = random_tokens(CONTEXT, seed=12)
