@@ -100,8 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--no-reference", action="store_true", help="skip the plain transformers row")
     speed.add_argument("--weights-rows", metavar="POLICY+KIND,...", default="",
                        help="also these policies with other decode weights, e.g. full+fp32,infinigen+int8, or "
-                            "with the decode step uncompiled: full+eager, or InfiniGen choosing rows as on a GPU: "
-                            "infinigen+ranked")
+                            "with the decode step uncompiled: full+eager")
     speed.add_argument("--llama-python", type=Path, help="an interpreter with llama-cpp-python: adds llama.cpp's "
                        "rows (same GGUF and token ids, n_threads=2) and each row's ratio to it")
     speed.add_argument("--gguf", type=Path, help="the GGUF llama.cpp loads (default: the default model's, cached)")
@@ -249,16 +248,14 @@ def run_recall(args) -> tuple[str, dict]:
 def run_speed(args) -> tuple[str, dict]:
     from infinigen_core.weights import WEIGHT_CHOICES
 
-    from .speed import ROW_VARIANTS, decode_speed, llama_cpp_rows, row_weights, tokens_needed, with_ratios
+    from .speed import EAGER, decode_speed, llama_cpp_rows, row_weights, tokens_needed, with_ratios
 
     configs = _configs(args)
     for name in filter(None, (row.strip() for row in args.weights_rows.split(","))):
         policy, kind = row_weights(name)
-        if kind not in (*WEIGHT_CHOICES, *ROW_VARIANTS):
+        if kind not in (*WEIGHT_CHOICES, EAGER):
             raise EvalError(f"--weights-rows {name!r}: write POLICY+KIND, KIND one of "
-                            f"{', '.join((*WEIGHT_CHOICES, *ROW_VARIANTS))}")
-        if kind == "ranked" and policy != "infinigen":
-            raise EvalError(f"--weights-rows {name!r}: only infinigen chooses rows ranked or counted")
+                            f"{', '.join((*WEIGHT_CHOICES, EAGER))}")
         configs[name] = _base_config(args).with_changes(policy=policy)
     contexts = parse_numbers(args.context, int)
     text = read_text(args.text)  # bad input fails before the model loads

@@ -9,9 +9,8 @@ step time is reported (robust to such bursts) and its ratio to `full`'s. Two ref
 transformers over the same tokens: `transformers` (its own DynamicCache, no engine) and `hf-offload`
 (`DynamicCache(offloading=True)`, what a transformers user picks to keep the cache off the GPU).
 `POLICY+KIND` (`--weights-rows full+fp32,...`) is that policy with other decode weights (weights.py:
-fp32, int8, int4, auto) in the same interleaved rounds, `POLICY+eager` that policy with its decode step
-run eagerly where the engine compiled it (compiled.py), and `infinigen+ranked` InfiniGen choosing its rows
-as it does on a GPU (ranked top-k and a rank mask, no host read) instead of the CPU's counted rows; the plain rows use the weights the model loaded with. `llama.cpp` (`--llama-python PATH`) is llama.cpp on the same GGUF and the same token
+fp32, int8, int4, auto) in the same interleaved rounds, and `POLICY+eager` that policy with its decode step
+run eagerly where the engine compiled it (compiled.py); the plain rows use the weights the model loaded with. `llama.cpp` (`--llama-python PATH`) is llama.cpp on the same GGUF and the same token
 ids, run by that interpreter in a subprocess (bench/llama_peer.py, n_threads=2), after our rounds: its
 rounds cannot interleave with ours. `prompt_tokens_per_s` is the prefill's; `ratio_to_llama_cpp` is a
 row's ms/token over llama.cpp's. Every row also gives the aten operations of one decode step (kernel launches on a GPU), how many of them
@@ -41,8 +40,6 @@ HF_OFFLOAD = "hf-offload"
 LLAMA_CPP = "llama.cpp"
 WEIGHTS_SEPARATOR = "+"  # a row "POLICY+KIND" runs POLICY with those decode weights
 EAGER = "eager"  # a row "POLICY+eager" runs POLICY with the weights as loaded and the decode step uncompiled
-RANKED = "ranked"  # "infinigen+ranked": InfiniGen choosing rows as on a GPU (ranked, masked), on the CPU
-ROW_VARIANTS = (EAGER, RANKED)  # row kinds that are not decode weights
 PEER_SCRIPT = Path(__file__).with_name("llama_peer.py")
 
 
@@ -84,10 +81,8 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
             if progress:
                 progress(f"context {context}: round {round_index + 1}/{rounds}, {name}")
             kind = row_weights(name)[1]
-            weights.use(None if kind in ROW_VARIANTS else kind)
+            weights.use(None if kind == EAGER else kind)
             load_prefix(engine, config, prefix)
-            if kind == RANKED:
-                engine.policy.counts_on_host = False
             engine.prepare(per_round + 2)  # as a reply does: no pool growth inside a timed step
             # each round decodes the same next tokens: the same work for every policy
             with torch.compiler.set_stance("force_eager") if kind == EAGER else contextlib.nullcontext():

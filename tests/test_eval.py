@@ -111,11 +111,10 @@ def test_speed_rows_compare_every_policy_with_full_in_the_same_run(tiny_engine):
     assert by_policy["infinigen"]["fetched_ratio"] < 1.0
     assert by_policy["infinigen"]["speculate_ms"] > 0 and by_policy["full"]["speculate_ms"] == 0
     assert by_policy["full"]["prefill_s"] > 0
-    sparse_layers = sum(tiny_engine.policy.is_sparse(layer) for layer in range(tiny_engine.adapter.num_layers))
-    for row in rows:  # every row says what one step launches and how often it reads a value on the host
+    for row in rows:  # every row says what one step launches and how often it would stall a GPU
         assert row["ops_per_step"] > 0
-        if row["policy"] != "transformers":  # on the CPU InfiniGen reads its alpha count (free there)
-            assert row["syncs_per_step"] == (sparse_layers if row["policy"] == "infinigen" else 0), row
+        if row["policy"] != "transformers":
+            assert row["syncs_per_step"] == 0, row
     assert by_policy["infinigen"]["host_copies_per_step"] == 1 and by_policy["full"]["host_copies_per_step"] == 0
     with pytest.raises(EvalError, match="tokens are needed"):
         decode_speed(tiny_engine, ids[:PREFILL], PREFILL, configs("full"), decode_tokens_n=6)
@@ -131,17 +130,6 @@ def test_weights_rows_run_in_the_same_rounds_and_the_model_ends_as_it_was_loaded
     assert [row["policy"] for row in rows] == ["full", "full+int4", "full+fp32"]
     assert all(row["decode_steps"] == 4 and row["ops_per_step"] > 0 for row in rows)
     assert decode_weight_kinds(tiny_engine.model) == {}  # loaded fp32: fp32 again after
-
-
-def test_a_ranked_row_runs_infinigen_as_on_a_gpu_beside_the_cpu_s_counted_rows(tiny_engine):
-    ids = random_tokens(PREFILL + 12, seed=13)
-    infinigen = configs("infinigen", budget=0.2)["infinigen"]
-    rows = decode_speed(tiny_engine, ids, PREFILL, {"infinigen": infinigen, "infinigen+ranked": infinigen},
-                        decode_tokens_n=4, rounds=2, reference=False)
-    counted, ranked = rows
-    assert ranked["policy"] == "infinigen+ranked" and ranked["syncs_per_step"] == 0  # nothing read back
-    assert counted["syncs_per_step"] == 2  # the alpha count of each of the tiny model's 2 sparse layers
-    assert ranked["decode_steps"] == counted["decode_steps"] == 4
 
 
 def test_compare_weights_scores_every_kind_against_fp32_on_the_same_tokens(tiny_engine, monkeypatch):

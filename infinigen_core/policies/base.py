@@ -21,10 +21,10 @@ if TYPE_CHECKING:  # config validates policy names against the registry, so it i
 
 @dataclass
 class Selection:
-    slots: torch.Tensor  # [kv_heads, k] pool slots; on a GPU k is known on the host (the budget), never read back
+    slots: torch.Tensor  # [kv_heads, k] pool slots; k is known on the host (the budget), never read back
     scores: torch.Tensor | None = None  # [kv_heads, k] the policy's score for each slot
     # [1, k + 1] bool over the new token then the slots in rank order: which rows attention may use. InfiniGen
-    # on a GPU fetches k rows and masks those past its alpha count, so no shape depends on a device value.
+    # fetches k rows and masks those past its alpha count, so no shape depends on a device value.
     valid: torch.Tensor | None = None
     alpha_total: torch.Tensor | None = None  # device scalar: query heads x mean tokens within alpha
     speculate_ms: float = 0.0
