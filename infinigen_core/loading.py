@@ -29,7 +29,6 @@ from .calibration import calibrate, calibration_digest, calibration_text
 from .compiled import compile_decode as compile_decode_step, keep_cache_in
 from .config import EngineConfig
 from .engine import InfiniGenEngine
-from .host_memory import keep_freed_memory
 from .hub import ModelLoadError, names_a_hub_model, resolve_hub_id
 from .skew import SkewSet, load_skew, save_skew
 from .weights import WEIGHT_CHOICES, use_decode_weights
@@ -292,7 +291,6 @@ def load_engine(model: str | None = None, *, device: str = "auto", config: Engin
     `compile_decode` (default: on the CPU) compiles the one-token step now (compiled.py), kept in inductor's
     cache ($TORCHINDUCTOR_CACHE_DIR, else `inductor/` in the cache directory) for the next start.
     """
-    keep_freed_memory()  # host temporaries of a long context's steps are reused, not faulted in anew
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     compute_device = resolve_device(device)
     weights = resolve_weights(weights, compute_device)

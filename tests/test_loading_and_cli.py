@@ -156,13 +156,3 @@ def test_cli_generates_and_reports_json():
     assert report["policy"] == "infinigen" and report["new_tokens"] >= 1
     assert report["prompt_tokens"] > 10 and 0 < report["fetched_ratio"] <= 1 and report["ms_per_token"] > 0
     assert report["settings"]["pool_limit_tokens"] == 4 * 2**20 // (30 * 2 * 3 * 64 * 4)
-
-
-def test_freed_host_memory_is_kept_for_reuse_where_the_c_library_is_glibc():
-    import platform
-
-    from infinigen_core.host_memory import keep_freed_memory
-
-    expected = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert keep_freed_memory() is expected
-    assert keep_freed_memory() is expected  # once per process: a second call changes nothing
