@@ -16,10 +16,11 @@ import math
 import statistics
 from collections.abc import Sequence
 
-
 from infinigen_core import EngineConfig
+from infinigen_core.weights import compact_layers, restore_fp32_weights, use_decode_weights
 from .agree import greedy_continuation, matching_prefix
 from .common import EvalError, decode_tokens, load_prefix, mean_nll
+from .ppl import check_scoring_windows
 
 REFERENCE_KIND = "fp32"
 
@@ -31,18 +32,10 @@ class DecodeWeights:
     def __init__(self, model) -> None:
         self.model = model
         self.current = "loaded"
-        self.layers = {"loaded": self._compact_layers()}
-
-    def _compact_layers(self) -> list[tuple]:
-        from infinigen_core.weights import DecodeLinear
-
-        return [(parent, name, child) for parent in self.model.modules() for name, child in parent.named_children()
-                if isinstance(child, DecodeLinear)]
+        self.layers = {"loaded": compact_layers(model)}
 
     def use(self, kind: str | None) -> None:
         """`kind` (fp32 | int8 | int4 | auto) for every layer, or None: as loaded."""
-        from infinigen_core.weights import restore_fp32_weights, use_decode_weights
-
         kind = kind or "loaded"
         if kind == self.current:
             return
@@ -50,7 +43,7 @@ class DecodeWeights:
         if kind not in self.layers:
             if kind != "fp32" and not use_decode_weights(self.model, kind):
                 raise EvalError(f"{kind} decode weights are unavailable here (see the log)")
-            self.layers[kind] = self._compact_layers()
+            self.layers[kind] = compact_layers(self.model)
         for parent, name, child in self.layers[kind]:
             setattr(parent, name, child)
         self.current = kind
@@ -59,14 +52,10 @@ class DecodeWeights:
         self.use(None)
 
 
-
 def compare_weights(engine, windows: Sequence[Sequence[int]], prefill: int, kinds: Sequence[str], config: EngineConfig,
                     new_tokens: int = 32, progress=None) -> dict[str, dict]:
     """Per kind (fp32 first, the reference): ppl, ppl_vs_fp32, agreement, max_logit_diff, match_prefix, ms_per_token."""
-    if not windows:
-        raise EvalError("no text windows to score")
-    if not 1 <= prefill <= len(windows[0]) - 2:
-        raise EvalError(f"prefill must leave at least 2 of the {len(windows[0])} tokens to score, got {prefill}")
+    check_scoring_windows(windows, prefill)
     kinds = [REFERENCE_KIND, *(kind for kind in kinds if kind != REFERENCE_KIND)]
     weights = DecodeWeights(engine.model)
     per = {kind: {"nll": 0.0, "count": 0, "agree": [], "diff": 0.0, "prefix": [], "ms": []} for kind in kinds}

@@ -24,6 +24,7 @@ model's, and the model's fingerprint does not depend on this option.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -52,6 +53,9 @@ class DecodeLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameters: ties and fingerprints hold
+        # the Linear this layer stands in for, kept unregistered (its Parameters are already ours): putting it
+        # back is one assignment, not a new module (prefill does it at every call, see plain_fp32_weights)
+        self.__dict__["plain"] = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[:-1].numel() != 1:
@@ -159,8 +163,7 @@ def use_decode_weights(model: nn.Module, choice: str) -> dict[str, int]:
     if reason is not None:
         log.warning("%s decode weights unavailable, keeping fp32: %s", choice, reason)
         return {}
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = _output_head(model)
     kinds: dict[str, int] = {}
     try:
         with torch.no_grad():
@@ -178,36 +181,39 @@ def use_decode_weights(model: nn.Module, choice: str) -> dict[str, int]:
     return kinds
 
 
+def compact_layers(model: nn.Module) -> list[tuple[nn.Module, str, DecodeLinear]]:
+    """Every compact decode layer of the model, as (parent module, attribute name, layer)."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, DecodeLinear)]
+
+
 def restore_fp32_weights(model: nn.Module) -> None:
-    """Undo `use_decode_weights` (the fp32 parameters were never dropped)."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, DecodeLinear):
-                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-                linear.weight, linear.bias = child.weight, child.bias
-                setattr(parent, name, linear)
+    """Undo `use_decode_weights`: the plain Linear layers back (their fp32 parameters were never dropped)."""
+    for parent, name, layer in compact_layers(model):
+        setattr(parent, name, layer.plain)
 
 
 def decode_weight_kinds(model: nn.Module) -> dict[str, int]:
     """How many layers run each compact kind at one row ({} for a plain model)."""
-    kinds: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, DecodeLinear):
-            kinds[module.kind] = kinds.get(module.kind, 0) + 1
-    return kinds
+    return dict(Counter(layer.kind for _, _, layer in compact_layers(model)))
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if callable(get_head) else None
 
 
 @contextmanager
 def plain_fp32_weights(model: nn.Module) -> Iterator[None]:
     """The model with its plain fp32 Linear layers inside the block (a reference to compare against)."""
-    compact = [(parent, name, child) for parent in list(model.modules())
-               for name, child in list(parent.named_children()) if isinstance(child, DecodeLinear)]
-    restore_fp32_weights(model)
+    compact = compact_layers(model)
+    for parent, name, layer in compact:
+        setattr(parent, name, layer.plain)
     try:
         yield
     finally:
-        for parent, name, child in compact:  # the same compact layers back: nothing is quantised again
-            setattr(parent, name, child)
+        for parent, name, layer in compact:  # the same compact layers back: nothing is quantised again
+            setattr(parent, name, layer)
 
 
 _SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -215,11 +221,10 @@ _SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat
 
 def weights_label(model: nn.Module) -> str:
     """What decode steps read: 'int4 weights (head bf16)', 'int4/int8 weights (head bf16)', 'fp32 weights'."""
-    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
-    body = [m.kind for m in model.modules() if isinstance(m, DecodeLinear) and m is not head]
+    head = _output_head(model)
+    body = Counter(m.kind for m in model.modules() if isinstance(m, DecodeLinear) and m is not head)
     if body:
-        kinds = sorted(set(body), key=lambda kind: body.count(kind), reverse=True)
-        label = f"{'/'.join(kinds)} weights"
+        label = f"{'/'.join(kind for kind, _ in body.most_common())} weights"
         return label + (f" (head {head.kind})" if isinstance(head, DecodeLinear) else "")
     dtype = next(model.parameters()).dtype
     return f"{_SHORT_DTYPE_NAMES.get(dtype, str(dtype).replace('torch.', ''))} weights"

@@ -129,9 +129,10 @@ def test_the_fp32_layers_come_back_and_the_compact_ones_return_unchanged(tiny_ll
     with plain_fp32_weights(model):
         assert decode_weight_kinds(model) == {}
         assert model.lm_head.weight is head  # the same Parameter (a tied head stays tied)
+        assert model.lm_head is compact_head.plain  # the very Linear it replaced: no module built per prefill
     assert model.lm_head is compact_head  # not quantised again
     restore_fp32_weights(model)
-    assert weights_label(model) == "fp32 weights"
+    assert weights_label(model) == "fp32 weights" and model.lm_head is compact_head.plain
 
 
 def test_where_the_kernels_fail_the_model_stays_fp32_and_the_log_says_why(tiny_llama, monkeypatch, caplog):
