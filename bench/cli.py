@@ -208,8 +208,6 @@ def run_agree(args) -> tuple[str, dict]:
 
 
 def run_weights(args) -> tuple[str, dict]:
-    from infinigen_core.weights import WEIGHT_CHOICES
-
     from .weights import compare_weights
 
     kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
@@ -246,8 +244,6 @@ def run_recall(args) -> tuple[str, dict]:
 
 
 def run_speed(args) -> tuple[str, dict]:
-    from infinigen_core.weights import WEIGHT_CHOICES
-
     from .speed import EAGER, decode_speed, llama_cpp_rows, row_weights, tokens_needed, with_ratios
 
     configs = _configs(args)

@@ -22,13 +22,18 @@ def default_prefill(context: int) -> int:
     return context - min(256, max(context // 4, 2))
 
 
-def perplexity(engine, windows: Sequence[Sequence[int]], prefill: int, configs: dict[str, EngineConfig],
-               progress=None) -> dict[str, dict]:
-    """Per named config: ppl, fetched_ratio (all layers), sparse_fetched_ratio, ms_per_token over all windows."""
+def check_scoring_windows(windows: Sequence[Sequence[int]], prefill: int) -> None:
+    """Raise EvalError unless there are windows and `prefill` leaves at least 2 tokens of each to score."""
     if not windows:
         raise EvalError("no text windows to score")
     if not 1 <= prefill <= len(windows[0]) - 2:
         raise EvalError(f"prefill must leave at least 2 of the {len(windows[0])} tokens to score, got {prefill}")
+
+
+def perplexity(engine, windows: Sequence[Sequence[int]], prefill: int, configs: dict[str, EngineConfig],
+               progress=None) -> dict[str, dict]:
+    """Per named config: ppl, fetched_ratio (all layers), sparse_fetched_ratio, ms_per_token over all windows."""
+    check_scoring_windows(windows, prefill)
     totals = {name: {"nll": 0.0, "count": 0, "fetched": [], "sparse": [], "ms": []} for name in configs}
     for index, window in enumerate(windows):
         prefix, rest = list(window[:prefill]), list(window[prefill:])

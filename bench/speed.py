@@ -10,11 +10,13 @@ transformers over the same tokens: `transformers` (its own DynamicCache, no engi
 (`DynamicCache(offloading=True)`, what a transformers user picks to keep the cache off the GPU).
 `POLICY+KIND` (`--weights-rows full+fp32,...`) is that policy with other decode weights (weights.py:
 fp32, int8, int4, auto) in the same interleaved rounds, and `POLICY+eager` that policy with its decode step
-run eagerly where the engine compiled it (compiled.py); the plain rows use the weights the model loaded with. `llama.cpp` (`--llama-python PATH`) is llama.cpp on the same GGUF and the same token
-ids, run by that interpreter in a subprocess (bench/llama_peer.py, n_threads=2), after our rounds: its
-rounds cannot interleave with ours. `prompt_tokens_per_s` is the prefill's; `ratio_to_llama_cpp` is a
-row's ms/token over llama.cpp's. Every row also gives the aten operations of one decode step (kernel launches on a GPU), how many of them
-read a device value back to the host (a stall each on a GPU) and the engine's copies to the host.
+run eagerly where the engine compiled it (compiled.py); the plain rows use the weights the model loaded
+with. `llama.cpp` (`--llama-python PATH`) is llama.cpp on the same GGUF and the same token ids, run by that
+interpreter in a subprocess (bench/llama_peer.py, n_threads=2), after our rounds: its rounds cannot
+interleave with ours. `prompt_tokens_per_s` is the prefill's; `ratio_to_llama_cpp` is a row's ms/token
+over llama.cpp's. Every row also gives the aten operations of one decode step (kernel launches on a GPU),
+how many of them read a device value back to the host (a stall each on a GPU) and the engine's copies to
+the host.
 """
 
 from __future__ import annotations
