@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     controller.host.weights = args.weights
     controller.host.compile_decode = args.compile_decode
+    controller.host.cpu_kernels = args.cpu_kernels
     controller.load_in_background(progress=lambda message: print(message, flush=True))
     demo = build_app(controller)
     from starlette.middleware import Middleware

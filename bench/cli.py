@@ -20,6 +20,7 @@ from pathlib import Path
 from infinigen_core import ConfigError, ContextOverflowError, EngineConfig
 from infinigen_core.config import parse_budget
 from infinigen_core.compiled import COMPILE_HELP
+from infinigen_core.cpu_kernels import CPU_KERNELS_HELP
 from infinigen_core.weights import WEIGHT_CHOICES, WEIGHTS_HELP
 from .common import (EvalError, format_table, load_token_ids, machine_description, parse_numbers, parse_policies,
                      read_text, to_json, windows)
@@ -57,6 +58,7 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
     parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
     parser.add_argument("--compile", dest="compile_decode", action=argparse.BooleanOptionalAction, default=None,
                         help=COMPILE_HELP)
+    parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None, help=CPU_KERNELS_HELP)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
 
@@ -170,7 +172,7 @@ def _load_engine(args):
     from infinigen_core import load_engine
 
     return load_engine(args.model, device=args.device, config=_base_config(args), weights=args.weights,
-                       compile_decode=args.compile_decode, progress=_log)
+                       compile_decode=args.compile_decode, cpu_kernels=args.cpu_kernels, progress=_log)
 
 
 def _prefill_for(args) -> int:
@@ -244,14 +246,14 @@ def run_recall(args) -> tuple[str, dict]:
 
 
 def run_speed(args) -> tuple[str, dict]:
-    from .speed import EAGER, decode_speed, llama_cpp_rows, row_weights, tokens_needed, with_ratios
+    from .speed import EAGER, NO_KERNELS, decode_speed, llama_cpp_rows, row_weights, tokens_needed, with_ratios
 
     configs = _configs(args)
     for name in filter(None, (row.strip() for row in args.weights_rows.split(","))):
         policy, kind = row_weights(name)
-        if kind not in (*WEIGHT_CHOICES, EAGER):
+        if kind not in (*WEIGHT_CHOICES, EAGER, NO_KERNELS):
             raise EvalError(f"--weights-rows {name!r}: write POLICY+KIND, KIND one of "
-                            f"{', '.join((*WEIGHT_CHOICES, EAGER))}")
+                            f"{', '.join((*WEIGHT_CHOICES, EAGER, NO_KERNELS))}")
         configs[name] = _base_config(args).with_changes(policy=policy)
     contexts = parse_numbers(args.context, int)
     text = read_text(args.text)  # bad input fails before the model loads

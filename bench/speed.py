@@ -9,9 +9,9 @@ step time is reported (robust to such bursts) and its ratio to `full`'s. Two ref
 transformers over the same tokens: `transformers` (its own DynamicCache, no engine) and `hf-offload`
 (`DynamicCache(offloading=True)`, what a transformers user picks to keep the cache off the GPU).
 `POLICY+KIND` (`--weights-rows full+fp32,...`) is that policy with other decode weights (weights.py:
-fp32, int8, int4, auto) in the same interleaved rounds, and `POLICY+eager` that policy with its decode step
-run eagerly where the engine compiled it (compiled.py); the plain rows use the weights the model loaded
-with. `llama.cpp` (`--llama-python PATH`) is llama.cpp on the same GGUF and the same token ids, run by that
+fp32, int8, int4, auto) in the same interleaved rounds, `POLICY+eager` that policy with its decode step
+run eagerly where the engine compiled it (compiled.py), and `POLICY+nokernels` that policy on the eager ops
+where the engine has the CPU kernels (cpu_kernels.py); the plain rows use the weights the model loaded with. `llama.cpp` (`--llama-python PATH`) is llama.cpp on the same GGUF and the same token ids, run by that
 interpreter in a subprocess (bench/llama_peer.py, n_threads=2), after our rounds: its rounds cannot
 interleave with ours. `prompt_tokens_per_s` is the prefill's; `ratio_to_llama_cpp` is a row's ms/token
 over llama.cpp's. Every row also gives the aten operations of one decode step (kernel launches on a GPU),
@@ -42,6 +42,7 @@ HF_OFFLOAD = "hf-offload"
 LLAMA_CPP = "llama.cpp"
 WEIGHTS_SEPARATOR = "+"  # a row "POLICY+KIND" runs POLICY with those decode weights
 EAGER = "eager"  # a row "POLICY+eager" runs POLICY with the weights as loaded and the decode step uncompiled
+NO_KERNELS = "nokernels"  # a row "POLICY+nokernels" runs POLICY without the CPU kernels (cpu_kernels.py)
 PEER_SCRIPT = Path(__file__).with_name("llama_peer.py")
 
 
@@ -71,6 +72,7 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
     prefix = list(ids[:context])
     first = next(iter(configs.values()))
     weights = DecodeWeights(engine.model)
+    kernels = engine.kernels
     if progress:
         progress(f"context {context}: prefill")
     engine.reset()
@@ -83,7 +85,8 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
             if progress:
                 progress(f"context {context}: round {round_index + 1}/{rounds}, {name}")
             kind = row_weights(name)[1]
-            weights.use(None if kind == EAGER else kind)
+            weights.use(None if kind in (EAGER, NO_KERNELS) else kind)
+            engine.kernels = None if kind == NO_KERNELS else kernels  # applied by load_prefix's configure
             load_prefix(engine, config, prefix)
             engine.prepare(per_round + 2)  # as a reply does: no pool growth inside a timed step
             # each round decodes the same next tokens: the same work for every policy
@@ -98,6 +101,7 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
                                **count_decode_step(engine, ids[context + per_round + 1])}
     engine.reset()
     weights.restore()
+    engine.kernels = kernels
     rows = []
     for name in configs:
         rows.append({"policy": name, "context": context, "ms_per_token": statistics.median(times[name]),

@@ -3,6 +3,7 @@
     attention = PoolAttention(pool, adapter, policy, device)
     out = attention.prefill(layer, query, new_keys, new_values, scale, query_positions, new_slots)  # n new tokens
     out = attention.decode(layer, query, keys, values, scale, valid, new_slots, selected)  # one, over fetched rows
+    out = attention.decode(layer, query, keys, values, scale, valid, new_slots, selected, rows)  # over rows in place
 
 `grouped_attention` is the explicit (eager) form, used where SDPA cannot serve: a policy that reads the
 attention weights (H2O), a soft-capping family (Gemma 2), and the recall measurement (`measure_recall`).
@@ -53,6 +54,7 @@ class PoolAttention:
     adapter: ModelAdapter
     policy: KVPolicy
     device: torch.device
+    kernels: object | None = None  # cpu_kernels.CpuKernels: attend to selected rows where they lie in the pool
 
     def prefill(self, layer, query, new_keys, new_values, scaling, query_positions, new_slots) -> torch.Tensor:
         """Several new tokens (prefill): causal attention over the pool, masked by positions."""
@@ -77,15 +79,22 @@ class PoolAttention:
             )[0]
         return out.transpose(0, 1).unsqueeze(0)  # [1, n, heads, dim]
 
-    def decode(self, layer, query, keys, values, scaling, valid, new_slots, selected) -> torch.Tensor:
+    def decode(self, layer, query, keys, values, scaling, valid, new_slots, selected, rows=None) -> torch.Tensor:
         """One new token over rows [kv_heads, S, dim] (the new token's included): [1, 1, heads, dim].
 
         Each KV head's query group rides as the query length of one batch entry, so grouped-query
         attention needs no copy of the keys per query head, and at one token no causal mask: `valid`
-        (InfiniGen's alpha mask over ranked rows) is the only mask there is.
+        (InfiniGen's alpha mask over ranked rows) is the only mask there is. With `rows` [kv_heads, S] the
+        keys/values are the whole layer and attention reads those slots of it (fetch.py's rows in place).
         """
         # keys/values: [kv, S, dim] (a pool view) or [kv, 1, S, dim] (a gather, already in SDPA's shape)
         kv_heads, dim = keys.shape[0], keys.shape[-1]
+        if rows is not None:
+            if self._kernels_attend(query, keys):
+                mask = None if valid is None else valid.view(-1)
+                out = self.kernels.attend_rows(query.view(kv_heads, -1, dim), keys, values, rows, mask, scaling)
+                return out.view(1, 1, -1, dim)
+            keys, values = self.pool.gather(layer, rows, shape=(kv_heads, 1, rows.shape[1], dim))
         window = self.adapter.sliding_window(layer)
         if window is not None and selected is None:  # a sliding layer reads its last `window` positions only
             if self.pool.slots_are_positions:
@@ -107,6 +116,11 @@ class PoolAttention:
             grouped = query.view(kv_heads, 1, -1, dim)  # [kv, 1, group, dim]: a query group per KV head
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid, scale=scaling)
         return out.view(1, 1, -1, dim)
+
+    def _kernels_attend(self, query, keys) -> bool:
+        """Whether the CPU kernel can attend here: plain softmax attention over float32 rows."""
+        return (self.kernels is not None and not self.policy.needs_attention_weights and self.adapter.softcap is None
+                and query.dtype == torch.float32 and keys.dtype == torch.float32 and query.is_contiguous())
 
     def measure_recall(self, layer, query, key, scaling, selection: Selection, stats: LayerStats) -> None:
         """How much of the true (dense) attention mass the fetched rows carry; costs a dense pass."""

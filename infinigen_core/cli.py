@@ -20,6 +20,7 @@ from .config import POLICY_NAMES, ConfigError, EngineConfig, SamplingConfig, par
 from .engine import ContextOverflowError
 from .loading import ModelLoadError
 from .compiled import COMPILE_HELP
+from .cpu_kernels import CPU_KERNELS_HELP
 from .weights import WEIGHT_CHOICES, WEIGHTS_HELP
 
 
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
     gen.add_argument("--compile", dest="compile_decode", action=argparse.BooleanOptionalAction, default=None,
                      help=COMPILE_HELP)
+    gen.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None, help=CPU_KERNELS_HELP)
     gen.add_argument("--cache-dir", type=Path, default=None, help="model and skew cache (default: user cache)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the results last")
     return parser
@@ -92,6 +94,7 @@ def run_generate(args) -> dict:
     prompt = _read_prompt(args)
     engine = load_engine(args.model, device=args.device, config=engine_config, cache_dir=args.cache_dir,
                          quantize=args.quantize, weights=args.weights, compile_decode=args.compile_decode,
+                         cpu_kernels=args.cpu_kernels,
                          progress=lambda message: print(message, file=sys.stderr, flush=True))
     if args.pool_limit:
         limit = pool_limit_tokens(args.pool_limit, engine.pool.bytes_per_token())
@@ -132,6 +135,7 @@ def run_generate(args) -> dict:
         "dtype": str(engine.dtype).replace("torch.", ""),
         "weights": engine.weights,
         "decode": engine.decode_step.label,
+        "kernels": engine.kernels.label if engine.kernels is not None else "eager InfiniGen ops",
         "layer_kinds": [engine.adapter.layer_kind(layer) for layer in range(engine.adapter.num_layers)],
         "settings": {"alpha": engine_config.alpha, "budget": engine_config.budget,
                      "budget_is_tokens": engine_config.budget_is_tokens,

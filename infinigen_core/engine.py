@@ -119,7 +119,7 @@ class InfiniGenEngine:
     """
 
     def __init__(self, model, tokenizer, config: EngineConfig, *, skew_set=None, device: str | torch.device = "cpu",
-                 fingerprint: str = "unknown") -> None:
+                 fingerprint: str = "unknown", kernels=None) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter.for_model(model)
@@ -129,6 +129,8 @@ class InfiniGenEngine:
             self.dtype = torch.float16
         self.skew_set = skew_set
         self.fingerprint = fingerprint
+        # cpu_kernels.CpuKernels (float32 on the CPU only): InfiniGen's selection and sparse attention in one pass each
+        self.kernels = kernels if self.device.type == "cpu" and self.dtype == torch.float32 else None
         self.legacy_fingerprints: tuple[str, ...] = ()  # what earlier versions called this model (loading.py)
         self.weights = weights_label(model)  # e.g. "int4 weights (head bf16)": what decode steps read (weights.py)
         self.token_ids: list[int] = []
@@ -176,13 +178,15 @@ class InfiniGenEngine:
                 release_pinned_memory(old_pool)
         self.config = config
         self.history = deque(self.history, maxlen=config.history_steps)
-        context = PolicyContext(self.pool, config, self.adapter, self._attention_modules, self.device, self.skew_set)
+        context = PolicyContext(self.pool, config, self.adapter, self._attention_modules, self.device, self.skew_set,
+                                self.kernels)
         self.policy = policy_class(context)
-        self.attention = PoolAttention(self.pool, self.adapter, self.policy, self.device)
+        self.attention = PoolAttention(self.pool, self.adapter, self.policy, self.device, self.kernels)
         self._has_sparse_layers = any(self.policy.is_sparse(layer) for layer in range(self.adapter.num_layers))
         if self.fetcher is not None:
             self.fetcher.close()
-        self.fetcher = make_fetcher(self.pool, self.device, max_rows=config.budget_tokens_for(self.max_context) + 1)
+        self.fetcher = make_fetcher(self.pool, self.device, max_rows=config.budget_tokens_for(self.max_context) + 1,
+                                    rows_in_place=self.kernels is not None)
 
     def prepare(self, new_tokens: int) -> None:
         """Make room now for `new_tokens` more tokens, so no step of the coming reply allocates pool memory."""
@@ -448,7 +452,8 @@ class InfiniGenEngine:
             fetched = pending.wait(new_keys, new_values, slots)
             stats.fetch_wait_ms = fetched.wait_ms
             valid, selected = (None, None) if selection is None else (selection.valid, selection.slots)
-            out = self.attention.decode(layer, query, fetched.keys, fetched.values, scaling, valid, slots, selected)
+            out = self.attention.decode(layer, query, fetched.keys, fetched.values, scaling, valid, slots, selected,
+                                        fetched.rows)
             if selection is not None:
                 self._record_selection(layer, query, key, scaling, selection, stats, step)
         stats.compute_ms = (time.perf_counter() - started) * 1e3 - stats.fetch_wait_ms

@@ -37,6 +37,9 @@ class FetchedRows:
     keys: torch.Tensor  # [kv_heads, rows, dim] or [kv_heads, 1, rows, dim] on the compute device, new token included
     values: torch.Tensor
     wait_ms: float
+    # read in place (CPU kernels): keys/values are the whole layer and `rows` [kv_heads, k + 1] the slots to
+    # attend to, the new token's first; None where keys/values are the rows themselves
+    rows: torch.Tensor | None = None
 
 
 class HostChannel:
@@ -63,10 +66,11 @@ class PendingFetch:
     def wait(self, new_keys: torch.Tensor, new_values: torch.Tensor, new_slots: torch.Tensor) -> FetchedRows:
         """new_keys/new_values [kv_heads, n, dim] and new_slots [n] are on the compute device."""
         started = time.perf_counter()
-        keys, values = self._rows(new_keys, new_values, new_slots)
-        return FetchedRows(keys, values, (time.perf_counter() - started) * 1e3)
+        keys, values, *rows = self._rows(new_keys, new_values, new_slots)
+        return FetchedRows(keys, values, (time.perf_counter() - started) * 1e3, *rows)
 
-    def _rows(self, new_keys, new_values, new_slots) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, new_keys, new_values, new_slots) -> tuple[torch.Tensor, ...]:
+        """(keys, values) of the rows, or (layer keys, layer values, slots) for rows read in place."""
         raise NotImplementedError
 
 
@@ -94,11 +98,21 @@ class _GatherAtWait(PendingFetch):
         return self.pool.gather(self.layer, index, shape=(heads, 1, rows, self.pool.head_dim))
 
 
-class DirectFetcher:
-    """The pool is on the compute device: nothing moves between devices."""
+class _RowsInPlace(_GatherAtWait):
+    """Selected rows left where they are: attention (the CPU kernels) reads them from the pool by slot."""
 
-    def __init__(self, pool: KVPool, device: torch.device) -> None:
-        self.pool, self.device = pool, device
+    def _rows(self, new_keys, new_values, new_slots):
+        index = torch.cat([self.new_slot_columns(new_slots), self.slots], dim=1)
+        self.on_gather(index.numel())
+        return self.pool.keys(self.layer), self.pool.values(self.layer), index
+
+
+class DirectFetcher:
+    """The pool is on the compute device: nothing moves between devices. With `rows_in_place` selected rows
+    are not gathered but handed to attention by slot (only where it can read them so: the CPU kernels)."""
+
+    def __init__(self, pool: KVPool, device: torch.device, rows_in_place: bool = False) -> None:
+        self.pool, self.device, self.rows_in_place = pool, device, rows_in_place
         self.host = HostChannel(CudaOps(device) if device.type == "cuda" else None)
         self.bytes_fetched = 0
         self._row_bytes = pool.bytes_per_row()
@@ -109,7 +123,9 @@ class DirectFetcher:
         self.pool.write(layer, slots, keys, values)
 
     def start_rows(self, layer: int, slots: torch.Tensor) -> PendingFetch:
-        return _GatherAtWait(self.pool, layer, slots, self._count, self._new_slot_columns)
+        # a pool that evicts counts every fetch of a row, which its gather does
+        in_place = self.rows_in_place and not self.pool.counts_fetches
+        return (_RowsInPlace if in_place else _GatherAtWait)(self.pool, layer, slots, self._count, self._new_slot_columns)
 
     def start_layer(self, layer: int) -> PendingFetch:
         return _PoolView(self.pool, layer)
@@ -243,11 +259,13 @@ class StreamFetcher:
             warnings.warn("a KV fetch thread did not stop in time and was left behind", RuntimeWarning, stacklevel=2)
 
 
-def make_fetcher(pool: KVPool, device: torch.device, max_rows: int, ops: DeviceOps | None = None):
+def make_fetcher(pool: KVPool, device: torch.device, max_rows: int, ops: DeviceOps | None = None,
+                 rows_in_place: bool = False):
     """The fetcher for a pool and a compute device; `ops` forces the streamed pipeline over those device
-    operations (tests run it on the CPU with `transfer.ThreadedCpuOps`)."""
+    operations (tests run it on the CPU with `transfer.ThreadedCpuOps`); `rows_in_place` asks a pool on the
+    compute device to hand selected rows over by slot (attention reads them with the CPU kernels)."""
     if ops is not None:
         return StreamFetcher(pool, ops, max_rows)
     if device.type == "cuda" and pool.device.type == "cpu":
         return StreamFetcher(pool, CudaOps(device), max_rows)
-    return DirectFetcher(pool, device)
+    return DirectFetcher(pool, device, rows_in_place)

@@ -27,6 +27,7 @@ import torch
 from .arch import FAMILIES, ModelAdapter, UnsupportedModelError, unsupported_message
 from .calibration import calibrate, calibration_digest, calibration_text
 from .compiled import compile_decode as compile_decode_step, keep_cache_in
+from .cpu_kernels import build as build_cpu_kernels
 from .config import EngineConfig
 from .engine import InfiniGenEngine
 from .hub import ModelLoadError, names_a_hub_model, resolve_hub_id
@@ -283,13 +284,16 @@ def resolve_compile(compile_decode: bool | None, device: torch.device) -> bool:
 
 def load_engine(model: str | None = None, *, device: str = "auto", config: EngineConfig | None = None,
                 cache_dir: str | Path | None = None, quantize: str | None = None, weights: str | None = None,
-                compile_decode: bool | None = None, progress: Progress = print) -> InfiniGenEngine:
+                compile_decode: bool | None = None, cpu_kernels: bool | None = None,
+                progress: Progress = print) -> InfiniGenEngine:
     """A ready engine for the default model (or `model`), calibrated and with an empty conversation.
 
     `weights` (auto | fp32 | int8 | int4; default auto on the CPU, fp32 on a GPU) picks what the Linear
     layers read at decode steps (weights.py); prefill, the fingerprint and the skew are the fp32 model's either way.
     `compile_decode` (default: on the CPU) compiles the one-token step now (compiled.py), kept in inductor's
     cache ($TORCHINDUCTOR_CACHE_DIR, else `inductor/` in the cache directory) for the next start.
+    `cpu_kernels` (default: on the CPU) builds InfiniGen's CPU kernels (cpu_kernels.py) into `kernels/` there;
+    where they cannot be built, InfiniGen runs its eager path (the reason is logged).
     """
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     compute_device = resolve_device(device)
@@ -300,8 +304,11 @@ def load_engine(model: str | None = None, *, device: str = "auto", config: Engin
                                       legacy_fingerprint=legacy)
     if weights != "fp32" and not use_decode_weights(loaded, weights):
         progress(f"{weights} decode weights are unavailable here (see the log): decoding with the model's own")
+    kernels = None
+    if (compute_device.type == "cpu") if cpu_kernels is None else cpu_kernels:
+        kernels, _ = build_cpu_kernels(cache / "kernels", progress)  # None (logged why): InfiniGen runs eager
     engine = InfiniGenEngine(loaded, tokenizer, config or EngineConfig(), skew_set=skew_set,
-                             device=compute_device, fingerprint=fingerprint)
+                             device=compute_device, fingerprint=fingerprint, kernels=kernels)
     engine.legacy_fingerprints = (legacy,)
     engine.model_name = name
     if resolve_compile(compile_decode, compute_device):

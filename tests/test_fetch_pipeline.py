@@ -45,7 +45,7 @@ def attended(monkeypatch):
 def streamed(monkeypatch, delay_s):
     """Engines built (or reconfigured) from here on fetch through StreamFetcher over ThreadedCpuOps."""
     monkeypatch.setattr(engine_module, "make_fetcher",
-                        lambda pool, device, max_rows: make_fetcher(pool, device, max_rows, ops=ThreadedCpuOps(delay_s)))
+                        lambda pool, device, max_rows, **_: make_fetcher(pool, device, max_rows, ops=ThreadedCpuOps(delay_s)))
 
 
 def conversation(engine, restore: bool) -> torch.Tensor:

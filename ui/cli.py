@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from infinigen_core.compiled import COMPILE_HELP
+from infinigen_core.cpu_kernels import CPU_KERNELS_HELP
 from infinigen_core.weights import WEIGHT_CHOICES, WEIGHTS_HELP
 
 API_KEY_VARIABLE = "INFINIGEN_API_KEY"
@@ -34,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
     parser.add_argument("--compile", dest="compile_decode", action=argparse.BooleanOptionalAction, default=None,
                         help=COMPILE_HELP)
+    parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None, help=CPU_KERNELS_HELP)
     parser.add_argument("--quantize", choices=("8bit", "4bit"), default=None,
                         help="load the weights in 8 or 4 bits with bitsandbytes (CUDA only)")
     parser.add_argument("--share", action="store_true", help="also create a public Gradio share link (off by default)")

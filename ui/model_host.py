@@ -39,6 +39,7 @@ class ModelHost:
         self.model_path, self.device, self.quantize = model, device, quantize
         self.weights = weights  # auto | fp32 | int8 | int4 | None (load_engine's default: auto on the CPU)
         self.compile_decode = compile_decode  # None: load_engine's default (compiled on the CPU)
+        self.cpu_kernels: bool | None = None  # None: load_engine's default (built on the CPU)
         self.engine = None
         self.status = "Starting..."
         self.load_error: str | None = None
@@ -61,6 +62,8 @@ class ModelHost:
         kwargs = {"weights": self.weights} if self.weights else {}
         if self.compile_decode is not None:
             kwargs["compile_decode"] = self.compile_decode
+        if self.cpu_kernels is not None:
+            kwargs["cpu_kernels"] = self.cpu_kernels
         return loader(model, device=self.device, config=config, quantize=self.quantize, progress=report, **kwargs)
 
     # ------------------------------------------------------------------ start-up
@@ -151,6 +154,8 @@ class ModelHost:
         dtype = str(engine.dtype).replace("torch.", "")
         weights = getattr(engine, "weights", f"{dtype} weights")
         decode = engine.decode_step.label if hasattr(engine, "decode_step") else "eager decode"
+        if getattr(engine, "kernels", None) is not None:
+            decode += f" · {engine.kernels.label}"
         return (f"{engine.model_name} · {adapter.family.label} · {kinds} layers · {dtype} on {engine.device} · "
                 f"{weights} · {decode}")
 

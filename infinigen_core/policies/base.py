@@ -23,8 +23,9 @@ if TYPE_CHECKING:  # config validates policy names against the registry, so it i
 class Selection:
     slots: torch.Tensor  # [kv_heads, k] pool slots; k is known on the host (the budget), never read back
     scores: torch.Tensor | None = None  # [kv_heads, k] the policy's score for each slot
-    # [1, k + 1] bool over the new token then the slots in rank order: which rows attention may use. InfiniGen
-    # fetches k rows and masks those past its alpha count, so no shape depends on a device value.
+    # [1, k + 1] bool over the new token then the slots: which rows attention may use. InfiniGen fetches k rows
+    # and masks those past its alpha count, so no shape depends on a device value; its slots come ranked (eager)
+    # or partitioned (CPU kernels), either way with the rows the mask keeps first.
     valid: torch.Tensor | None = None
     alpha_total: torch.Tensor | None = None  # device scalar: query heads x mean tokens within alpha
     speculate_ms: float = 0.0
@@ -38,6 +39,7 @@ class PolicyContext:
     attention_modules: list[torch.nn.Module]
     compute_device: torch.device
     skew_set: object | None = None  # SkewSet, for InfiniGen
+    kernels: object | None = None  # cpu_kernels.CpuKernels where the engine runs on the CPU with them built
 
 
 class KVPolicy:

@@ -10,6 +10,10 @@ is kept, and fetching stays one uniform [kv_heads, k] gather.
 Nothing is read back to the host: k is the budget (a length the host knows), the slots come out ranked,
 and the paper's alpha rule (keep as many tokens as lie, on average over query heads, within alpha of a
 head's top rehearsed logit) becomes a mask over the ranks that attention applies on the device.
+
+On the CPU with the kernels built (cpu_kernels.py), the score product, the alpha count, the group sum and
+the top-k are one `rehearse_select` call instead; its slots are partitioned rather than ranked (each head's
+best `kept` first, which is all the mask needs).
 """
 
 from __future__ import annotations
@@ -160,6 +164,16 @@ class InfiniGenPolicy(KVPolicy):
         started = time.perf_counter()
         target = layer + 1
         partial_query = self._rehearse(target, hidden_states, position_embeddings, positions)  # [kv, group, r]
+        kernels = self.ctx.kernels
+        k = self.config.budget_tokens_for(past_len)
+        if (kernels is not None and new_slots is None and self.ctx.adapter.softcap is None and k <= past_len
+                and partial_query.dtype == torch.float32):
+            # the CPU's one-pass kernel: the same logits, mask and top-k as below, without a dozen eager ops
+            slots, scores, valid, alpha_total = kernels.rehearse_select(
+                partial_query, self.partial_keys_t[target], past_len, k, self.config.alpha)
+            selection = Selection(slots, scores=scores, valid=valid, alpha_total=alpha_total)
+            selection.speculate_ms = (time.perf_counter() - started) * 1e3
+            return selection
         if new_slots is None:
             # the new token's slot is the last one: the past is the slots before it
             logits = torch.bmm(partial_query, self.partial_keys_t[target][:, :, :past_len])
@@ -171,7 +185,7 @@ class InfiniGenPolicy(KVPolicy):
         softcap = self.ctx.adapter.softcap
         if softcap is not None:  # rehearse the family's soft-capping too (Gemma 2)
             logits = torch.tanh(logits / softcap) * softcap
-        selection = self.choose(logits, self.config.budget_tokens_for(past_len), new_slots)
+        selection = self.choose(logits, k, new_slots)
         selection.speculate_ms = (time.perf_counter() - started) * 1e3
         return selection
 

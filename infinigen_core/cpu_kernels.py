@@ -1,0 +1,110 @@
+"""InfiniGen's CPU kernels (kernels/infinigen_cpu.cpp), built once with the C++ compiler inductor also uses.
+
+    kernels, reason = cpu_kernels.build(cache / "kernels", progress)  # (CpuKernels, None) or (None, why not)
+    engine = InfiniGenEngine(..., kernels=kernels)                     # None: the eager path
+
+On the CPU a sparse layer's eager path is a chain of small ops (score product, max, alpha count, softmax,
+group sum, top-k, sort, two gathers, attention over the copies), each a pass over memory plus dispatch. The
+two kernels do the same maths in one pass each: `rehearse_select` from partial query and keys to the selected
+slots and the alpha mask, `attend_rows` from the query to the output, reading the selected K/V rows where
+they lie in the pool. Their results match the eager path's to float rounding (tests/test_cpu_kernels.py);
+the time they save is in docs/BENCHMARKS.md.
+
+Building takes ~20 s the first time and is cached in `directory` (one build per source text and CPU level).
+Where it fails (no compiler, no headers) the reason is logged once and the eager path serves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "infinigen_cpu.cpp"
+CPU_KERNELS_HELP = ("build InfiniGen's CPU kernels at load and use them for its selection and sparse attention "
+                    "(default: on the CPU; about 20 s the first time, cached after); --no-cpu-kernels runs the eager ops")
+
+# what the compiler may use, by the instruction set ATen itself detected on this CPU
+_ARCH_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+_built: tuple["CpuKernels | None", str | None] | None = None  # a process registers the ops once
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The loaded ops (float32 tensors on the CPU)."""
+
+    label: str  # e.g. "CPU kernels (AVX512)", for the model summary
+
+    @staticmethod
+    def rehearse_select(partial_query: torch.Tensor, partial_keys: torch.Tensor, past: int, k: int, alpha: float):
+        """partial_query [kv, group, r], partial_keys [kv, r, >= past] (slots contiguous) ->
+        (slots [kv, k] with each head's best `kept` first, their weights [kv, k], valid [1, k + 1] bool over the
+        new token then the k slots, alpha_total: query heads x mean tokens within alpha, a 0-dim int64)."""
+        return torch.ops.infinigen_cpu.rehearse_select(partial_query, partial_keys, past, k, alpha)
+
+    @staticmethod
+    def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                    valid: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """One token's attention: query [kv, group, dim] over the rows `rows` [kv, m] of keys/values
+        [kv, slots, dim] (each row contiguous), `valid` [m] bool or None -> [kv, group, dim]."""
+        return torch.ops.infinigen_cpu.attend_rows(query, keys, values, rows, valid, scale)
+
+
+def build(directory: Path, progress: Callable[[str], None] | None = None) -> tuple[CpuKernels | None, str | None]:
+    """Build (or load from `directory`) and register the kernels: (kernels, None), or (None, why not)."""
+    global _built
+    if _built is None:
+        _built = _build(Path(directory), progress)
+    return _built
+
+
+def _put_ninja_on_path() -> None:
+    """torch builds with the `ninja` program: where none is on PATH, use the one of the `ninja` package
+    (requirements.txt), whose bin directory is not on PATH when the venv was not activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return  # the build then fails with torch's own message, and the eager path serves
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build(directory: Path, progress: Callable[[str], None] | None) -> tuple[CpuKernels | None, str | None]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    source = SOURCE.read_bytes()
+    # -fopenmp: at::parallel_for runs on ATen's own OpenMP pool (torch's libgomp, loaded once per process);
+    # -fno-trapping-math lets the exponential's floor and selects vectorise (nothing here reads FP traps)
+    flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math", *_ARCH_FLAGS.get(capability, [])]
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"infinigen_cpu_{digest}"
+    started = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        _put_ninja_on_path()
+        build_dir = directory / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if progress is not None and not any(build_dir.glob("*.so")):
+            progress("Building InfiniGen's CPU kernels (about 20 s, once)...")
+        load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+             build_directory=str(build_dir), verbose=False)
+    except Exception as error:  # a missing compiler, headers or ninja all mean the same here: eager
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = f"{type(error).__name__}: {lines[0] if lines else 'no message'}"
+        log.warning("InfiniGen's CPU kernels are unavailable, the eager path serves: %s", reason)
+        return None, reason
+    log.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
+    return CpuKernels(label=f"CPU kernels ({capability})"), None

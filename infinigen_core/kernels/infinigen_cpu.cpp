@@ -1,0 +1,331 @@
+// InfiniGen's two hot loops on the CPU, each one pass over memory instead of a chain of eager ops.
+//
+//   rehearse_select: rehearsed logits of every past slot against the partial keys, the paper's alpha count,
+//     each KV head's query-group sum of softmax weights, and its top-k slots (partitioned, not sorted: the
+//     first `kept` slots are the `kept` best, which is all the alpha mask needs).
+//   attend_rows: one token's grouped-query attention over pool rows picked by slot, read where they lie
+//     (no gathered copy), split into chunks that are combined by their softmax maxima and sums.
+//
+// Built at run time by infinigen_core/cpu_kernels.py (torch.utils.cpp_extension), float32 only; anything
+// else keeps the eager path. Both parallelise with ATen's own thread pool, never a second one.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+constexpr int64_t kMaxDim = 256;   // head or partial dimension
+constexpr int64_t kSlotBlock = 256;
+constexpr int64_t kRowChunk = 256;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// e^x for x <= 0, branch-free so that loops over it vectorise: x = n ln2 + t with |t| <= ln2 / 2 (ln2 split
+// in two so that n ln2 stays exact), e^t by its Taylor series to t^7 (relative error below 2e-7), 2^n through
+// the exponent bits. Below -87 it returns 0 (float32 would be denormal there).
+inline float exp_nonpositive(float x) {
+  const bool underflow = x < -87.0f;
+  x = underflow ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float t = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * t + 1.0f / 720.0f;
+  p = p * t + 1.0f / 120.0f;
+  p = p * t + 1.0f / 24.0f;
+  p = p * t + 1.0f / 6.0f;
+  p = p * t + 0.5f;
+  p = p * t + 1.0f;
+  p = p * t + 1.0f;
+  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return underflow ? 0.0f : p * scale;
+}
+
+// Reductions written over 16 lanes, so that the compiler vectorises them without reassociating on its own.
+constexpr int kLanes = 16;
+
+inline float max_of(const float* x, int64_t n) {
+  float lanes[kLanes];
+  std::fill(lanes, lanes + kLanes, kNegInf);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], x[j + l]);
+  float result = kNegInf;
+  for (int l = 0; l < kLanes; ++l) result = std::max(result, lanes[l]);
+  for (; j < n; ++j) result = std::max(result, x[j]);
+  return result;
+}
+
+inline float sum_of(const float* x, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] += x[j + l];
+  float result = 0.0f;
+  for (int l = 0; l < kLanes; ++l) result += lanes[l];
+  for (; j < n; ++j) result += x[j];
+  return result;
+}
+
+inline int64_t count_above(const float* x, int64_t n, float floor) {
+  int32_t lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] += x[j + l] > floor ? 1 : 0;
+  int64_t result = 0;
+  for (int l = 0; l < kLanes; ++l) result += lanes[l];
+  for (; j < n; ++j) result += x[j] > floor ? 1 : 0;
+  return result;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] += a[j + l] * b[j + l];
+  float result = 0.0f;
+  for (int l = 0; l < kLanes; ++l) result += lanes[l];
+  for (; j < n; ++j) result += a[j] * b[j];
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------------- selection
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select(
+    const at::Tensor& query, const at::Tensor& partial_keys, int64_t past, int64_t k, double alpha) {
+  TORCH_CHECK(query.dim() == 3 && partial_keys.dim() == 3, "query [kv, group, r] and partial keys [kv, r, slots]");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && partial_keys.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(partial_keys.stride(2) == 1, "partial keys must be contiguous along slots");
+  const at::Tensor q_contig = query.contiguous();
+  const int64_t kv = q_contig.size(0), group = q_contig.size(1), r = q_contig.size(2);
+  TORCH_CHECK(partial_keys.size(0) == kv && partial_keys.size(1) == r, "query and partial keys disagree");
+  TORCH_CHECK(group <= kMaxGroup && 0 < k && k <= past && past <= partial_keys.size(2), "bad sizes");
+
+  auto slots = at::empty({kv, k}, q_contig.options().dtype(at::kLong));
+  auto scores = at::empty({kv, k}, q_contig.options());
+  auto valid = at::empty({1, k + 1}, q_contig.options().dtype(at::kBool));
+  const float* q_all = q_contig.data_ptr<float>();
+  const float* keys_all = partial_keys.data_ptr<float>();
+  const int64_t head_stride = partial_keys.stride(0), channel_stride = partial_keys.stride(1);
+  const float floor_gap = static_cast<float>(alpha);
+  const int64_t blocks = (past + kSlotBlock - 1) / kSlotBlock;
+
+  // 1. per (head, block of slots): logits, each channel's row of keys read once for the whole group, and
+  //    per query head the block's maximum and its sum of e^(logit - that maximum)
+  std::vector<float> logits(kv * group * past);
+  std::vector<float> block_peaks(kv * blocks * group), block_sums(kv * blocks * group);
+  at::parallel_for(0, kv * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(kMaxGroup * kSlotBlock), powers(kSlotBlock);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / blocks, j0 = (task % blocks) * kSlotBlock, n = std::min(kSlotBlock, past - j0);
+      const float* q = q_all + h * group * r;
+      std::fill(acc.begin(), acc.begin() + group * kSlotBlock, 0.0f);
+      for (int64_t c = 0; c < r; ++c) {
+        const float* row = keys_all + h * head_stride + c * channel_stride + j0;
+        for (int64_t g = 0; g < group; ++g) {
+          const float qc = q[g * r + c];
+          float* out = &acc[g * kSlotBlock];
+          for (int64_t j = 0; j < n; ++j) out[j] += qc * row[j];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float* block = &acc[g * kSlotBlock];
+        const float peak = max_of(block, n);
+        for (int64_t j = 0; j < n; ++j) powers[j] = exp_nonpositive(block[j] - peak);
+        block_peaks[task * group + g] = peak;
+        block_sums[task * group + g] = sum_of(powers.data(), n);
+        std::memcpy(&logits[(h * group + g) * past + j0], block, sizeof(float) * n);
+      }
+    }
+  });
+
+  // each query head's maximum and softmax denominator, from its blocks'
+  std::vector<float> peaks(kv * group, kNegInf), inverse_sums(kv * group);
+  for (int64_t h = 0; h < kv; ++h) {
+    for (int64_t g = 0; g < group; ++g) {
+      float& peak = peaks[h * group + g];
+      for (int64_t b = 0; b < blocks; ++b) peak = std::max(peak, block_peaks[(h * blocks + b) * group + g]);
+      float total = 0.0f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t t = (h * blocks + b) * group + g;
+        total += block_sums[t] * exp_nonpositive(block_peaks[t] - peak);
+      }
+      inverse_sums[h * group + g] = 1.0f / total;
+    }
+  }
+
+  // 2. per (head, block): the alpha count, and each slot's weight (its group's softmax weights summed)
+  //    packed with the slot as one integer: weights are >= 0, and such floats order like their bits
+  //    (the lower slot first among equal weights)
+  std::vector<uint64_t> ranked(kv * past);
+  std::vector<int64_t> block_counts(kv * blocks, 0);
+  at::parallel_for(0, kv * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(kSlotBlock);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / blocks, j0 = (task % blocks) * kSlotBlock, n = std::min(kSlotBlock, past - j0);
+      std::fill(weights.begin(), weights.begin() + n, 0.0f);
+      int64_t above = 0;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* row = &logits[(h * group + g) * past + j0];
+        const float peak = peaks[h * group + g], floor_logit = peak - floor_gap, inverse = inverse_sums[h * group + g];
+        above += count_above(row, n, floor_logit);
+        for (int64_t j = 0; j < n; ++j) weights[j] += exp_nonpositive(row[j] - peak) * inverse;
+      }
+      block_counts[task] = above;
+      uint64_t* out = &ranked[h * past + j0];
+      for (int64_t j = 0; j < n; ++j) {
+        const uint32_t slot = static_cast<uint32_t>(j0 + j);
+        out[j] = (static_cast<uint64_t>(__builtin_bit_cast(uint32_t, weights[j])) << 32) | static_cast<uint32_t>(~slot);
+      }
+    }
+  });
+
+  // 3. the alpha mask over ranks (the new token is rank -1): rank m is kept while m * heads < the total
+  int64_t total = 0;
+  for (int64_t t = 0; t < kv * blocks; ++t) total += block_counts[t];
+  const int64_t heads = kv * group;
+  bool* mask = valid.data_ptr<bool>();
+  int64_t kept = 0;
+  for (int64_t m = 0; m <= k; ++m) {
+    mask[m] = (m - 1) * heads < total;
+    kept += m > 0 && mask[m];
+  }
+
+  // 4. per head: its top k, partitioned once more where the mask cuts them, so its best `kept` come first
+  at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      uint64_t* head = &ranked[h * past];
+      if (k < past) std::nth_element(head, head + (k - 1), head + past, std::greater<uint64_t>());
+      if (0 < kept && kept < k) std::nth_element(head, head + (kept - 1), head + k, std::greater<uint64_t>());
+      float* score_out = scores.data_ptr<float>() + h * k;
+      int64_t* slot_out = slots.data_ptr<int64_t>() + h * k;
+      for (int64_t i = 0; i < k; ++i) {
+        score_out[i] = __builtin_bit_cast(float, static_cast<uint32_t>(head[i] >> 32));
+        slot_out[i] = static_cast<int64_t>(~static_cast<uint32_t>(head[i]));
+      }
+    }
+  });
+  return {slots, scores, valid, at::scalar_tensor(total, q_contig.options().dtype(at::kLong))};
+}
+
+// ---------------------------------------------------------------------------------------------- attention
+
+constexpr int64_t kPrefetchRows = 8;  // rows are picked by slot: ask for a row's cache lines this far ahead
+
+inline void prefetch_row(const float* row, int64_t dim) {
+  for (int64_t j = 0; j < dim; j += 16) __builtin_prefetch(row + j);
+}
+
+at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                       const at::Tensor& rows, const c10::optional<at::Tensor>& valid, double scale) {
+  TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && values.dim() == 3 && rows.dim() == 2, "bad ranks");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+              values.scalar_type() == at::kFloat && rows.scalar_type() == at::kLong, "float32 rows, int64 slots");
+  TORCH_CHECK(keys.stride(2) == 1 && keys.strides() == values.strides(), "K/V rows must be contiguous, alike");
+  const at::Tensor q_contig = query.contiguous(), row_contig = rows.contiguous();
+  const int64_t kv = q_contig.size(0), group = q_contig.size(1), dim = q_contig.size(2), m = row_contig.size(1);
+  const int64_t slot_count = keys.size(1), head_stride = keys.stride(0), row_stride = keys.stride(1);
+  TORCH_CHECK(keys.size(0) == kv && row_contig.size(0) == kv && keys.size(2) == dim && values.sizes() == keys.sizes(),
+              "query, rows and pool disagree");
+  TORCH_CHECK(group <= kMaxGroup && dim <= kMaxDim && m > 0, "bad sizes");
+  const bool* use = nullptr;
+  at::Tensor valid_contig;
+  if (valid.has_value()) {
+    valid_contig = valid->contiguous();
+    TORCH_CHECK(valid_contig.scalar_type() == at::kBool && valid_contig.numel() == m, "valid: [rows] bool");
+    use = valid_contig.data_ptr<bool>();
+  }
+  const int64_t* row_all = row_contig.data_ptr<int64_t>();
+  for (int64_t i = 0; i < kv * m; ++i) TORCH_CHECK(0 <= row_all[i] && row_all[i] < slot_count, "slot out of range");
+
+  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
+  std::vector<float> peaks(kv * chunks * group), sums(kv * chunks * group), partial(kv * chunks * group * dim);
+  const float* q_all = q_contig.data_ptr<float>();
+  const float* k_all = keys.data_ptr<float>();
+  const float* v_all = values.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, kv * chunks, 1, [&](int64_t begin, int64_t end) {
+    float weights[kMaxGroup][kRowChunk];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / chunks, r0 = (task % chunks) * kRowChunk, n = std::min(kRowChunk, m - r0);
+      const float* q = q_all + h * group * dim;
+      const int64_t* slot = row_all + h * m + r0;
+      const float* head_keys = k_all + h * head_stride;
+      const float* head_values = v_all + h * head_stride;
+      float* peak = &peaks[task * group];
+      float* acc = &partial[task * group * dim];
+      std::fill(peak, peak + group, kNegInf);
+      for (int64_t i = 0; i < n; ++i) {
+        if (i + kPrefetchRows < n) prefetch_row(head_keys + slot[i + kPrefetchRows] * row_stride, dim);
+        const bool kept = use == nullptr || use[r0 + i];
+        const float* key = head_keys + slot[i] * row_stride;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q + g * dim;
+          weights[g][i] = kept ? dot(qg, key, dim) * s : kNegInf;
+          peak[g] = std::max(peak[g], weights[g][i]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float top = peak[g];
+        for (int64_t i = 0; i < n; ++i)  // a masked row (-inf) weighs 0, as does every row of an all-masked chunk
+          weights[g][i] = top == kNegInf || weights[g][i] == kNegInf ? 0.0f : exp_nonpositive(weights[g][i] - top);
+        sums[task * group + g] = sum_of(weights[g], n);
+      }
+      std::fill(acc, acc + group * dim, 0.0f);
+      for (int64_t i = 0; i < n; ++i) {
+        if (i + kPrefetchRows < n) prefetch_row(head_values + slot[i + kPrefetchRows] * row_stride, dim);
+        if (use != nullptr && !use[r0 + i]) continue;
+        const float* value = head_values + slot[i] * row_stride;
+        for (int64_t g = 0; g < group; ++g) {
+          const float w = weights[g][i];
+          float* out = acc + g * dim;
+          for (int64_t j = 0; j < dim; ++j) out[j] += w * value[j];
+        }
+      }
+    }
+  });
+
+  // combine the chunks of each (head, query head): rescale by e^(chunk max - max), divide by the total
+  auto out = at::zeros({kv, group, dim}, q_contig.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t h = 0; h < kv; ++h) {
+    for (int64_t g = 0; g < group; ++g) {
+      float peak = kNegInf;
+      for (int64_t c = 0; c < chunks; ++c) peak = std::max(peak, peaks[(h * chunks + c) * group + g]);
+      TORCH_CHECK(peak != kNegInf, "attend_rows: every row of a head is masked");
+      float total = 0.0f;
+      float* dst = o + (h * group + g) * dim;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t t = (h * chunks + c) * group + g;
+        if (peaks[t] == kNegInf) continue;
+        const float factor = exp_nonpositive(peaks[t] - peak);
+        total += sums[t] * factor;
+        const float* a = &partial[t * dim];
+        for (int64_t j = 0; j < dim; ++j) dst[j] += factor * a[j];
+      }
+      const float inverse = 1.0f / total;
+      for (int64_t j = 0; j < dim; ++j) dst[j] *= inverse;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(infinigen_cpu, m) {
+  m.def("rehearse_select(Tensor query, Tensor partial_keys, int past, int k, float alpha) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("attend_rows(Tensor query, Tensor keys, Tensor values, Tensor rows, Tensor? valid, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(infinigen_cpu, CPU, m) {
+  m.impl("rehearse_select", rehearse_select);
+  m.impl("attend_rows", attend_rows);
+}

@@ -1,0 +1,125 @@
+"""InfiniGen's CPU kernels (cpu_kernels.py) against the eager ops they replace, and the engine with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_tiny_engine, random_tokens
+from infinigen_core import cpu_kernels
+from infinigen_core.engine import InfiniGenEngine
+from infinigen_core.config import EngineConfig
+from test_speculation import _chooser
+
+
+@pytest.fixture(scope="session")
+def kernels(tmp_path_factory):
+    built, reason = cpu_kernels.build(tmp_path_factory.mktemp("kernels"))
+    assert built is not None, reason  # this machine has the compiler inductor needs: the kernels must build
+    return built
+
+
+def _eager_selection(partial_query, partial_keys, past, k, alpha):
+    chooser = _chooser(alpha=alpha, budget=1.0)
+    chooser.ctx.adapter.num_heads = partial_query.shape[0] * partial_query.shape[1]
+    return chooser.choose(torch.bmm(partial_query, partial_keys[:, :, :past]), k)
+
+
+@pytest.mark.parametrize("alpha", [3.0, 1e6])  # the alpha mask cuts inside the k rows / keeps all of them
+def test_rehearse_select_keeps_what_the_eager_ops_keep(kernels, alpha):
+    torch.manual_seed(0)
+    partial_query, partial_keys = torch.randn(3, 4, 16), torch.randn(3, 16, 700)  # 700 slots, 650 in the past
+    past, k = 650, 97
+    slots, scores, valid, alpha_total = kernels.rehearse_select(partial_query, partial_keys, past, k, alpha)
+    eager = _eager_selection(partial_query, partial_keys, past, k, alpha)
+    assert int(alpha_total) == int(eager.alpha_total)
+    assert torch.equal(valid, eager.valid)
+    kept = int(valid[0, 1:].sum())
+    assert (kept < k) == (alpha == 3.0)
+    for head in range(3):
+        assert set(slots[head].tolist()) == set(eager.slots[head].tolist())  # the same k slots...
+        assert set(slots[head, :kept].tolist()) == set(eager.slots[head, :kept].tolist())  # ...the kept ones first
+        by_slot = dict(zip(eager.slots[head].tolist(), eager.scores[head].tolist()))
+        assert scores[head].tolist() == pytest.approx([by_slot[s] for s in slots[head].tolist()], rel=1e-5, abs=1e-7)
+    assert int(slots.max()) < past  # the new token's slot and the unwritten ones are never chosen
+
+
+def test_rehearse_select_refuses_a_k_past_the_slots(kernels):
+    with pytest.raises(RuntimeError, match="bad sizes"):
+        kernels.rehearse_select(torch.randn(2, 2, 8), torch.randn(2, 8, 50), 40, 41, 5.0)
+
+
+def test_attend_rows_is_attention_over_the_gathered_rows(kernels):
+    torch.manual_seed(1)
+    keys, values = torch.randn(2, 900, 32), torch.randn(2, 900, 32)  # [kv, slots, dim]: pool rows
+    query = torch.randn(2, 3, 32)
+    rows = torch.stack([torch.randperm(880)[:601] for _ in range(2)])  # 601 rows: three chunks, the last short
+    valid = torch.rand(601) < 0.7
+    valid[0] = True
+    out = kernels.attend_rows(query, keys[:, :880], values[:, :880], rows, valid, 0.2)
+    picked_keys = torch.stack([keys[h, rows[h]] for h in range(2)]).unsqueeze(1)
+    picked_values = torch.stack([values[h, rows[h]] for h in range(2)]).unsqueeze(1)
+    expected = F.scaled_dot_product_attention(query.unsqueeze(1), picked_keys, picked_values, attn_mask=valid.view(1, -1),
+                                              scale=0.2)[:, 0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    unmasked = kernels.attend_rows(query, keys, values, rows, None, 0.2)
+    expected = F.scaled_dot_product_attention(query.unsqueeze(1), picked_keys, picked_values, scale=0.2)[:, 0]
+    torch.testing.assert_close(unmasked, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.attend_rows(query, keys[:, :100], values[:, :100], rows, None, 0.2)
+
+
+def _decode(engine, prompt, steps):
+    engine.prefill(prompt)
+    logits, token = [], prompt[-1]
+    for _ in range(steps):
+        out = engine.decode(token)
+        logits.append(out)
+        token = int(out.argmax())
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("settings", [{}, {"pool_limit_tokens": 244, "recent_window": 16}])  # evicting from step 5
+@torch.inference_mode()
+def test_the_engine_decodes_the_same_with_the_kernels(tiny_llama, kernels, settings):
+    """Selected rows read in place by the kernels, or gathered where a pool evicts: the eager path's logits."""
+    config = dict(policy="infinigen", budget=0.2, alpha=4.0, dense_under_budget=False, min_fetch_tokens=0, **settings)
+    prompt = random_tokens(240, seed=5)
+    eager = make_tiny_engine(tiny_llama, **config)
+    model, skew = tiny_llama
+    fast = InfiniGenEngine(model, None, EngineConfig(**config), skew_set=skew, fingerprint="tiny", kernels=kernels)
+    assert fast.kernels is kernels and eager.kernels is None
+    expected, got = _decode(eager, prompt, 8), _decode(fast, prompt, 8)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    fetched = [[(layer.sparse, layer.fetched) for layer in step.layers] for step in (eager.history[-1], fast.history[-1])]
+    assert fetched[0] == fetched[1] and any(sparse for sparse, _ in fetched[1])  # the same statistics
+    eager.close(), fast.close()
+
+
+def test_a_build_that_fails_leaves_the_eager_path_with_a_reason(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    kernels, reason = cpu_kernels._build(tmp_path / "build", None)
+    assert kernels is None and reason  # one line saying why, logged; the caller decodes eagerly
+
+
+def test_the_summary_and_the_options_say_whether_the_kernels_run(tiny_llama, kernels):
+    from infinigen_core.cli import build_parser
+    from ui.cli import parse_args
+    from ui.model_host import ModelHost
+
+    model, skew = tiny_llama
+    host = ModelHost()
+    host.engine = InfiniGenEngine(model, None, EngineConfig(), skew_set=skew, fingerprint="tiny", kernels=kernels)
+    host.engine.model_name = "tiny"
+    assert host.model_summary().endswith(f"· eager decode · {kernels.label}")
+    host.engine.close()
+    assert parse_args([]).cpu_kernels is None and parse_args(["--no-cpu-kernels"]).cpu_kernels is False
+    assert build_parser().parse_args(["generate", "--prompt", "hi", "--no-cpu-kernels"]).cpu_kernels is False
+    seen = {}
+    off = ModelHost(loader=lambda *args, **kwargs: seen.update(kwargs))
+    off.cpu_kernels = False
+    off._load(None, None, print)
+    assert seen["cpu_kernels"] is False  # reaches load_engine, which then builds nothing
