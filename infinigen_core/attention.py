@@ -120,7 +120,8 @@ class PoolAttention:
     def _kernels_attend(self, query, keys) -> bool:
         """Whether the CPU kernel can attend here: plain softmax attention over float32 rows."""
         return (self.kernels is not None and not self.policy.needs_attention_weights and self.adapter.softcap is None
-                and query.dtype == torch.float32 and keys.dtype == torch.float32 and query.is_contiguous())
+                and query.dtype == torch.float32 and keys.dtype == torch.float32 and query.is_contiguous()
+                and self.kernels.fit(self.adapter.group_size, self.adapter.head_dim))
 
     def measure_recall(self, layer, query, key, scaling, selection: Selection, stats: LayerStats) -> None:
         """How much of the true (dense) attention mass the fetched rows carry; costs a dense pass."""

@@ -47,6 +47,12 @@ class CpuKernels:
     """The loaded ops (float32 tensors on the CPU)."""
 
     label: str  # e.g. "CPU kernels (AVX512)", for the model summary
+    max_group: int = 16  # query heads per KV head the kernels take (kMaxGroup), and head size (kMaxDim)
+    max_dim: int = 256
+
+    def fit(self, group: int, dim: int) -> bool:
+        """Whether a model with this query group and head size can use the kernels (else: the eager ops)."""
+        return group <= self.max_group and dim <= self.max_dim
 
     @staticmethod
     def rehearse_select(partial_query: torch.Tensor, partial_keys: torch.Tensor, past: int, k: int, alpha: float):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,14 +82,20 @@ def _decode(engine, prompt, steps):
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("settings", [{}, {"pool_limit_tokens": 244, "recent_window": 16}])  # evicting from step 5
+@pytest.mark.parametrize("settings, narrow", [
+    ({}, False),
+    ({"pool_limit_tokens": 244, "recent_window": 16}, False),  # a pool that evicts (from step 5): rows gathered
+    ({}, True),  # kernels too narrow for the model's query groups: the eager ops throughout
+])
 @torch.inference_mode()
-def test_the_engine_decodes_the_same_with_the_kernels(tiny_llama, kernels, settings):
-    """Selected rows read in place by the kernels, or gathered where a pool evicts: the eager path's logits."""
+def test_the_engine_decodes_the_same_with_the_kernels(tiny_llama, kernels, settings, narrow):
+    """Selected rows read in place by the kernels, or gathered where they cannot: the eager path's logits."""
     config = dict(policy="infinigen", budget=0.2, alpha=4.0, dense_under_budget=False, min_fetch_tokens=0, **settings)
     prompt = random_tokens(240, seed=5)
     eager = make_tiny_engine(tiny_llama, **config)
     model, skew = tiny_llama
+    if narrow:
+        kernels = dataclasses.replace(kernels, max_group=1)  # the tiny Llama has 2 query heads per KV head
     fast = InfiniGenEngine(model, None, EngineConfig(**config), skew_set=skew, fingerprint="tiny", kernels=kernels)
     assert fast.kernels is kernels and eager.kernels is None
     expected, got = _decode(eager, prompt, 8), _decode(fast, prompt, 8)

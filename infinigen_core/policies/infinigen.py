@@ -167,7 +167,7 @@ class InfiniGenPolicy(KVPolicy):
         kernels = self.ctx.kernels
         k = self.config.budget_tokens_for(past_len)
         if (kernels is not None and new_slots is None and self.ctx.adapter.softcap is None and k <= past_len
-                and partial_query.dtype == torch.float32):
+                and partial_query.dtype == torch.float32 and kernels.fit(partial_query.shape[1], 0)):
             # the CPU's one-pass kernel: the same logits, mask and top-k as below, without a dozen eager ops
             slots, scores, valid, alpha_total = kernels.rehearse_select(
                 partial_query, self.partial_keys_t[target], past_len, k, self.config.alpha)
