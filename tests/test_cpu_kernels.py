@@ -47,6 +47,27 @@ def test_rehearse_select_keeps_what_the_eager_ops_keep(kernels, alpha):
     assert int(slots.max()) < past  # the new token's slot and the unwritten ones are never chosen
 
 
+def test_float16_partial_keys_select_as_their_float32_values_do(kernels):
+    torch.manual_seed(2)
+    partial_query, half_keys = torch.randn(3, 3, 32), torch.randn(3, 32, 1100).half()  # 1,100: a 16-lane tail
+    for past, k in ((1037, 151), (20, 7)):
+        from_half = kernels.rehearse_select(partial_query, half_keys, past, k, 12.0)
+        from_float = kernels.rehearse_select(partial_query, half_keys.float(), past, k, 12.0)
+        for got, expected in zip(from_half, from_float):
+            assert torch.equal(got, expected)
+
+
+def test_the_cache_is_float16_only_where_every_selection_takes_the_kernels(tiny_llama, kernels):
+    model, skew = tiny_llama
+    dtypes = {}
+    for name, extra in (("kernels", {}), ("evicting", {"pool_limit_tokens": 500}), ("eager", None)):
+        engine = InfiniGenEngine(model, None, EngineConfig(**(extra or {})), skew_set=skew, fingerprint="tiny",
+                                 kernels=None if extra is None else kernels)
+        dtypes[name] = engine.policy.partial_store_dtype
+        engine.close()
+    assert dtypes == {"kernels": torch.float16, "evicting": torch.float32, "eager": torch.float32}
+
+
 def test_rehearse_select_refuses_a_k_past_the_slots(kernels):
     with pytest.raises(RuntimeError, match="bad sizes"):
         kernels.rehearse_select(torch.randn(2, 2, 8), torch.randn(2, 8, 50), 40, 41, 5.0)

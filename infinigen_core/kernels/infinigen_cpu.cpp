@@ -6,12 +6,16 @@
 //   attend_rows: one token's grouped-query attention over pool rows picked by slot, read where they lie
 //     (no gathered copy), split into chunks that are combined by their softmax maxima and sums.
 //
-// Built at run time by infinigen_core/cpu_kernels.py (torch.utils.cpp_extension), float32 only; anything
-// else keeps the eager path. Both parallelise with ATen's own thread pool, never a second one.
+// Built at run time by infinigen_core/cpu_kernels.py (torch.utils.cpp_extension); float32 rows and queries
+// (partial keys float32 or float16), anything else keeps the eager path. Both parallelise with ATen's own thread pool, never a second one.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -97,12 +101,34 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return result;
 }
 
+// out[j] += q * row[j]: float32 keys, or float16 ones (half the bytes to read) widened as they are loaded
+inline void add_scaled(float* out, const float* row, int64_t n, float q) {
+  for (int64_t j = 0; j < n; ++j) out[j] += q * row[j];
+}
+
+inline void add_scaled(float* out, const at::Half* row, int64_t n, float q) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 scale = _mm512_set1_ps(q);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j)));
+    _mm512_storeu_ps(out + j, _mm512_fmadd_ps(scale, wide, _mm512_loadu_ps(out + j)));
+  }
+#elif defined(__F16C__) && defined(__FMA__)
+  const __m256 scale = _mm256_set1_ps(q);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
+    _mm256_storeu_ps(out + j, _mm256_fmadd_ps(scale, wide, _mm256_loadu_ps(out + j)));
+  }
+#endif
+  for (; j < n; ++j) out[j] += q * static_cast<float>(row[j]);
+}
+
 // ---------------------------------------------------------------------------------------------- selection
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select(
+template <typename Key>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed(
     const at::Tensor& query, const at::Tensor& partial_keys, int64_t past, int64_t k, double alpha) {
-  TORCH_CHECK(query.dim() == 3 && partial_keys.dim() == 3, "query [kv, group, r] and partial keys [kv, r, slots]");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && partial_keys.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(partial_keys.stride(2) == 1, "partial keys must be contiguous along slots");
   const at::Tensor q_contig = query.contiguous();
   const int64_t kv = q_contig.size(0), group = q_contig.size(1), r = q_contig.size(2);
@@ -113,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select(
   auto scores = at::empty({kv, k}, q_contig.options());
   auto valid = at::empty({1, k + 1}, q_contig.options().dtype(at::kBool));
   const float* q_all = q_contig.data_ptr<float>();
-  const float* keys_all = partial_keys.data_ptr<float>();
+  const Key* keys_all = partial_keys.data_ptr<Key>();
   const int64_t head_stride = partial_keys.stride(0), channel_stride = partial_keys.stride(1);
   const float floor_gap = static_cast<float>(alpha);
   const int64_t blocks = (past + kSlotBlock - 1) / kSlotBlock;
@@ -129,12 +155,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select(
       const float* q = q_all + h * group * r;
       std::fill(acc.begin(), acc.begin() + group * kSlotBlock, 0.0f);
       for (int64_t c = 0; c < r; ++c) {
-        const float* row = keys_all + h * head_stride + c * channel_stride + j0;
-        for (int64_t g = 0; g < group; ++g) {
-          const float qc = q[g * r + c];
-          float* out = &acc[g * kSlotBlock];
-          for (int64_t j = 0; j < n; ++j) out[j] += qc * row[j];
-        }
+        const Key* row = keys_all + h * head_stride + c * channel_stride + j0;
+        for (int64_t g = 0; g < group; ++g) add_scaled(&acc[g * kSlotBlock], row, n, q[g * r + c]);
       }
       for (int64_t g = 0; g < group; ++g) {
         const float* block = &acc[g * kSlotBlock];
@@ -214,6 +236,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select(
     }
   });
   return {slots, scores, valid, at::scalar_tensor(total, q_contig.options().dtype(at::kLong))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select(
+    const at::Tensor& query, const at::Tensor& partial_keys, int64_t past, int64_t k, double alpha) {
+  TORCH_CHECK(query.dim() == 3 && partial_keys.dim() == 3, "query [kv, group, r] and partial keys [kv, r, slots]");
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "a float32 query");
+  if (partial_keys.scalar_type() == at::kHalf) return rehearse_select_typed<at::Half>(query, partial_keys, past, k, alpha);
+  TORCH_CHECK(partial_keys.scalar_type() == at::kFloat, "float32 or float16 partial keys");
+  return rehearse_select_typed<float>(query, partial_keys, past, k, alpha);
 }
 
 // ---------------------------------------------------------------------------------------------- attention

@@ -13,7 +13,7 @@ head's top rehearsed logit) becomes a mask over the ranks that attention applies
 
 On the CPU with the kernels built (cpu_kernels.py), the score product, the alpha count, the group sum and
 the top-k are one `rehearse_select` call instead; its slots are partitioned rather than ranked (each head's
-best `kept` first, which is all the mask needs).
+best `kept` first, which is all the mask needs), and the partial key cache is float16, widened as it is read.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ class InfiniGenPolicy(KVPolicy):
         device, adapter = ctx.compute_device, ctx.adapter
         # float32 where the CPU computes; the model's own dtype on a GPU (half the memory and bandwidth)
         self.partial_dtype = torch.float32 if device.type == "cpu" else ctx.pool.dtype
+        # what the partial key cache stores: float16 where every selection goes through the CPU kernels,
+        # which widen it as they read (half the memory, half the bytes a selection reads), else the above
+        kernels_always = (ctx.kernels is not None and device.type == "cpu" and adapter.softcap is None
+                          and self.config.pool_limit_tokens is None and ctx.kernels.fit(adapter.group_size, 0))
+        self.partial_store_dtype = torch.float16 if kernels_always else self.partial_dtype
         self.projections = [
             ctx.skew_set.partial_projection(layer, self.config.partial_ratio).to(device=device, dtype=torch.float32)
             for layer in range(adapter.num_layers)
@@ -66,7 +71,7 @@ class InfiniGenPolicy(KVPolicy):
         if self.sparse_layers and (cache is None or cache.shape[3] < capacity):
             projection = self.key_projections[self.sparse_layers[0]]
             bigger = torch.zeros(len(self.sparse_layers), projection.shape[0], projection.shape[2], capacity,
-                                 device=projection.device, dtype=self.partial_dtype)
+                                 device=projection.device, dtype=self.partial_store_dtype)
             if cache is not None:
                 bigger[..., : cache.shape[3]] = cache
             self._partial_all = bigger
@@ -99,7 +104,7 @@ class InfiniGenPolicy(KVPolicy):
             self._pending_keys.append(keys)
             self._pending_slots = slots
             return
-        partial = torch.bmm(keys, self.key_projections[layer])
+        partial = self._stored(torch.bmm(keys, self.key_projections[layer]))
         self.partial_keys_t[layer].index_copy_(2, slots, partial.transpose(1, 2))
 
     def finish_step(self, completed: bool) -> None:
@@ -110,8 +115,16 @@ class InfiniGenPolicy(KVPolicy):
             raise RuntimeError("a decode step wrote the keys of only some sparse layers")
         heads, dim = pending[0].shape[0], pending[0].shape[2]
         keys = torch.stack(pending).view(-1, 1, dim)  # [sparse layers * kv_heads, 1, dim]
-        partial = torch.bmm(keys, self._stacked_key_projections)  # [sparse layers * kv_heads, 1, r]
+        partial = self._stored(torch.bmm(keys, self._stacked_key_projections))  # [sparse layers * kv_heads, 1, r]
         self._partial_all.index_copy_(3, self._pending_slots, partial.view(len(pending), heads, -1, 1))
+
+    def _stored(self, partial: torch.Tensor) -> torch.Tensor:
+        """Partial keys in the cache's dtype (float16's range bounds them: no key turns into an infinity)."""
+        if partial.dtype == self.partial_store_dtype:
+            return partial
+        if self.partial_store_dtype == torch.float16:
+            partial = partial.clamp(-65504.0, 65504.0)
+        return partial.to(self.partial_store_dtype)
 
     def partial_keys(self, layer: int) -> torch.Tensor:
         """[kv_heads, slots, r]: the layer's skewed partial keys, slot by slot (a view)."""
@@ -174,11 +187,14 @@ class InfiniGenPolicy(KVPolicy):
             selection = Selection(slots, scores=scores, valid=valid, alpha_total=alpha_total)
             selection.speculate_ms = (time.perf_counter() - started) * 1e3
             return selection
+        stored = self.partial_keys_t[target]
+        if stored.dtype != partial_query.dtype:  # a float16 cache outside the kernels' reach (a k past the slots)
+            stored = stored[:, :, : past_len + 1].to(partial_query.dtype)
         if new_slots is None:
             # the new token's slot is the last one: the past is the slots before it
-            logits = torch.bmm(partial_query, self.partial_keys_t[target][:, :, :past_len])
+            logits = torch.bmm(partial_query, stored[:, :, :past_len])
         else:  # after eviction the new token took a victim's slot, still holding the victim's partial key
-            logits = torch.bmm(partial_query, self.partial_keys_t[target][:, :, : past_len + 1])
+            logits = torch.bmm(partial_query, stored[:, :, : past_len + 1])
             logits.index_fill_(2, new_slots, float("-inf"))
         if logits.dtype != torch.float32:
             logits = logits.float()
