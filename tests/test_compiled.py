@@ -196,7 +196,9 @@ def test_the_real_model_decodes_the_eager_logits_compiled(real_engine):
     several steps in a row, so that state kept from one step to the next (InfiniGen's partial keys) is checked
     too. Not bit for bit: the int4 layers round their input row to bf16, and inductor's fused norms move the
     fp32 value under that rounding by an ulp now and then; a log-probability then moves by up to ~0.35 (int4's
-    own distance from fp32 is as large: docs/BENCHMARKS.md). State written wrongly moves them by 5-15."""
+    own distance from fp32 is as large: docs/BENCHMARKS.md), and by up to ~1.1 where such an ulp swaps a row
+    at the edge of a selection that later steps build on (measured with the CPU kernels, whose selections
+    equal the eager ops' on the same inputs). State written wrongly moves them by 5-15."""
     from infinigen_core.calibration import calibration_text
 
     assert real_engine.decode_step.is_compiled
@@ -207,5 +209,5 @@ def test_the_real_model_decodes_the_eager_logits_compiled(real_engine):
     with torch.compiler.set_stance("force_eager"):
         eager = real_engine.score(ids[300:310]).log_softmax(-1)
     assert real_engine.history[-1].sparse_layers(), "the selecting path must have run"
-    assert (compiled - eager).abs().amax(-1).max() < 1.0
+    assert (compiled - eager).abs().amax(-1).max() < 1.5
     assert (compiled.argmax(-1) == eager.argmax(-1)).sum() >= 8

@@ -152,3 +152,35 @@ def test_the_summary_and_the_options_say_whether_the_kernels_run(tiny_llama, ker
     off.cpu_kernels = False
     off._load(None, None, print)
     assert seen["cpu_kernels"] is False  # reaches load_engine, which then builds nothing
+
+
+@torch.inference_mode()
+def test_every_selection_of_a_real_compiled_reply_is_the_eager_ops_choice(real_engine):
+    """The default engine (compiled step, kernels, float16 partial keys) at ~300 tokens: each rehearse_select
+    keeps the rows, alpha count and mask that the eager ops compute from the same query and cache."""
+    from infinigen_core.calibration import calibration_text
+
+    kernels, seen = real_engine.kernels, []
+    assert kernels is not None and real_engine.decode_step.is_compiled
+
+    class Checked:
+        label = kernels.label
+        fit = kernels.fit
+
+        @staticmethod
+        def rehearse_select(query, keys, past, k, alpha):
+            slots, scores, valid, alpha_total = kernels.rehearse_select(query, keys, past, k, alpha)
+            chooser = _chooser(alpha=alpha, budget=1.0)
+            chooser.ctx.adapter.num_heads = query.shape[0] * query.shape[1]
+            eager = chooser.choose(torch.bmm(query, keys[:, :, :past].float()), k)
+            kept = int(valid[0, 1:].sum())
+            seen.append(torch.equal(valid, eager.valid) and int(alpha_total) == int(eager.alpha_total) and all(
+                set(slots[h, :kept].tolist()) == set(eager.slots[h, :kept].tolist()) for h in range(query.shape[0])))
+            return slots, scores, valid, alpha_total
+
+    ids = real_engine.tokenizer(calibration_text())["input_ids"]
+    real_engine.prefill(ids[:300])
+    real_engine.policy.ctx.kernels = Checked()
+    real_engine.score(ids[300:306])
+    assert len(seen) == 6 * len(real_engine.policy.sparse_layers) and all(seen)
+    assert real_engine.policy.partial_store_dtype == torch.float16
