@@ -74,8 +74,22 @@ def test_requests_wait_their_turn_within_the_bound(loaded):
     assert answers[0].status_code == 200 and answers[0].json()["choices"][0]["message"]["content"]
 
 
-def test_the_page_and_the_api_take_turns_with_the_engine(loaded):
-    """An API turn leaves the page's session as it was; the page's next turn reads its KV back from disk."""
+def threads_running(engine, monkeypatch) -> set[str]:
+    """The names of the threads that run the engine's forward steps and KV restores from now on."""
+    names: set[str] = set()
+    for method in ("_forward", "import_rows"):
+        def recorded(*args, _original=getattr(engine, method), **kwargs):
+            names.add(threading.current_thread().name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(engine, method, recorded)
+    return names
+
+
+def test_the_page_and_the_api_take_turns_with_the_engine(loaded, monkeypatch):
+    """An API turn leaves the page's session as it was; the page's next turn reads its KV back from disk. Every
+    step and restore runs in the one model thread, whichever thread asked (engine_thread.py says why)."""
+    ran_in = threads_running(loaded.engine, monkeypatch)
     client = api_client(loaded)
     loaded.apply_settings("infinigen", 12, "0.15", 0.5, "", False, 0.0, 1.0, 0, 1.0, 8)  # short page replies
     page_reply = list(loaded.send("Name a colour."))[-1]
@@ -86,6 +100,7 @@ def test_the_page_and_the_api_take_turns_with_the_engine(loaded):
     history = list(loaded.send("And another one."))[-1]
     assert [m["role"] for m in history] == ["user", "assistant"] * 2
     assert loaded.chat.restore.tokens_restored > 0 and not loaded.chat.restore.rebuilt  # read back, not recomputed
+    assert ran_in == {"model"}
 
 
 def test_the_pages_stop_button_does_not_turn_away_a_request_waiting_for_its_turn(loaded):

@@ -25,6 +25,7 @@ from infinigen_core import GenerationEvent, SamplingConfig
 from sessions import ChatSession, SessionStore, StorageConfig
 from sessions.budget import enforce_disk_limit
 
+from . import inspector
 from .api.conversations import ApiConversations, ApiTurn
 from .errors import BUSY, Abandoned, QueueFull, UserError
 from .model_host import ModelHost
@@ -64,6 +65,7 @@ class ChatController:
     progress = property(lambda self: self.turns.progress)
     restore_message = property(lambda self: self.pages.restore_message)
     api_turns = property(lambda self: self.api.turns_run)
+    busy = property(lambda self: self.turns.busy())  # a turn (the page's or the API's) holds the engine now
 
     @property
     def chat(self) -> ChatSession | None:
@@ -112,7 +114,7 @@ class ChatController:
         with self.turns.exclusive():
             session_id = self.chat.id if self.chat is not None else None
             self.open_sessions.close_all()  # every open session holds the old engine; the new one starts empty
-            failure = self.host.swap(wanted, self._engine_config, progress)
+            failure = self.turns.model_thread.call(self.host.swap, wanted, self._engine_config, progress)
         if session_id is not None:
             self.pages.open_session(session_id)
         else:
@@ -121,6 +123,11 @@ class ChatController:
         if failure:
             raise UserError(failure)
         return f"Switched to {self.host.model_summary()}. {self.pages.restore_message}"
+
+    def inspect(self, step_index: int, layer: int) -> str:
+        """The prefetch inspector's HTML for a recent decode step (0 = the oldest kept) and a layer. It recomputes
+        the layer's attention, so it runs in the model's thread (engine_thread.py), after a turn running there."""
+        return self.turns.model_thread.call(inspector.render, self.engine, step_index, layer)
 
     # ------------------------------------------------------------------ settings
     def apply_settings(self, *values) -> str:

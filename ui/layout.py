@@ -24,6 +24,9 @@ from .page_text import status_text
 
 CSS = """
 .ig-hit { border-radius: 3px; }
+/* a streaming output's border stays lit but does not pulse: the pulse repaints the chat at every frame, which
+   cost a browser without GPU compositing about a tenth of a core, taken from the model (bench/page.py) */
+.generating { animation: none !important; }
 #ig-status { min-height: 2.2em; }
 footer { display: none !important; }
 """

@@ -307,12 +307,12 @@ class PageActions:
     def inspect(self, step_label, layer) -> str:
         if self.controller.engine is None or not step_label:
             return "<p>Generate a reply first.</p>"
-        return inspector.render(self.controller.engine, int(str(step_label).split(":")[0]), int(layer))
+        return self.controller.inspect(int(str(step_label).split(":")[0]), int(layer))
 
     def inspect_index(self, step_index, layer) -> str:
         if self.controller.engine is None:
             return "<p>Still starting.</p>"
-        return inspector.render(self.controller.engine, int(step_index or 0), int(layer or 0))
+        return self.controller.inspect(int(step_index or 0), int(layer or 0))
 
     def list_sessions(self) -> list[dict]:
         return [{**s.__dict__, "reopens_instantly": s.reopens_instantly} for s in self.controller.store.list()]

@@ -73,25 +73,28 @@ class PageSessions:
     def open_session(self, session_id: str) -> str:
         self.host.require_engine_loaded()
         with self.turns.exclusive():
-            if self.open.page is not None and self.open.page.id == session_id:
-                return self.restore_message
-            previous, self.open.page = self.open.page, None
-            self.open.release(previous)
-            on_restore = self.turns.start("restore")
-            try:
-                if self.open.api is not None and self.open.api.id == session_id:  # the API has it open: share it
-                    self.open.page = self.open.api
-                    self.open.hold(self.open.page, on_restore)
-                else:
-                    self.open.page = self.open.open(session_id, on_restore)
-            except SessionError as error:
-                if previous is not None:  # stay where we were
-                    self.open.page = previous if previous is self.open.api else self.open.open(previous.id)
-                raise UserError(str(error)) from None
-            finally:
-                self.turns.idle()
-            self.restore_message = describe_restore(self.open.page.restore)
+            return self.turns.model_thread.call(self._open, session_id)  # restoring runs the model's kernels
+
+    def _open(self, session_id: str) -> str:
+        if self.open.page is not None and self.open.page.id == session_id:
             return self.restore_message
+        previous, self.open.page = self.open.page, None
+        self.open.release(previous)
+        on_restore = self.turns.start("restore")
+        try:
+            if self.open.api is not None and self.open.api.id == session_id:  # the API has it open: share it
+                self.open.page = self.open.api
+                self.open.hold(self.open.page, on_restore)
+            else:
+                self.open.page = self.open.open(session_id, on_restore)
+        except SessionError as error:
+            if previous is not None:  # stay where we were
+                self.open.page = previous if previous is self.open.api else self.open.open(previous.id)
+            raise UserError(str(error)) from None
+        finally:
+            self.turns.idle()
+        self.restore_message = describe_restore(self.open.page.restore)
+        return self.restore_message
 
     def rename_session(self, title: str) -> None:
         self.require_chat()

@@ -3,6 +3,7 @@ conversation as the chat display shows it; one runs at a time (another gets User
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 from documents import Document
@@ -11,6 +12,10 @@ from sessions import SessionError
 
 from .errors import UserError
 from .page_sessions import PageSessions
+
+# how often the chat display takes the reply's new text while a turn runs: every update is post-processed and
+# sent by the server and redrawn by the browser, on the cores the model decodes on (bench/page.py measures it)
+PAGE_UPDATE_SECONDS = 0.25
 
 StartTurn = Callable[[Callable[[int, int], None]], Iterator[GenerationEvent]]
 
@@ -85,18 +90,27 @@ class PageTurns:
         with self.turns.exclusive():
             self.turns.cancel.clear()
             self.pages.restore_message = ""  # said once, after opening the session
-            chat = self.open.page
-            self.open.hold(chat, self.turns.start("restore"))
-            self.settings.apply_pending(self.pages.host.engine, self.store, chat.id)
-            on_prefill = self.turns.start("prefill")
             try:
-                history = None
-                for event in self.turns.track(start_turn(on_prefill)):
-                    if history is None:  # the turn's first step stores or removes messages: read them after it
-                        history = self.pages.chat_history()
-                    yield history + [{"role": "assistant", "content": event.full_text}]
+                # the turn runs on in the model's thread and never waits for the page (engine_thread.py)
+                updates = self.turns.model_thread.paced(self._shown(start_turn), PAGE_UPDATE_SECONDS,
+                                                        self.turns.stop)
+                with contextlib.closing(updates):  # a page that goes away stops the turn and waits for it
+                    for shown in updates:
+                        history, reply = shown[-1]
+                        yield history + [{"role": "assistant", "content": reply}]
             except (SessionError, ContextOverflowError, ConfigError) as error:
                 raise UserError(str(error)) from None
             finally:
                 self.turns.idle()
         yield self.pages.chat_history()
+
+    def _shown(self, start_turn: StartTurn) -> Iterator[tuple[list[dict], str]]:
+        """The turn, in the model's thread: (the conversation before the reply, the reply so far) per event."""
+        chat = self.open.page
+        self.open.hold(chat, self.turns.start("restore"))
+        self.settings.apply_pending(self.pages.host.engine, self.store, chat.id)
+        history = None
+        for event in self.turns.track(start_turn(self.turns.start("prefill"))):
+            if history is None:  # the turn's first step stores or removes messages: read them after it
+                history = self.pages.chat_history()
+            yield history, event.full_text

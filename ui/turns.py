@@ -1,4 +1,5 @@
-"""One generation at a time, for the page and the API alike: the lock, the API's bounded queue, Stop, progress.
+"""One generation at a time, for the page and the API alike: the lock, the API's bounded queue, Stop, progress,
+and the one thread the model runs in (engine_thread.py).
 
     turns = TurnRunner()
     with turns.exclusive():                      # the page: UserError(BUSY) when a reply is being generated
@@ -6,6 +7,7 @@
         for event in turns.track(generate(...)): ...
     with turns.queued(client_gone, max_waiting): # the API: waits its turn, QueueFull past the bound
         ...
+    turns.model_thread.call(restore, ...)         # model work runs in that thread, started under the lock
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from infinigen_core import GenerationEvent
 
+from .engine_thread import model_thread
 from .errors import BUSY, Abandoned, QueueFull, UserError
 
 WAIT_POLL_S = 0.2  # how often a waiting API request looks whether its client went away
@@ -59,6 +62,7 @@ class TurnRunner:
         self._lock = threading.Lock()
         self._waiting = 0  # API requests waiting for their turn
         self._waiting_lock = threading.Lock()
+        self.model_thread = model_thread()
 
     @property
     def waiting(self) -> int:

@@ -56,21 +56,28 @@ class ApiConversations:
             try:
                 self.turns.cancel.clear()  # a Stop pressed before this turn is not meant for it
                 either = EitherSet(cancel, self.turns.cancel)  # from now on the page's Stop button stops it too
-                chat, new_turns = self._session(system, turns, prompt_ids, turn)
-                self.settings.apply_pending(self.host.engine, self.store, chat.id)
-                on_progress = self.turns.start("prefill")
-
-                def on_prefill(done: int, total: int) -> None:
-                    on_progress(done, total)
-                    turn.prefilled_tokens = turn.reread_tokens + total
-
-                attached = tuple(documents)[len(turns) - len(new_turns):] if documents else ()
-                yield from self.turns.track(chat.extend(new_turns, sampling, either, on_prefill, attached))
+                # the turn runs in the model's thread (engine_thread.py); its events come here as they come
+                turn_events = self._turn(system, turns, prompt_ids, sampling, either, turn, documents)
+                for events in self.turns.model_thread.paced(turn_events, 0, cancel.set):
+                    yield from events
             except (SessionError, ContextOverflowError, ConfigError) as error:
                 raise UserError(str(error)) from None
             finally:
                 self.turns.idle()
                 self.turns_run += 1
+
+    def _turn(self, system: str, turns: Turns, prompt_ids: list[int], sampling: SamplingConfig, cancel: EitherSet,
+              turn: ApiTurn, documents: Sequence[tuple[Document, ...]]) -> Iterator[GenerationEvent]:
+        chat, new_turns = self._session(system, turns, prompt_ids, turn)
+        self.settings.apply_pending(self.host.engine, self.store, chat.id)
+        on_progress = self.turns.start("prefill")
+
+        def on_prefill(done: int, total: int) -> None:
+            on_progress(done, total)
+            turn.prefilled_tokens = turn.reread_tokens + total
+
+        attached = tuple(documents)[len(turns) - len(new_turns):] if documents else ()
+        yield from self.turns.track(chat.extend(new_turns, sampling, cancel, on_prefill, attached))
 
     def _session(self, system: str, turns: Turns, prompt_ids: list[int],
                  turn: ApiTurn) -> tuple[ChatSession, Turns]:
