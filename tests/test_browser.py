@@ -68,9 +68,13 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page, app):
     assert len({n for n in lengths if 0 < n < lengths[-1]}) >= 2  # it grew in steps: streamed
     first_reply = page.locator(BOT).last.inner_text()
 
-    # the live panels are drawn in the browser (Vega) from the small tables the server sends after decode steps
-    for panel in ("#ig-memory", "#ig-fetch", "#ig-sparsity", "#ig-timing"):
+    # the live panels are drawn in the browser (Vega) from the small tables the server sends after decode steps;
+    # the heat map is a PNG of one pixel per layer and step, scaled up by the browser
+    for panel in ("#ig-memory", "#ig-fetch", "#ig-timing"):
         page.wait_for_selector(f"{panel} canvas, {panel} svg.marks", timeout=30_000)
+    heat_map = page.wait_for_selector("#ig-sparsity img[src^='data:image/png']", timeout=30_000)
+    assert heat_map.evaluate("img => img.naturalHeight") == 30  # SmolLM2's 30 layers, decoded by the browser
+    assert heat_map.evaluate("img => img.complete && img.naturalWidth > 0")
     page.screenshot(path=str(ARTIFACTS / "browser-mid-conversation.png"), full_page=True)
 
     page.reload()

@@ -1,10 +1,15 @@
-"""The live panels: the small tables the browser draws, built from a known stats history, and the tick that
-sends only what changed."""
+"""The live panels: the small tables and the heat map the browser draws, built from a known stats history, and
+the tick that sends only what changed."""
 
+import base64
+import io
+import re
 from types import SimpleNamespace
 
 import gradio as gr
+import numpy as np
 import pytest
+from PIL import Image
 
 from infinigen_core.stats import LayerStats, StepStats
 from ui import page_actions, panels
@@ -62,13 +67,36 @@ def test_fetch_table_has_the_latest_and_the_mean_ratio_of_each_layer(data):
     assert "infinigen" in caption and "sliding-window layers (whole window read): 1" in caption
 
 
-def test_sparsity_table_has_every_layer_at_every_decode_step(data):
-    frame, caption = panels.sparsity_table(data)
-    assert len(frame) == 3 * 2  # the prefill step is not a decode step
-    cell = {(row.step, row.layer): row._3 for row in frame.itertuples()}
-    assert cell[(0, 2)] == pytest.approx(0.25) and cell[(1, 2)] == pytest.approx(round(20 / 41, 3))
-    assert cell[(0, 0)] == cell[(1, 1)] == 1.0
-    assert "sliding-window layers: 1" in caption
+def heat_map_pixels(view_html: str) -> np.ndarray:
+    """The heat map's PNG, decoded by Pillow (not by our own code): [layers, steps, 3]."""
+    encoded = re.search(r'src="data:image/png;base64,([^"]+)"', view_html).group(1)
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(encoded))).convert("RGB"))
+
+
+def test_the_heat_map_has_a_pixel_per_layer_and_decode_step_coloured_by_its_fetched_ratio(data):
+    view, caption = panels.sparsity_view(data)
+    pixels = heat_map_pixels(view)
+    assert pixels.shape == (3, 2, 3)  # 3 layers (rows), 2 decode steps (columns): the prefill is not one
+    dense, sparse = panels.HEAT_COLOURS[-1], panels.HEAT_COLOURS[0]
+    assert pixels[0, 0].tolist() == pixels[1, 1].tolist() == dense.tolist()  # fetched everything
+    assert pixels[2, 0].tolist() == panels.HEAT_COLOURS[1].tolist()  # 10 of 40 = 0.25: the second anchor
+    assert pixels[2, 1].tolist() == panels.heat_colours(np.array(20 / 41)).tolist()
+    assert pixels[2, 1].tolist() not in (dense.tolist(), sparse.tolist())
+    assert "layer 0" in view and "layer 2" in view and "step 1" in view
+    assert "sliding-window layers: 1" in caption and html_escaped(caption) in view
+
+
+def html_escaped(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def test_heat_colours_run_from_the_first_anchor_to_the_last_and_clip():
+    values = np.array([-1.0, 0.0, 0.125, 1.0, 3.0])
+    colours = panels.heat_colours(values)
+    assert colours[0].tolist() == colours[1].tolist() == panels.HEAT_COLOURS[0].tolist()
+    assert colours[3].tolist() == colours[4].tolist() == panels.HEAT_COLOURS[-1].tolist()
+    halfway = (panels.HEAT_COLOURS[0] + panels.HEAT_COLOURS[1]) / 2  # 0.125 is half way to the 0.25 anchor
+    assert colours[2].tolist() == np.rint(halfway).astype(int).tolist()
 
 
 def test_timing_table_splits_the_mean_step(data):
@@ -80,12 +108,13 @@ def test_timing_table_splits_the_mean_step(data):
     assert caption == "12.5 tokens/s; context 42 / 8,192 tokens"
 
 
-def test_tables_before_any_decode_step_are_empty_and_say_so():
+def test_views_before_any_decode_step_are_empty_and_say_so():
     engine = FakeEngine()
     engine.history = engine.history[:1]
-    tables = panels.panel_tables(panels.collect(engine))
-    assert all(frame.empty for name, (frame, _) in tables.items() if name != "memory")
-    assert tables["fetch"][1] == tables["sparsity"][1] == "no decode step yet"
+    views = panels.panel_views(panels.collect(engine))
+    assert views["fetch"][0].empty and views["timing"][0].empty
+    assert "<img" not in views["sparsity"][0] and "no decode step yet" in views["sparsity"][0]
+    assert views["fetch"][1] == views["sparsity"][1] == "no decode step yet"
 
 
 # ------------------------------------------------------------------------------------ the tick
@@ -94,6 +123,7 @@ class FakeController:
         self.engine, self.chat, self.api_turns = engine, SimpleNamespace(id="s1"), 0
         self.progress = SimpleNamespace(tokens_per_second=lambda: 9.0)
         self.store = SimpleNamespace(list=lambda: [])
+        self.busy = False  # no turn is running
 
     def chat_history(self):
         return []
@@ -158,3 +188,21 @@ def test_tick_sends_only_the_panels_whose_tables_changed(ticking):
         if not state.panels_pending:
             break
     assert order == ["fetch", "sparsity", "timing"]  # memory's table did not change: skipped
+
+
+def test_while_a_reply_is_generated_the_tick_sends_the_status_and_a_panel_and_the_rest_after(ticking):
+    actions, engine = ticking
+    state = TickState()
+    for _ in panels.PANELS:
+        state = actions.tick(state)[-1]
+    actions.controller.busy = True
+    engine.history.append(StepStats(3, 42, 1, [layer(0, 42, 42), layer(1, 42, 42), layer(2, 42, 4)], total_ms=25.0))
+    engine.steps_run += 1
+    outputs = actions.tick(state)
+    assert len(sent(outputs)) == 1  # one panel, as ever
+    assert all(output == gr.skip() for output in outputs[5:-1])  # inspector steps, chat, sidebar: not now
+    state = outputs[-1]
+    actions.controller.busy = False  # the turn ended: the inspector's step list follows
+    outputs = actions.tick(state)
+    steps = outputs[5]
+    assert steps != gr.skip() and steps["choices"] == ["1: a", "2: b"]

@@ -18,6 +18,7 @@ from infinigen_core.config import POLICY_NAMES
 from sessions import format_size
 
 from .chat_view import ChatView
+from . import panels
 from .controller import ChatController
 from .page_actions import ATTACHABLE, TICK_SECONDS, PageActions
 from .page_text import status_text
@@ -28,6 +29,14 @@ CSS = """
    cost a browser without GPU compositing about a tenth of a core, taken from the model (bench/page.py) */
 .generating { animation: none !important; }
 #ig-status { min-height: 2.2em; }
+.ig-heat-map { display: flex; gap: 6px; }
+.ig-heat-map img { flex: 1; min-width: 0; height: 240px; image-rendering: pixelated; }
+.ig-heat-y { display: flex; flex-direction: column; justify-content: space-between; font-size: 0.8em; }
+.ig-heat-x, .ig-heat-legend { display: flex; justify-content: space-between; gap: 8px; font-size: 0.8em; }
+.ig-heat-x { margin-left: 4.5em; }
+.ig-heat-bar { flex: 1; height: 0.8em; align-self: center; }
+.ig-heat-caption { font-size: 0.85em; margin: 4px 0 0; }
+.ig-heat-title { font-size: 0.85em; margin-bottom: 6px; opacity: 0.8; }
 footer { display: none !important; }
 """
 
@@ -147,7 +156,7 @@ class ChatPage:
     def _panels(self) -> None:
         with gr.Tabs():
             with gr.Tab("Live panels"):
-                # drawn in the browser from small tables (ui/panels.py); the server never draws
+                # drawn in the browser from small tables and one tiny PNG (ui/panels.py)
                 with gr.Row():
                     self.memory_plot = gr.BarPlot(x="memory", y="MiB", label="Memory (MiB)", elem_id="ig-memory",
                                                   sort="-y")
@@ -155,9 +164,7 @@ class ChatPage:
                                                   y_lim=[0, 1.05], tooltip="all", label="Fetched-token ratio per layer",
                                                   elem_id="ig-fetch")
                 with gr.Row():
-                    self.sparsity_plot = gr.ScatterPlot(x="step", y="layer", color="fetched ratio",
-                                                        label="Per-layer sparsity over time (fetched ratio)",
-                                                        elem_id="ig-sparsity")
+                    self.sparsity_plot = gr.HTML(panels.sparsity_view(panels.PanelData())[0], elem_id="ig-sparsity")
                     self.timing_plot = gr.BarPlot(x="part", y="ms per decode step", color="part",
                                                   label="ms per decode step", elem_id="ig-timing")
             with gr.Tab("Prefetch inspector"):

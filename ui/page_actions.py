@@ -32,7 +32,7 @@ TICK_SECONDS = 2.0  # the live panels' pace: one small table per tick costs a de
 @dataclass(frozen=True)
 class TickState:
     """What one page was last sent by the tick: the engine's step count, session, model and API turns seen,
-    the status text, each panel's table digest, the panel to try first next, and whether panels still wait."""
+    the status text, each panel's view digest, the panel to try first next, and whether panels still wait."""
     seen: tuple | None = None
     status: str = ""
     sent: dict[str, str] = field(default_factory=dict)
@@ -260,8 +260,9 @@ class PageActions:
     def tick(self, last: "TickState | None"):
         """Refresh what changed since this page's last tick (`last`, kept per page in a gr.State): the status
         line when its text changed, the sidebar when another session or model is open or the API ran a turn,
-        and at most one live panel, the next one in turn whose table changed; each output left alone is a
-        gr.skip(), which sends nothing."""
+        and at most one live panel, the next one in turn whose view changed; each output left alone is a
+        gr.skip(), which sends nothing. While a reply is being generated only the status line and the panel
+        go out (every update costs the browser, which shares the model's cores); the rest follows the turn."""
         controller, last = self.controller, last or TickState()
         text = status_text(controller)
         status = text if text != last.status else gr.skip()
@@ -270,6 +271,9 @@ class PageActions:
                 controller.api_turns) if engine else None
         if engine is None or (seen == last.seen and not last.panels_pending):
             return (status, *[gr.skip()] * PANEL_OUTPUTS, replace(last, status=text))
+        if controller.busy:  # `seen` stays as it was: the first tick after the turn refreshes the rest
+            plots, now = self._next_panel(engine, replace(last, status=text))
+            return (status, *plots, *[gr.skip()] * (PANEL_OUTPUTS - len(plots)), now)
         plots, now = self._next_panel(engine, replace(last, status=text, seen=seen))
         if seen == last.seen:  # only a panel left over from the last steps
             return (status, *plots, *[gr.skip()] * (PANEL_OUTPUTS - len(plots)), now)
@@ -291,16 +295,18 @@ class PageActions:
     def _next_panel(self, engine, last: "TickState") -> tuple[list, "TickState"]:
         """The four plots' outputs: the next panel in turn whose table differs from what this page was sent,
         the others skipped (at most one Vega redraw per tick, in the browser that shares the model's cores)."""
-        tables = panels.panel_tables(panels.collect(engine, self.controller.progress.tokens_per_second()))
-        digests = {name: panels.digest(table) for name, table in tables.items()}
+        views = panels.panel_views(panels.collect(engine, self.controller.progress.tokens_per_second()))
+        digests = {name: panels.digest(view) for name, view in views.items()}
         count = len(panels.PANELS)
         order = [panels.PANELS[(last.next_panel + i) % count] for i in range(count)]
         changed = [name for name in order if digests[name] != last.sent.get(name)]
         if not changed:
             return [gr.skip()] * count, replace(last, panels_pending=False)
         name = changed[0]
-        frame, caption = tables[name]
-        plots = [gr.update(value=frame, caption=caption) if panel == name else gr.skip() for panel in panels.PANELS]
+        value, caption = views[name]
+        # a plot takes its table and caption; an HTML panel (the heat map) carries its caption inside
+        update = gr.update(value=value) if isinstance(value, str) else gr.update(value=value, caption=caption)
+        plots = [update if panel == name else gr.skip() for panel in panels.PANELS]
         return plots, replace(last, sent={**last.sent, name: digests[name]},
                               next_panel=(panels.PANELS.index(name) + 1) % count, panels_pending=len(changed) > 1)
 

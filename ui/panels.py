@@ -1,20 +1,26 @@
-"""Live panels as small tables that the browser draws: memory, fetched ratio per layer, sparsity over time,
-time split and context.
+"""Live panels that the browser draws: memory, fetched ratio per layer, sparsity over time, time split and
+context.
 
-`collect` reads plain numbers from the engine; `panel_tables` turns them into one small pandas DataFrame per
-panel, which Gradio's native plots (`gr.BarPlot`, `gr.LinePlot`, `gr.ScatterPlot`) send as JSON and draw in the
-browser with Vega. The server never draws: on the 2-core machine matplotlib drawing four figures a second took
-most of a core from the model.
+`collect` reads plain numbers from the engine; `panel_views` turns them into one small view per panel: a pandas
+DataFrame, which Gradio's native plots (`gr.BarPlot`, `gr.LinePlot`) send as JSON and draw with Vega, and for
+the sparsity heat map a PNG of one pixel per layer and step inside a little HTML (`gr.HTML`). On the 2-core
+machine, matplotlib drawing four figures a second on the server took most of a core from the model; a heat
+map of 1,920 Vega points cost the browser, which shares those cores, about 0.04 of one at every update and
+every streamed token's status message (Gradio copies each component's value then); a PNG of the same cells
+is one short string.
 
     data = collect(engine, tokens_per_second)
-    tables = panel_tables(data)          # {"memory": (frame, caption), "fetch": ..., "sparsity": ..., "timing": ...}
+    views = panel_views(data)    # {"memory": (frame, caption), "fetch": ..., "sparsity": (html, caption), ...}
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import base64
 import hashlib
+import html
+import struct
+import zlib
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -83,6 +89,7 @@ PANELS = ("memory", "fetch", "sparsity", "timing")  # the page's plots, in the o
 SPLIT_PARTS = {"speculate": "speculate", "fetch wait": "fetch_wait", "attention": "attention"}
 REST = "rest of the model"
 Table = tuple[pd.DataFrame, str]  # a plot's data and the caption under it
+View = tuple[pd.DataFrame | str, str]  # a plot's data, or a panel's HTML, and its caption
 
 
 def memory_table(data: PanelData) -> Table:
@@ -111,18 +118,55 @@ def fetch_table(data: PanelData) -> Table:
     return frame, caption
 
 
-def sparsity_table(data: PanelData) -> Table:
-    """The fetched ratio of every layer at every recent decode step (step 0 = the oldest shown): a heat map
-    drawn as coloured points."""
+SPARSITY_TITLE = "Per-layer sparsity over time (fetched ratio)"
+# the heat map's colours from sparse (0: nothing fetched) to dense (1: every token), evenly spaced anchors
+HEAT_COLOURS = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], dtype=float)
+
+
+def heat_colours(values: np.ndarray) -> np.ndarray:
+    """[..., 3] uint8 RGB of values in [0, 1] (clipped), interpolated between the anchors."""
+    position = np.clip(values, 0.0, 1.0) * (len(HEAT_COLOURS) - 1)
+    low = np.minimum(np.floor(position).astype(int), len(HEAT_COLOURS) - 2)
+    share = (position - low)[..., None]
+    return np.rint(HEAT_COLOURS[low] * (1 - share) + HEAT_COLOURS[low + 1] * share).astype(np.uint8)
+
+
+def png(rgb: np.ndarray) -> bytes:
+    """A [height, width, 3] uint8 image as PNG bytes (8-bit RGB, no filtering: the images here are tiny)."""
+    height, width, _ = rgb.shape
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    rows = b"".join(b"\0" + row.tobytes() for row in np.ascontiguousarray(rgb, dtype=np.uint8))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
+def sparsity_view(data: PanelData) -> View:
+    """The fetched ratio of every layer (rows, layer 0 on top) at every recent decode step (columns, oldest on
+    the left) as a heat map: a PNG of one pixel per cell that the browser scales up, with its axes and legend."""
     layers, steps = data.sparsity.shape
-    frame = pd.DataFrame({"step": np.tile(np.arange(steps), layers),
-                          "layer": np.repeat(np.arange(layers), steps),
-                          "fetched ratio": np.round(data.sparsity.reshape(-1), 3)})
     sliding = data.sliding_layers()
     caption = "recent decode steps, oldest first" if steps else "no decode step yet"
     if sliding and steps:
         caption += f"; sliding-window layers: {', '.join(map(str, sliding))}"
-    return frame, caption
+    title = f'<div class="ig-heat-title">{SPARSITY_TITLE}</div>'
+    if not steps:
+        return f'<div class="ig-heat">{title}<p class="ig-heat-caption">{html.escape(caption)}</p></div>', caption
+    image = base64.b64encode(png(heat_colours(data.sparsity))).decode()
+    gradient = ", ".join(f"rgb({r:.0f},{g:.0f},{b:.0f})" for r, g, b in HEAT_COLOURS)
+    view = (
+        f'<div class="ig-heat">{title}'
+        f'<div class="ig-heat-map"><div class="ig-heat-y"><span>layer 0</span><span>layer {layers - 1}</span></div>'
+        f'<img alt="fetched ratio of {layers} layers over the last {steps} decode steps" '
+        f'src="data:image/png;base64,{image}"></div>'
+        f'<div class="ig-heat-x"><span>step 0 (oldest)</span><span>step {steps - 1}</span></div>'
+        f'<div class="ig-heat-legend"><span>0 fetched</span><span class="ig-heat-bar" '
+        f'style="background: linear-gradient(to right, {gradient})"></span><span>all (1.0)</span></div>'
+        f'<p class="ig-heat-caption">{html.escape(caption)}</p></div>'
+    )
+    return view, caption
 
 
 def timing_table(data: PanelData) -> Table:
@@ -136,13 +180,13 @@ def timing_table(data: PanelData) -> Table:
     return frame, caption
 
 
-def panel_tables(data: PanelData) -> dict[str, Table]:
-    return {"memory": memory_table(data), "fetch": fetch_table(data), "sparsity": sparsity_table(data),
+def panel_views(data: PanelData) -> dict[str, View]:
+    return {"memory": memory_table(data), "fetch": fetch_table(data), "sparsity": sparsity_view(data),
             "timing": timing_table(data)}
 
 
-def digest(table: Table) -> str:
+def digest(view: View) -> str:
     """What the page was last sent, in a few bytes: equal digests, nothing to send."""
-    frame, caption = table
-    payload = frame.to_json(orient="split").encode() + b"\0" + caption.encode()
-    return hashlib.blake2b(payload, digest_size=12).hexdigest()
+    value, caption = view
+    content = value if isinstance(value, str) else value.to_json(orient="split")
+    return hashlib.blake2b(content.encode() + b"\0" + caption.encode(), digest_size=12).hexdigest()
