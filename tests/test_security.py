@@ -7,6 +7,7 @@ import http.client
 import http.server
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -155,12 +156,22 @@ def test_the_page_asks_for_the_key_and_never_fetches_remote_images(app, image_se
         shown = page.locator("#ig-chat [data-testid='user']").last.inner_text()
         assert shown.count("[image from 127.0.0.1 withheld]") == 2, shown  # the Markdown image and the <img>
         assert page.locator(f"#ig-chat img[src*='{image_server}'], #ig-chat img[srcset*='{image_server}']").count() == 0
-        page.wait_for_function("!document.querySelector('#ig-status').innerText.match(/Generating|Reading/)",
-                               timeout=240_000)
-        page.wait_for_timeout(1000)
+        # the reply is over once it is stored (the status line is refreshed by a timer: it may still say
+        # "Ready" when the reply starts); the page stays open until then, since closing it stops the reply
+        stored = _wait_for_stored_messages(Client(app.url, verbose=False, auth=("me", KEY)), 2, timeout_s=240)
+        page.wait_for_timeout(1000)  # the finished reply drawn, with any image it might have fetched
     assert _Recorder.seen == []
-    stored = Client(app.url, verbose=False, auth=("me", KEY)).predict(api_name="/list_sessions")[0]
     assert stored["message_count"] == 2  # the message was sent and stored (with its original text)
+
+
+def _wait_for_stored_messages(client: Client, count: int, timeout_s: float) -> dict:
+    """The newest session once it holds `count` messages (or as it is when `timeout_s` is over)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        newest = client.predict(api_name="/list_sessions")[0]
+        if newest["message_count"] >= count or time.monotonic() > deadline:
+            return newest
+        time.sleep(0.5)
 
 
 class _Store:
