@@ -148,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--save", type=Path)
 
     page = commands.add_parser("page", help="a reply's tokens/s with the page open in Chromium vs the API alone")
-    page.add_argument("--max-new-tokens", type=int, default=96)
-    page.add_argument("--rounds", type=int, default=3)
+    page.add_argument("--max-new-tokens", type=int, default=300)
+    page.add_argument("--rounds", type=int, default=5)
     page.add_argument("--json", action="store_true")
     page.add_argument("--save", type=Path)
 

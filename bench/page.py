@@ -1,7 +1,7 @@
 """Does the open page slow the model? The same greedy reply, decoded with no page open (through the
 OpenAI-compatible API) and sent through the page in headless Chromium, interleaved round by round.
 
-    python -m bench page [--max-new-tokens 96] [--rounds 3] [--save results/page.json]
+    python -m bench page [--max-new-tokens 300] [--rounds 5] [--save results/page.json]
 
 One `python app.py` on a free port and a throw-away data directory serves both. Each round:
 (a) the API, no browser running: a streamed request with the fixed prompt, max_tokens N, temperature 0;
@@ -11,12 +11,16 @@ Both rates are measured the same way, as the client sees the server generate: (t
 first streamed text to the last), so the prefill is left out. The API's client times its stream chunks; the
 page records, with a MutationObserver, when the reply's text last grew. Tokens are the API's
 usage.completion_tokens; the page's reply is the same greedy reply (checked: `same_reply`), so it has as many.
+The page shows a reply's text every 0.5 s (ui/page_turns.py), so a reply must last several seconds for its
+first and last text to time it well: 300 tokens at ~50 tokens/s. The machine's speed drifts between rounds,
+so the figure to quote is the median of the rounds' own ratios.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import time
 import urllib.request
@@ -84,7 +88,7 @@ def _page_reply(url: str, playwright) -> dict:
         box = page.locator("#ig-message textarea")
         box.fill(PROMPT)
         box.press("Enter")
-        page.wait_for_function("window.__igTimes.first !== null", timeout=600_000)
+        page.wait_for_function("window.__igTimes.first !== null", timeout=600_000, polling=100)
         # the turn is over when the status line no longer says it is generating and the text stopped growing
         while True:
             time.sleep(1.0)
@@ -145,5 +149,9 @@ def measure_rounds(max_new_tokens: int, rounds: int, show=print) -> dict:
             rows.append(row)
     api_rate = sum(r["api_tokens_per_s"] for r in rows) / len(rows)
     page_rate = sum(r["page_tokens_per_s"] for r in rows) / len(rows)
+    # the machine's speed drifts from round to round: the median of the ratios within a round is the robust figure
+    median_ratio = statistics.median(r["ratio"] for r in rows)
+    show(f"mean rates: API {api_rate:.2f}, page {page_rate:.2f} tokens/s (ratio {page_rate / api_rate:.3f}); "
+         f"median of the rounds' ratios {median_ratio:.3f}")
     return {"max_new_tokens": max_new_tokens, "prompt": PROMPT, "rows": rows, "api_tokens_per_s": api_rate,
-            "page_tokens_per_s": page_rate, "ratio": page_rate / api_rate}
+            "page_tokens_per_s": page_rate, "ratio": page_rate / api_rate, "median_round_ratio": median_ratio}
