@@ -40,9 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     from starlette.middleware import Middleware
 
     from ui.guard import PageGuard, login_with_key
+    from ui.head_script import HeadScript
 
-    # the key guards the page (Gradio's login: any user name, the key as password), Gradio's routes and /v1
-    app_kwargs = {"middleware": [Middleware(PageGuard, key=args.api_key)]}
+    # the key guards the page (Gradio's login: any user name, the key as password), Gradio's routes and /v1;
+    # the page's HTML gets a script that runs before Gradio's (head_script.py)
+    app_kwargs = {"middleware": [Middleware(PageGuard, key=args.api_key), Middleware(HeadScript)]}
     auth = login_with_key(args.api_key) if args.api_key else None
     if args.api:  # routes given to the app's constructor exist before the server takes its first request
         from ui.api import ApiOptions, api_routes

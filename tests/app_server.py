@@ -96,8 +96,9 @@ CHROMIUM = "/usr/bin/chromium"  # Debian's package: Playwright's own browser dow
 
 
 @contextlib.contextmanager
-def chromium_page(url: str, width: int = 1400, height: int = 1300) -> Iterator:
-    """A headless Chromium page at `url` (skips the test where Debian's chromium is missing)."""
+def chromium_page(url: str, width: int = 1400, height: int = 1300, init_script: str | None = None) -> Iterator:
+    """A headless Chromium page at `url` (skips the test where Debian's chromium is missing); `init_script`
+    runs in it before any of the page's own scripts."""
     import pytest
 
     playwright_api = pytest.importorskip("playwright.sync_api")
@@ -110,6 +111,8 @@ def chromium_page(url: str, width: int = 1400, height: int = 1300) -> Iterator:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
+            if init_script is not None:
+                page.add_init_script(init_script)
             page.goto(url)
             yield page
         finally:

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from app_server import chromium_page, log_in, running_app
 
+from ui.head_script import THROTTLED_FRAME_MS
+
 pytest.importorskip("playwright.sync_api")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,3 +118,35 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page, app):
         assert response.status == 200
     page.locator("#ig-sessions input").click()
     page.wait_for_selector("[role='option']:has-text('API · Hello from a script')", timeout=30_000)
+
+
+# counts, under the page's own scripts, the frames that Gradio's status trackers ask the browser for and the
+# timeouts they get instead (ui/head_script.py)
+COUNT_STATUS_TRACKER_FRAMES = """(() => {
+  window.__igFrames = {asked: 0, deferred: 0};
+  const fromTracker = () => (new Error().stack || "").includes("statustracker");
+  const frame = window.requestAnimationFrame.bind(window);
+  window.requestAnimationFrame = (callback) => {
+    if (fromTracker()) window.__igFrames.asked++;
+    return frame(callback);
+  };
+  const later = window.setTimeout.bind(window);
+  window.setTimeout = (callback, ms, ...rest) => {
+    if (ms === %d && fromTracker()) window.__igFrames.deferred++;
+    return later(callback, ms, ...rest);
+  };
+})();""" % THROTTLED_FRAME_MS
+
+
+def test_an_idle_page_does_not_redraw_for_gradios_status_trackers_every_frame(app):
+    with chromium_page(app.url, 1400, 1300, init_script=COUNT_STATUS_TRACKER_FRAMES) as page:
+        log_in(page, app)
+        page.wait_for_selector("#ig-status:has-text('Ready')", timeout=120_000)
+        page.wait_for_timeout(3000)  # a few of the panels' ticks
+        page.evaluate("window.__igFrames = {asked: 0, deferred: 0}")
+        page.wait_for_timeout(3000)
+        frames = page.evaluate("window.__igFrames")
+    # the trackers' loops still run (their elapsed seconds still count), once a second rather than at every
+    # display frame; a Gradio without the leak would count no deferred frames here, and the script could go
+    assert frames["asked"] == 0, frames
+    assert frames["deferred"] > 0, frames

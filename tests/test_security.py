@@ -16,6 +16,8 @@ import pytest
 from app_server import chromium_page, running_app
 from gradio_client import Client
 
+from ui.head_script import SLOW_STATUS_TRACKER_FRAMES
+
 KEY = "sec-key-51c9"
 
 
@@ -64,6 +66,10 @@ def test_html_has_a_csp_that_keeps_images_on_this_host(app):
     policy = {k.lower(): v for k, v in headers.items()}["content-security-policy"]
     assert "img-src 'self' data: blob:" in policy and "default-src 'self'" in policy
     assert b"chat" not in page.lower() or b"auth_required" in page  # the login page, no chat components
+    # the frame-slowing script runs before any of Gradio's modules (ui/head_script.py)
+    assert SLOW_STATUS_TRACKER_FRAMES.encode() in page
+    assert page.index(SLOW_STATUS_TRACKER_FRAMES.encode()) < page.index(b'type="module"')
+    assert int({k.lower(): v for k, v in headers.items()}["content-length"]) == len(page)
 
 
 def api_post(app, body: bytes, headers: dict | None = None):

@@ -1,0 +1,85 @@
+"""A script the page runs before Gradio's own, and the ASGI middleware that puts it at the start of the <head>
+of every HTML response.
+
+The script slows a loop in Gradio 6's frontend that otherwise never ends. Each output component has a status
+tracker, and while its event is pending the tracker counts the seconds in a requestAnimationFrame loop. A
+tracker that goes away while its event is still pending keeps that loop running, once per display frame, for
+the life of the page; on this app's page such loops run within seconds of loading it, an idle page too. The
+browser then repaints 60 times a second on the cores the model decodes on: with the page idle in a headless
+Chromium on the 2-core VM, Chromium took 0.11 of a core, and the API decoded at 0.90x its rate with no page
+open (docs/BENCHMARKS.md, "The page open while a reply decodes").
+
+The tracker's module keeps its own reference to requestAnimationFrame, taken when the module loads, so the
+patch has to be in place before any of Gradio's modules: Gradio's `head=` is added by its own script, too
+late. A frame asked for from the tracker's module (its file is named statustracker-<hash>.js) comes after a
+quarter of a second instead; the elapsed seconds it shows still count, 4 times a second. Every other frame
+is the browser's own. Where a later Gradio names the file otherwise, nothing changes but the cost of the
+loop.
+
+    app_kwargs["middleware"] = [Middleware(PageGuard, key=key), Middleware(HeadScript)]
+"""
+
+from __future__ import annotations
+
+import re
+
+THROTTLED_FRAME_MS = 1000
+
+SLOW_STATUS_TRACKER_FRAMES = f"""(() => {{
+  const nextFrame = window.requestAnimationFrame.bind(window);
+  window.requestAnimationFrame = function (callback) {{
+    if ((new Error().stack || "").includes("statustracker")) {{
+      return window.setTimeout(() => callback(performance.now()), {THROTTLED_FRAME_MS});
+    }}
+    return nextFrame(callback);
+  }};
+}})();"""
+
+_HEAD = re.compile(rb"<head(\s[^>]*)?>", re.IGNORECASE)
+
+
+def with_script(html: bytes, tag: bytes) -> bytes:
+    """`html` with `tag` right after its first <head> tag (unchanged when it has none)."""
+    match = _HEAD.search(html)
+    if match is None:
+        return html
+    return html[:match.end()] + tag + html[match.end():]
+
+
+def _plain_html(headers) -> bool:
+    """An HTML body this middleware can read: not compressed (Gradio does not compress its page)."""
+    names = {name.lower(): value for name, value in headers}
+    return names.get(b"content-type", b"").startswith(b"text/html") and b"content-encoding" not in names
+
+
+class HeadScript:
+    def __init__(self, app, script: str = SLOW_STATUS_TRACKER_FRAMES) -> None:
+        self.app = app
+        self.tag = f"<script>{script}</script>".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start: dict | None = None  # an HTML response's start, held until its whole body is here
+        body: list[bytes] = []
+
+        async def send_with_script(message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start" and _plain_html(message.get("headers", ())):
+                start = message
+                return
+            if start is None or message["type"] != "http.response.body":
+                return await send(message)
+            body.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            html = b"".join(body)
+            changed = with_script(html, self.tag)
+            headers = list(start.get("headers", ()))
+            if changed is not html:
+                headers = [(name, value) for name, value in headers if name.lower() != b"content-length"]
+                headers.append((b"content-length", str(len(changed)).encode()))
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": changed})
+
+        await self.app(scope, receive, send_with_script)
