@@ -147,3 +147,37 @@ def test_deleting_the_open_session_opens_the_latest_page_session_not_an_api_one(
         assert controller.chat.id == kept and doomed not in [s.id for s in store.list()]
     finally:
         controller.chat.close()
+
+
+def test_the_page_shows_a_message_at_once_and_a_turn_that_fails_leaves_it_in_the_box(tmp_path, real_engine,
+                                                                                   monkeypatch):
+    import gradio as gr
+
+    from sessions import SessionError
+    from sessions.chat import ChatSession
+    from ui.page_actions import EMPTY_BOX, PageActions
+
+    controller = _controller(tmp_path, real_engine)
+    actions = PageActions(controller, export_dir=None)
+    try:
+        controller.apply_settings("infinigen", 12, "0.15", 0.5, "", False, 0.0, 1.0, 0, 1.0, 3)
+        updates = actions.send("Hello")
+        history, box, note = next(updates)  # before the model has read it
+        assert history == [{"role": "user", "content": "Hello"}] and box == gr.skip() and note == gr.skip()
+        rest = list(updates)
+        assert rest[0][1] == EMPTY_BOX  # emptied once the turn started
+        assert [m["role"] for m in rest[-1][0]] == ["user", "assistant"] and rest[-1][0][1]["content"]
+
+        def refuse(*args, **kwargs):
+            raise SessionError("the disk is full")
+
+        monkeypatch.setattr(ChatSession, "send", refuse)
+        updates = actions.send("Again")
+        assert next(updates)[0][-1] == {"role": "user", "content": "Again"}
+        history, box, _ = next(updates)  # the turn failed: the chat as stored, the box left as it was
+        assert history == rest[-1][0] and box == gr.skip()
+        with pytest.raises(gr.Error, match="the disk is full"):
+            next(updates)
+        assert len(controller.chat.messages) == 2
+    finally:
+        controller.chat.close()

@@ -190,19 +190,29 @@ def test_tick_sends_only_the_panels_whose_tables_changed(ticking):
     assert order == ["fetch", "sparsity", "timing"]  # memory's table did not change: skipped
 
 
-def test_while_a_reply_is_generated_the_tick_sends_the_status_and_a_panel_and_the_rest_after(ticking):
+def test_while_a_reply_is_generated_the_tick_sends_the_status_and_the_heat_map_and_the_rest_after(ticking):
     actions, engine = ticking
     state = TickState()
     for _ in panels.PANELS:
         state = actions.tick(state)[-1]
     actions.controller.busy = True
-    engine.history.append(StepStats(3, 42, 1, [layer(0, 42, 42), layer(1, 42, 42), layer(2, 42, 4)], total_ms=25.0))
-    engine.steps_run += 1
-    outputs = actions.tick(state)
-    assert len(sent(outputs)) == 1  # one panel, as ever
-    assert all(output == gr.skip() for output in outputs[5:-1])  # inspector steps, chat, sidebar: not now
-    state = outputs[-1]
-    actions.controller.busy = False  # the turn ended: the inspector's step list follows
+    for step in range(2):  # the fetch table, the heat map and the time split all change at every step
+        engine.history.append(StepStats(3 + step, 42, 1, [layer(0, 42, 42), layer(1, 42, 42), layer(2, 42, 4 + step)],
+                                        total_ms=25.0 + step))
+        engine.steps_run += 1
+        outputs = actions.tick(state)
+        assert sent(outputs) == ["sparsity"]  # the heat map alone: no Vega redraw while the model decodes
+        assert all(output == gr.skip() for output in outputs[5:-1])  # inspector steps, chat, sidebar: not now
+        state = outputs[-1]
+        assert state.panels_pending  # the plots wait for the turn's end
+    actions.controller.busy = False  # the turn ended: the inspector's step list and the plots follow
     outputs = actions.tick(state)
     steps = outputs[5]
     assert steps != gr.skip() and steps["choices"] == ["1: a", "2: b"]
+    after = sent(outputs)
+    state = outputs[-1]
+    while state.panels_pending:
+        outputs = actions.tick(state)
+        after += sent(outputs)
+        state = outputs[-1]
+    assert {"fetch", "timing"} <= set(after) and "sparsity" not in after

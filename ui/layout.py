@@ -202,8 +202,11 @@ class ChatPage:
         # switch, system prompt, disk storage, dropping turns) are the page's own and not an API
         act, hidden, private = self.actions, {"api_name": False}, {"api_visibility": "private"}
         chat_and_box = [self.chatbot, self.message, self.attachment_info]
-        self._then_refresh(self.send_button.click(act.send, self.message, chat_and_box, **hidden), **hidden)
-        self._then_refresh(self.message.submit(act.send, self.message, chat_and_box, **hidden), **hidden)
+        # no progress animation over the chat while a reply streams: it redraws the page at every frame, on the
+        # cores the model decodes on (the message shows at once, the status line says what the model does)
+        quiet = {**hidden, "show_progress": "hidden"}
+        self._then_refresh(self.send_button.click(act.send, self.message, chat_and_box, **quiet), **hidden)
+        self._then_refresh(self.message.submit(act.send, self.message, chat_and_box, **quiet), **hidden)
         script_chat = [self.chatbot, self.text_api]
         self._then_refresh(self.send_api_button.click(act.send_text, self.text_api, script_chat, api_name="send"),
                            **hidden)
@@ -245,7 +248,8 @@ class ChatPage:
         self.timer.tick(act.tick, self.last_seen, [self.status, self.memory_plot, self.fetch_plot, self.sparsity_plot,
                                                    self.timing_plot, self.step_picker, self.layer_picker, self.chatbot,
                                                    self.session_picker, self.session_info, self.model_info,
-                                                   self.last_seen], api_name=False, show_progress="hidden")
+                                                   self.last_seen], api_name=False, show_progress="hidden",
+                         queue=False)  # a plain request: no queue, none of the queue's status messages to the page
         self.status_button.click(act.app_status, None, self.sessions_json, api_name="status")
         self.list_button.click(act.list_sessions, None, self.sessions_json, api_name="list_sessions")
         self._then_refresh(demo.load(act.history, None, self.chatbot, **hidden), **hidden)

@@ -147,11 +147,22 @@ class PageActions:
         """The message box's text and files ({"text", "files"}; a plain string from scripts)."""
         value = {"text": value, "files": []} if isinstance(value, str) or value is None else value
         documents = self.documents(value)
-        sent = False
-        for history in self.controller.send(value.get("text") or "", documents):
-            if not sent:
-                self.pending, sent = [], True
-            yield history, EMPTY_BOX, ""
+        # the first update shows the message before the model reads it; the box is emptied (once) by the
+        # second, when the turn has started: a turn refused before then leaves the message where it was
+        updates = 0
+        try:
+            for history in self.controller.send(value.get("text") or "", documents):
+                updates += 1
+                if updates == 2:
+                    self.pending = []
+                    yield history, EMPTY_BOX, ""
+                else:
+                    yield history, gr.skip(), gr.skip()
+        except UserError:
+            if updates == 1:  # the message was shown but not sent: the chat as it is, the box as it was
+                yield self.history(), gr.skip(), gr.skip()
+            raise
+        sent = updates >= 2
         if documents and sent:
             yield history, EMPTY_BOX, self.tokens_read_note()
 
@@ -261,8 +272,8 @@ class PageActions:
         """Refresh what changed since this page's last tick (`last`, kept per page in a gr.State): the status
         line when its text changed, the sidebar when another session or model is open or the API ran a turn,
         and at most one live panel, the next one in turn whose view changed; each output left alone is a
-        gr.skip(), which sends nothing. While a reply is being generated only the status line and the panel
-        go out (every update costs the browser, which shares the model's cores); the rest follows the turn."""
+        gr.skip(), which sends nothing. While a reply is being generated only the status line and the heat
+        map go out (every update costs the browser, which shares the model's cores); the rest follows the turn."""
         controller, last = self.controller, last or TickState()
         text = status_text(controller)
         status = text if text != last.status else gr.skip()
@@ -272,7 +283,7 @@ class PageActions:
         if engine is None or (seen == last.seen and not last.panels_pending):
             return (status, *[gr.skip()] * PANEL_OUTPUTS, replace(last, status=text))
         if controller.busy:  # `seen` stays as it was: the first tick after the turn refreshes the rest
-            plots, now = self._next_panel(engine, replace(last, status=text))
+            plots, now = self._next_panel(engine, replace(last, status=text), panels.LIVE_WHILE_GENERATING)
             return (status, *plots, *[gr.skip()] * (PANEL_OUTPUTS - len(plots)), now)
         plots, now = self._next_panel(engine, replace(last, status=text, seen=seen))
         if seen == last.seen:  # only a panel left over from the last steps
@@ -292,17 +303,20 @@ class PageActions:
         layers = gr.update(maximum=engine.adapter.num_layers - 1)
         return (status, *plots, steps, layers, history, picker, details, model, now)
 
-    def _next_panel(self, engine, last: "TickState") -> tuple[list, "TickState"]:
-        """The four plots' outputs: the next panel in turn whose table differs from what this page was sent,
-        the others skipped (at most one Vega redraw per tick, in the browser that shares the model's cores)."""
+    def _next_panel(self, engine, last: "TickState",
+                    candidates: tuple[str, ...] = panels.PANELS) -> tuple[list, "TickState"]:
+        """The four plots' outputs: the next panel in turn among `candidates` whose table differs from what this
+        page was sent, the others skipped (at most one Vega redraw per tick, in the browser that shares the
+        model's cores)."""
         views = panels.panel_views(panels.collect(engine, self.controller.progress.tokens_per_second()))
         digests = {name: panels.digest(view) for name, view in views.items()}
         count = len(panels.PANELS)
         order = [panels.PANELS[(last.next_panel + i) % count] for i in range(count)]
         changed = [name for name in order if digests[name] != last.sent.get(name)]
-        if not changed:
-            return [gr.skip()] * count, replace(last, panels_pending=False)
-        name = changed[0]
+        sendable = [name for name in changed if name in candidates]
+        if not sendable:
+            return [gr.skip()] * count, replace(last, panels_pending=bool(changed))
+        name = sendable[0]
         value, caption = views[name]
         # a plot takes its table and caption; an HTML panel (the heat map) carries its caption inside
         update = gr.update(value=value) if isinstance(value, str) else gr.update(value=value, caption=caption)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
-from documents import Document
+from documents import Document, displayed_message
 from infinigen_core import ConfigError, ContextOverflowError, GenerationEvent
 from sessions import SessionError
 
@@ -48,7 +48,7 @@ class PageTurns:
             raise UserError("The message is empty: type something first.")
         self.pages.require_chat()
         chat = self.open.page
-        content, _ = chat.user_message(text, attachments)
+        content, records = chat.user_message(text, attachments)
         check = chat.check_window(content)
         if not check.fits:
             raise UserError(too_long(check, bool(attachments)))
@@ -62,7 +62,9 @@ class PageTurns:
                 self.open.start_from_stored_prefix(chat, chat.prompt_ids(content))
             return chat.send(text, self._sampling(), self.turns.cancel, progress, attachments=attachments)
 
-        yield from self._run(start)
+        # the message shows at once, before the model has read it (a long document takes a while)
+        yield from self._run(start, self.pages.chat_history() + [{"role": "user",
+                                                                  "content": displayed_message(content, records)}])
 
     def regenerate(self) -> Iterator[list[dict]]:
         self.pages.require_chat()
@@ -88,10 +90,12 @@ class PageTurns:
     def _sampling(self):
         return self.settings.current.sampling
 
-    def _run(self, start_turn: StartTurn) -> Iterator[list[dict]]:
+    def _run(self, start_turn: StartTurn, shown_first: list[dict] | None = None) -> Iterator[list[dict]]:
         with self.turns.exclusive():
             self.turns.cancel.clear()
             self.pages.restore_message = ""  # said once, after opening the session
+            if shown_first is not None:
+                yield shown_first
             try:
                 # the turn runs on in the model's thread and never waits for the page (engine_thread.py)
                 updates = self.turns.model_thread.paced(self._shown(start_turn), PAGE_UPDATE_SECONDS,

@@ -86,6 +86,9 @@ def collect(engine, tokens_per_second: float = 0.0) -> PanelData:
 
 
 PANELS = ("memory", "fetch", "sparsity", "timing")  # the page's plots, in the order the tick sends them
+# what the tick sends while a reply is generated: the heat map, an image the browser only scales (~1 ms). The
+# Vega plots follow the turn: each redraw compiles its chart again, ~30 ms of the cores the model decodes on
+LIVE_WHILE_GENERATING = ("sparsity",)
 SPLIT_PARTS = {"speculate": "speculate", "fetch wait": "fetch_wait", "attention": "attention"}
 REST = "rest of the model"
 Table = tuple[pd.DataFrame, str]  # a plot's data and the caption under it
