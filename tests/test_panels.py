@@ -13,7 +13,7 @@ from PIL import Image
 
 from infinigen_core.stats import LayerStats, StepStats
 from ui import page_actions, panels
-from ui.page_actions import PANEL_OUTPUTS, PageActions, TickState
+from ui.page_actions import PANEL_OUTPUTS, TICK_SECONDS, TICK_SECONDS_WHILE_GENERATING, PageActions, TickState
 
 MiB = 2**20
 
@@ -153,7 +153,8 @@ def sent(outputs):
 def test_tick_sends_one_changed_panel_at_a_time_then_nothing(ticking):
     actions, engine = ticking
     outputs = actions.tick(None)
-    assert len(outputs) == 2 + PANEL_OUTPUTS
+    assert len(outputs) == 3 + PANEL_OUTPUTS  # the status line, the panels and views, the timer, the state
+    assert outputs[-2] == gr.skip()  # the timer keeps its pace while no reply is generated
     assert outputs[0] == "**Ready.**" and sent(outputs) == ["memory"]
     update = plots(outputs)[0]
     assert update["value"]["MiB"].tolist() == [3, 500] and update["caption"].startswith("system available")
@@ -196,17 +197,22 @@ def test_while_a_reply_is_generated_the_tick_sends_the_status_and_the_heat_map_a
     for _ in panels.PANELS:
         state = actions.tick(state)[-1]
     actions.controller.busy = True
+    timers = []
     for step in range(2):  # the fetch table, the heat map and the time split all change at every step
         engine.history.append(StepStats(3 + step, 42, 1, [layer(0, 42, 42), layer(1, 42, 42), layer(2, 42, 4 + step)],
                                         total_ms=25.0 + step))
         engine.steps_run += 1
         outputs = actions.tick(state)
         assert sent(outputs) == ["sparsity"]  # the heat map alone: no Vega redraw while the model decodes
-        assert all(output == gr.skip() for output in outputs[5:-1])  # inspector steps, chat, sidebar: not now
+        assert all(output == gr.skip() for output in outputs[5:-2])  # inspector steps, chat, sidebar: not now
+        timers.append(outputs[-2])
         state = outputs[-1]
         assert state.panels_pending  # the plots wait for the turn's end
+    # the timer slows down once, at the first tick of the turn
+    assert timers[0]["value"] == TICK_SECONDS_WHILE_GENERATING > TICK_SECONDS and timers[1] == gr.skip()
     actions.controller.busy = False  # the turn ended: the inspector's step list and the plots follow
     outputs = actions.tick(state)
+    assert outputs[-2]["value"] == TICK_SECONDS  # and back to its pace
     steps = outputs[5]
     assert steps != gr.skip() and steps["choices"] == ["1: a", "2: b"]
     after = sent(outputs)

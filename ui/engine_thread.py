@@ -42,11 +42,14 @@ T = TypeVar("T")
 
 
 class _Handover:
-    """What a paced job hands to its consumer, guarded by `changed`'s lock."""
+    """What a paced job hands to its consumer, guarded by `changed`'s lock. The consumer is woken by an item
+    only while it waits for one (`wanted`), not by each item it gathers until its interval is over: a thread
+    woken at every token would take the interpreter's lock from the model's thread at every token."""
 
     def __init__(self) -> None:
         self.changed = threading.Condition()
         self.arrived: list = []
+        self.wanted = False
         self.finished = False
         self.error: BaseException | None = None
 
@@ -55,7 +58,8 @@ class _Handover:
             for item in items:
                 with self.changed:
                     self.arrived.append(item)
-                    self.changed.notify()
+                    if self.wanted:
+                        self.changed.notify()
         except BaseException as error:  # noqa: BLE001  raised again in the consumer's thread
             self.error = error
         finally:
@@ -123,7 +127,9 @@ class EngineThread:
         try:
             while True:
                 with handover.changed:
+                    handover.wanted = True
                     handover.changed.wait_for(lambda: handover.arrived or handover.finished)
+                    handover.wanted = False
                     if last_yield is not None:  # gather more until the interval is over, unless the job ends
                         remaining = last_yield + interval_s - time.monotonic()
                         if remaining > 0:

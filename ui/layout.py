@@ -192,9 +192,10 @@ class ChatPage:
 
     # ---------------------------------------------------------------- events
     def _then_refresh(self, event, **options):
-        """After `event`, the sidebar shows the sessions as they are now."""
+        """After `event`, the sidebar shows the sessions as they are now, and the status line the app's state."""
         return event.then(self.actions.refresh_sessions, None, [self.session_picker, self.title_box,
-                                                                self.system_box, self.session_info], **options)
+                                                                self.system_box, self.session_info, self.status],
+                          **options)
 
     def _bind(self, demo: gr.Blocks) -> None:
         # scripts and tests (gradio_client, logged in with the key when the app has one) may call the events
@@ -248,7 +249,7 @@ class ChatPage:
         self.timer.tick(act.tick, self.last_seen, [self.status, self.memory_plot, self.fetch_plot, self.sparsity_plot,
                                                    self.timing_plot, self.step_picker, self.layer_picker, self.chatbot,
                                                    self.session_picker, self.session_info, self.model_info,
-                                                   self.last_seen], api_name=False, show_progress="hidden",
+                                                   self.timer, self.last_seen], api_name=False, show_progress="hidden",
                          queue=False)  # a plain request: no queue, none of the queue's status messages to the page
         self.status_button.click(act.app_status, None, self.sessions_json, api_name="status")
         self.list_button.click(act.list_sessions, None, self.sessions_json, api_name="list_sessions")

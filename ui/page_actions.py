@@ -27,6 +27,10 @@ EMPTY_BOX = {"text": "", "files": []}
 PANEL_OUTPUTS = 10  # the tick's outputs between the status line and its state: 4 plots, 2 pickers, 4 views
 CONVERTED_KEPT = 8  # converted attachments kept for the send that follows their preview
 TICK_SECONDS = 2.0  # the live panels' pace: one small table per tick costs a decode step nothing measurable
+# ... and while a reply is generated: each tick costs the browser ~30 ms of the cores the model decodes on (Gradio's
+# frontend copies the value of every component that ever had a status, at every event). `python -m bench page`:
+# the page decoded at a median 0.85-0.91x the API's rate with a tick every 2 s, 0.95x with none
+TICK_SECONDS_WHILE_GENERATING = 10.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class TickState:
     the status text, each panel's view digest, the panel to try first next, and whether panels still wait."""
     seen: tuple | None = None
     status: str = ""
+    interval: float = TICK_SECONDS  # the timer's, as this page was last told
     sent: dict[str, str] = field(default_factory=dict)
     next_panel: int = 0
     panels_pending: bool = False
@@ -131,12 +136,13 @@ class PageActions:
     # the sidebar after an action: the session list, the open session's title, system prompt and details (a
     # comment, not a docstring: Gradio would publish it as the description of this public endpoint)
     def refresh_sessions(self):
+        """The sidebar as it is now, and the status line (a turn just ended: no waiting for the next tick)."""
         current = self.controller.chat.id if self.controller.chat is not None else None
         summaries = self.controller.store.list()
         summary = find(summaries, current)
         return gr.update(choices=session_choices(summaries), value=current), \
             (summary.title if summary else ""), (summary.system_prompt if summary else ""), \
-            session_details(summary)
+            session_details(summary), status_text(self.controller)
 
     def history(self) -> list[dict]:
         return self.controller.chat_history()
@@ -273,8 +279,16 @@ class PageActions:
         line when its text changed, the sidebar when another session or model is open or the API ran a turn,
         and at most one live panel, the next one in turn whose view changed; each output left alone is a
         gr.skip(), which sends nothing. While a reply is being generated only the status line and the heat
-        map go out (every update costs the browser, which shares the model's cores); the rest follows the turn."""
-        controller, last = self.controller, last or TickState()
+        map go out, and the timer ticks less often (every update costs the browser, which shares the model's
+        cores); the rest follows the turn."""
+        *outputs, now = self._refreshed(last or TickState())
+        interval = TICK_SECONDS_WHILE_GENERATING if self.controller.busy else TICK_SECONDS
+        timer = gr.update(value=interval) if interval != now.interval else gr.skip()
+        return (*outputs, timer, replace(now, interval=interval))
+
+    def _refreshed(self, last: "TickState") -> tuple:
+        """The tick's outputs but the timer: the status line, the panels, pickers and views, and the state."""
+        controller = self.controller
         text = status_text(controller)
         status = text if text != last.status else gr.skip()
         engine = controller.engine
