@@ -26,7 +26,7 @@ ATTACHABLE = (".pdf", ".docx", ".html", ".htm", ".xhtml", ".txt", ".md", ".markd
 EMPTY_BOX = {"text": "", "files": []}
 PANEL_OUTPUTS = 10  # the tick's outputs between the status line and its state: 4 plots, 2 pickers, 4 views
 CONVERTED_KEPT = 8  # converted attachments kept for the send that follows their preview
-TICK_SECONDS = 2.0  # the live panels' pace: one small table per tick costs a decode step nothing measurable
+TICK_SECONDS = 2.0  # the live panels' pace between replies
 # ... and while a reply is generated: each tick costs the browser ~30 ms of the cores the model decodes on (Gradio's
 # frontend copies the value of every component that ever had a status, at every event). `python -m bench page`:
 # the page decoded at a median 0.85-0.91x the API's rate with a tick every 2 s, 0.95x with none
@@ -133,10 +133,10 @@ class PageActions:
             "  \nAttached again: type your question and press Enter."
 
     # ---------------------------------------------------------------- the sidebar
-    # the sidebar after an action: the session list, the open session's title, system prompt and details (a
-    # comment, not a docstring: Gradio would publish it as the description of this public endpoint)
+    # the sidebar after an action: the session list, the open session's title, system prompt and details, and
+    # the status line (a turn that just ended says so at once, not at the next tick) (a comment, not a
+    # docstring: Gradio would publish it as the description of this public endpoint)
     def refresh_sessions(self):
-        """The sidebar as it is now, and the status line (a turn just ended: no waiting for the next tick)."""
         current = self.controller.chat.id if self.controller.chat is not None else None
         summaries = self.controller.store.list()
         summary = find(summaries, current)
