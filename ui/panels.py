@@ -18,12 +18,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import html
-import struct
-import zlib
+import io
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+from PIL import Image
 import psutil
 import torch
 
@@ -135,15 +135,10 @@ def heat_colours(values: np.ndarray) -> np.ndarray:
 
 
 def png(rgb: np.ndarray) -> bytes:
-    """A [height, width, 3] uint8 image as PNG bytes (8-bit RGB, no filtering: the images here are tiny)."""
-    height, width, _ = rgb.shape
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    rows = b"".join(b"\0" + row.tobytes() for row in np.ascontiguousarray(rgb, dtype=np.uint8))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    """A [height, width, 3] uint8 image as PNG bytes (Pillow, which Gradio and matplotlib already bring)."""
+    encoded = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(rgb, dtype=np.uint8), "RGB").save(encoded, format="PNG")
+    return encoded.getvalue()
 
 
 def sparsity_view(data: PanelData) -> View:
