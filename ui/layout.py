@@ -203,25 +203,26 @@ class ChatPage:
         # switch, system prompt, disk storage, dropping turns) are the page's own and not an API
         act, hidden, private = self.actions, {"api_name": False}, {"api_visibility": "private"}
         chat_and_box = [self.chatbot, self.message, self.attachment_info]
-        # no progress animation over the chat while a reply streams: it redraws the page at every frame, on the
-        # cores the model decodes on (the message shows at once, the status line says what the model does)
-        quiet = {**hidden, "show_progress": "hidden"}
+        # every event that streams a reply: no progress animation over the chat, which would redraw the page at
+        # every frame on the cores the model decodes on (the chat shows the turn, the status line the model)
+        replying = {"show_progress": "hidden"}
+        quiet = {**hidden, **replying}
         self._then_refresh(self.send_button.click(act.send, self.message, chat_and_box, **quiet), **hidden)
         self._then_refresh(self.message.submit(act.send, self.message, chat_and_box, **quiet), **hidden)
         script_chat = [self.chatbot, self.text_api]
-        self._then_refresh(self.send_api_button.click(act.send_text, self.text_api, script_chat, api_name="send"),
-                           **hidden)
+        self._then_refresh(self.send_api_button.click(act.send_text, self.text_api, script_chat, api_name="send",
+                                                      **replying), **hidden)
         self._then_refresh(self.edit_api_button.click(act.edit_text, self.text_api, script_chat,
-                                                      api_name="edit_last"), **hidden)
+                                                      api_name="edit_last", **replying), **hidden)
         self.message.change(act.preview, self.message, self.attachment_info, api_name=False,
                             show_progress="hidden", trigger_mode="always_last")
         self._then_refresh(self.file_chat_button.click(act.file_chat, None, [self.chatbot, self.message,
                                                                              self.attachment_info],
                                                        api_name="new_chat_about_file"), **hidden)
         self.stop_button.click(act.stop, None, self.status, api_name="stop", queue=False)
-        self._then_refresh(self.regenerate_button.click(act.regenerate, None, self.chatbot, api_name="regenerate"),
-                           **hidden)
-        self._then_refresh(self.edit_button.click(act.edit, self.message, [self.chatbot, self.message], **hidden),
+        self._then_refresh(self.regenerate_button.click(act.regenerate, None, self.chatbot, api_name="regenerate",
+                                                        **replying), **hidden)
+        self._then_refresh(self.edit_button.click(act.edit, self.message, [self.chatbot, self.message], **quiet),
                            **hidden)
         self.drop_button.click(act.drop, self.message, self.chatbot, **private)
         opened = [self.chatbot, self.status]

@@ -202,8 +202,8 @@ class PageActions:
 
     @shows_errors
     def edit(self, value) -> Iterator[tuple[list[dict], dict]]:
-        for history in self.controller.edit_last(_text(value)):
-            yield history, EMPTY_BOX
+        for number, history in enumerate(self.controller.edit_last(_text(value))):
+            yield history, EMPTY_BOX if number == 0 else gr.skip()  # the box is emptied once, as the turn starts
 
     def stop(self) -> str:
         self.controller.stop()
