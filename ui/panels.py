@@ -6,8 +6,8 @@ DataFrame, which Gradio's native plots (`gr.BarPlot`, `gr.LinePlot`) send as JSO
 the sparsity heat map a PNG of one pixel per layer and step inside a little HTML (`gr.HTML`). On the 2-core
 machine, matplotlib drawing four figures a second on the server took most of a core from the model; a heat
 map of 1,920 Vega points cost the browser, which shares those cores, about 0.04 of one at every update and
-every streamed token's status message (Gradio copies each component's value then); a PNG of the same cells
-is one short string.
+every status message of any event (Gradio's frontend copies each component's value then); a PNG of the same
+cells is one short string.
 
     data = collect(engine, tokens_per_second)
     views = panel_views(data)    # {"memory": (frame, caption), "fetch": ..., "sparsity": (html, caption), ...}
