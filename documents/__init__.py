@@ -7,16 +7,16 @@
 Imports nothing from ui/ or sessions/, and no conversion library until a file needs one.
 """
 
-from documents.convert import MAX_FILE_BYTES, MAX_TEXT_CHARS, attachment_name, convert_bytes, convert_file
+from documents.convert import MAX_NAME_CHARS, attachment_digest, attachment_name, convert_bytes, convert_file
 from documents.document import DOCUMENT_KINDS, Document, DocumentError, DocumentKind
+from documents.limits import DEFAULT_LIMITS, MAX_FILE_BYTES, MAX_TEXT_CHARS, MAX_UNZIPPED_BYTES, ConversionLimits
 from documents.prompt import (
     attachment_card, attachment_record, attachment_text, displayed_message, documents_of, message_with_attachments,
     question_of,
 )
-from documents.sniff import MAX_UNZIPPED_BYTES
 
 __all__ = [
-    "DOCUMENT_KINDS", "MAX_FILE_BYTES", "MAX_TEXT_CHARS", "MAX_UNZIPPED_BYTES", "Document", "DocumentError",
-    "DocumentKind", "attachment_card", "attachment_name", "attachment_record", "attachment_text", "convert_bytes",
-    "convert_file", "displayed_message", "documents_of", "message_with_attachments", "question_of",
+    "DEFAULT_LIMITS", "DOCUMENT_KINDS", "MAX_FILE_BYTES", "MAX_NAME_CHARS", "MAX_TEXT_CHARS", "MAX_UNZIPPED_BYTES",
+    "ConversionLimits", "Document", "DocumentError", "DocumentKind", "attachment_card", "attachment_digest",
+    "attachment_name", "attachment_record", "attachment_text", "convert_bytes", "convert_file", "displayed_message", "documents_of", "message_with_attachments", "question_of",
 ]

@@ -12,10 +12,9 @@ import zipfile
 from pathlib import PurePath
 
 from documents.document import DocumentError, DocumentKind
+from documents.limits import MAX_UNZIPPED_BYTES
 
 SUPPORTED = "plain text, Markdown, source code, HTML, PDF or Word (.docx)"
-# A DOCX is a small zip that expands a lot; more than this unpacked is a zip bomb, not a document.
-MAX_UNZIPPED_BYTES = 200 * 1024 * 1024
 
 _PDF_MAGIC = b"%PDF-"
 _PDF_HEADER_WINDOW = 1024  # the PDF specification lets the header start anywhere in the first 1 KiB
@@ -63,8 +62,9 @@ def expected_kind(name: str) -> DocumentKind | None:
     return "text"
 
 
-def detect_kind(name: str, data: bytes) -> DocumentKind:
-    """The file's kind from its content, checked against its name; raises `DocumentError`."""
+def detect_kind(name: str, data: bytes, max_unzipped_bytes: int = MAX_UNZIPPED_BYTES) -> DocumentKind:
+    """The file's kind from its content, checked against its name; raises `DocumentError`. A DOCX's members
+    must declare at most `max_unzipped_bytes` in all (zipfile never unpacks a member past its declared size)."""
     expected = expected_kind(name)
     actual = _content_kind(data)
     if expected in ("pdf", "docx") and actual != expected:
@@ -90,7 +90,7 @@ def detect_kind(name: str, data: bytes) -> DocumentKind:
     if expected != actual:
         raise _mismatch(name, expected, data)
     if actual == "docx":
-        _check_unpacked_size(name, data)
+        _check_unpacked_size(name, data, max_unzipped_bytes)
     return actual
 
 
@@ -155,12 +155,12 @@ def _zip_names(data: bytes) -> set[str]:
         return set()
 
 
-def _check_unpacked_size(name: str, data: bytes) -> None:
+def _check_unpacked_size(name: str, data: bytes, most: int) -> None:
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         unpacked = sum(info.file_size for info in archive.infolist())
-    if unpacked > MAX_UNZIPPED_BYTES:
+    if unpacked > most:
         raise DocumentError(
-            f"{name} unpacks to {unpacked / 2**20:,.0f} MB, more than the {MAX_UNZIPPED_BYTES // 2**20} MB "
+            f"{name} unpacks to {unpacked / 2**20:,.0f} MB, more than the {most / 2**20:,.0f} MB "
             f"a Word document may hold. Attach a smaller document, or save it as PDF."
         )
 

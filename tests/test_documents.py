@@ -21,6 +21,7 @@ import documents.sniff
 from documents import (
     MAX_FILE_BYTES,
     MAX_TEXT_CHARS,
+    ConversionLimits,
     Document,
     DocumentError,
     attachment_text,
@@ -299,10 +300,10 @@ def test_damaged_docx_is_refused():
     assert "broken.docx could not be read as a Word document" in error_of("broken.docx", broken)
 
 
-def test_docx_that_unpacks_to_too_much_is_refused(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(documents.sniff, "MAX_UNZIPPED_BYTES", 10_000)
+def test_docx_that_unpacks_to_too_much_is_refused():
     data = docx_bytes(paragraph("x" * 20_000))
-    assert "unpacks to" in error_of("bomb.docx", data)
+    with pytest.raises(DocumentError, match="bomb.docx unpacks to"):
+        convert_bytes("bomb.docx", data, ConversionLimits(unzipped_bytes=10_000))
 
 
 def test_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path: Path):
