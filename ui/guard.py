@@ -5,9 +5,14 @@
   the model's `<img src=http://...>` or `![](http://...)`) cannot make the browser fetch another host;
 - with a key, every Gradio route under /gradio_api/ refuses a caller without the login cookie, besides the
   routes that Gradio itself guards (queue, upload, files, config, info): also cancel, heartbeat, stream and
-  run history. The login itself is Gradio's (`launch(auth=login_with_key(key))`); /v1 keeps its bearer key.
+  run history. The login itself is Gradio's (`launch(auth=login_with_key(key))`); /v1 keeps its bearer key;
+- other sites cannot use the app through the user's browser (ui/site_checks.py): a Host that is neither a
+  loopback name, an IP address nor one the app was told of is refused (DNS rebinding), a state-changing
+  request or a WebSocket from another Origin is refused, a POST to /v1 must say `application/json` (a
+  cross-site form or `text/plain` fetch cannot), and no CORS header ever names another origin;
+- /login takes a few attempts a minute per client address.
 
-    app_kwargs["middleware"] = [Middleware(PageGuard, key="secret")]
+    app_kwargs["middleware"] = [Middleware(PageGuard, key="secret", hosts=HostPolicy.listening_on(args.host))]
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import hmac
 import json
 from http.cookies import SimpleCookie
+
+from .site_checks import HostPolicy, LoginThrottle, cross_site_refusal, without_foreign_cors
 
 # 'unsafe-inline' / 'unsafe-eval': Gradio's page sets inline styles and its frontend compiles some code at run
 # time; neither lets chat text reach another host, which is what this policy is for.
@@ -62,34 +69,51 @@ def _signed_in(scope) -> bool:
                for name in (f"access-token-{cookie_id}", f"access-token-unsecure-{cookie_id}"))
 
 
+async def _refuse(scope, send, status: int, message: str, headers: tuple = ()) -> None:
+    """A refusal in the API's error shape (OpenAI's `{"error": {...}}`), which the page shows as a sentence too."""
+    if scope["type"] == "websocket":
+        return await send({"type": "websocket.close", "code": 1008})
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": "forbidden" if status == 403 else None},
+                       "detail": {"error": message}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class PageGuard:
-    def __init__(self, app, key: str | None = None) -> None:
+    def __init__(self, app, key: str | None = None, hosts: HostPolicy | None = None,
+                 login_throttle: LoginThrottle | None = None) -> None:
         self.app, self.key = app, key
+        self.hosts = hosts if hosts is not None else HostPolicy()
+        self.login_throttle = login_throttle if login_throttle is not None else LoginThrottle()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
+        refusal = cross_site_refusal(scope, self.hosts)
+        if refusal is not None:
+            return await _refuse(scope, send, refusal.status, refusal.message)
         path = scope.get("path", "")
         if (self.key is not None and path.startswith("/gradio_api/") and path not in OPEN_GRADIO_PATHS
                 and not _signed_in(scope)):
-            if scope["type"] == "websocket":
-                return await send({"type": "websocket.close", "code": 1008})
-            body = json.dumps({"detail": {"error": "Not authenticated: log in with the app's key"}}).encode()
-            await send({"type": "http.response.start", "status": 401,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
-            return await send({"type": "http.response.body", "body": body})
+            return await _refuse(scope, send, 401, "Not authenticated: log in with the app's key")
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        wait = self.login_throttle.wait_before(scope)
+        if wait is not None:
+            return await _refuse(scope, send, 429, f"Too many login attempts; try again in {wait} seconds.",
+                                 ((b"retry-after", str(wait).encode()),))
 
         async def send_with_policy(message) -> None:
             if message["type"] == "http.response.start":
-                headers = list(message.get("headers", ()))
+                headers = without_foreign_cors(scope, list(message.get("headers", ())))
                 content_type = next((v for k, v in headers if k.lower() == b"content-type"), b"")
                 if content_type.startswith(b"text/html"):
                     headers.append((b"content-security-policy", CONTENT_SECURITY_POLICY.encode()))
                     headers.append((b"x-content-type-options", b"nosniff"))
-                    message = {**message, "headers": headers}
+                message = {**message, "headers": headers}
             await send(message)
 
         await self.app(scope, receive, send_with_policy)

@@ -10,7 +10,6 @@ message keeps its text.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from urllib.parse import urlsplit
 
@@ -30,20 +29,3 @@ def withhold_remote_images(text: str) -> str:
         return text
     text = _MARKDOWN.sub(lambda m: _note(m.group(1)), text)
     return _HTML.sub(lambda m: _note(m.group(1)), text)
-
-
-def withhold_in_history(history):
-    """The chatbot's value (message dicts or gr.ChatMessage objects) with remote images withheld."""
-    if not isinstance(history, list):
-        return history
-    shown = []
-    for message in history:
-        if isinstance(message, dict) and isinstance(message.get("content"), str):
-            message = {**message, "content": withhold_remote_images(message["content"])}
-        elif isinstance(getattr(message, "content", None), str):
-            try:
-                message = dataclasses.replace(message, content=withhold_remote_images(message.content))
-            except TypeError:  # not a dataclass: shown as it is (the page's CSP still keeps it from loading)
-                pass
-        shown.append(message)
-    return shown

@@ -1,0 +1,113 @@
+"""Other sites cannot use the local app through the user's browser; messages cannot restyle the page.
+
+The guard (ui/guard.py with ui/site_checks.py) is exercised as the app runs it, as ASGI middleware, here in
+front of a small Starlette app whose routes echo the Origin in Access-Control-Allow-Origin, as Gradio's CORS
+middleware did for a rebinding page; the requests are the ones issue 34 sent with curl.
+"""
+
+from __future__ import annotations
+
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from ui.chat_markup import shown_history, shown_text, without_page_styling
+from ui.guard import PageGuard
+from ui.site_checks import HostPolicy, LoginThrottle
+
+calls: list[str] = []
+
+
+async def _record(request):
+    calls.append(f"{request.method} {request.url.path}")
+    return JSONResponse({"ok": True}, headers={"access-control-allow-origin": request.headers.get("origin", "*")})
+
+
+def _client(**guard) -> TestClient:
+    routes = [Route(path, _record, methods=["GET", "POST"]) for path in
+              ("/v1/models", "/v1/chat/completions", "/config", "/gradio_api/queue/join", "/login")]
+    app = Starlette(routes=routes, middleware=[Middleware(PageGuard, **guard)])
+    return TestClient(app, base_url="http://127.0.0.1:7860")
+
+
+@pytest.fixture(autouse=True)
+def _no_calls():
+    calls.clear()
+
+
+def test_a_cross_site_text_plain_post_to_the_api_is_refused_and_reaches_nothing():
+    client = _client()
+    answer = client.post("/v1/chat/completions", content=b'{"messages": []}',
+                         headers={"content-type": "text/plain", "origin": "http://evil.example"})
+    assert answer.status_code == 403 and "another site (http://evil.example)" in answer.json()["error"]["message"]
+    answer = client.post("/v1/chat/completions", content=b'{"messages": []}', headers={"content-type": "text/plain"})
+    assert answer.status_code == 415 and answer.json()["error"]["message"].startswith("The request body must be JSON")
+    assert calls == []
+    assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 200  # curl, the OpenAI client
+    assert calls == ["POST /v1/chat/completions"]
+
+
+def test_state_changing_page_routes_refuse_another_origin_but_not_the_apps_own():
+    client = _client()
+    assert client.post("/gradio_api/queue/join", json={}, headers={"origin": "http://evil.example"}).status_code == 403
+    assert client.post("/gradio_api/queue/join", json={}, headers={"origin": "null"}).status_code == 403
+    assert client.post("/gradio_api/queue/join", json={}, headers={"origin": "http://127.0.0.1:7861"}).status_code == 403
+    assert client.post("/gradio_api/queue/join", json={}, headers={"origin": "http://127.0.0.1:7860"}).status_code == 200
+    assert calls == ["POST /gradio_api/queue/join"]
+
+
+def test_a_rebinding_host_is_refused_and_cors_never_names_another_site():
+    client = _client()
+    answer = client.get("/config", headers={"host": "evil.example:7860", "origin": "http://evil.example:7860"})
+    assert answer.status_code == 403 and "access-control-allow-origin" not in answer.headers
+    assert "does not answer to the host name 'evil.example'" in answer.json()["error"]["message"]
+    answer = client.get("/v1/models", headers={"origin": "http://evil.example"})  # a cross-site read
+    assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+    answer = client.get("/v1/models", headers={"origin": "http://127.0.0.1:7860"})
+    assert answer.headers["access-control-allow-origin"] == "http://127.0.0.1:7860"
+    for host in ("localhost:7860", "[::1]:7860", "192.168.1.20:7860", "app.localhost"):
+        assert client.get("/config", headers={"host": host}).status_code == 200, host
+    assert calls == ["GET /v1/models"] * 2 + ["GET /config"] * 4
+
+
+def test_the_host_policy_knows_the_listening_name_and_can_be_opened_for_a_tunnel():
+    policy = HostPolicy.listening_on("mybox.lan", "chat.example")
+    assert policy.allows("mybox.lan:7860") and policy.allows("CHAT.example") and not policy.allows("evil.example")
+    assert not HostPolicy.listening_on("0.0.0.0").allows("evil.example")
+    assert HostPolicy.listening_on("0.0.0.0", any_host=True).allows("abc.gradio.live")
+    assert _client(hosts=HostPolicy(any_host=True)).get("/config", headers={"host": "x.gradio.live"}).status_code == 200
+
+
+def test_login_is_throttled_per_client():
+    client = _client(login_throttle=LoginThrottle(attempts=5, window_s=60))
+    statuses = [client.post("/login", data={"username": "a", "password": str(n)}).status_code for n in range(8)]
+    assert statuses == [200] * 5 + [429] * 3
+    throttle = LoginThrottle(attempts=2, window_s=10)
+    scope = {"method": "POST", "path": "/login", "client": ("10.0.0.1", 5)}
+    assert [throttle.wait_before(scope, now=t) for t in (0, 1, 2)] == [None, None, 8]
+    assert throttle.wait_before(scope, now=10.5) is None  # the first attempt has left the window
+    assert throttle.wait_before({**scope, "client": ("10.0.0.2", 5)}, now=2) is None
+
+
+def test_an_overlay_message_renders_as_plain_content():
+    overlay = ('<div style="position:fixed;inset:0;z-index:99999;background:white" class="modal" id="x">'
+               'Session expired: paste your API key <input name="key"></div>')
+    shown = without_page_styling(overlay)
+    assert shown == '<div>Session expired: paste your API key <input name="key"></div>'
+    assert without_page_styling("<style>.gradio-container{display:none}</style>Hi") == "Hi"
+    assert without_page_styling('<div/style="position:fixed">x</div>') == "<div>x</div>"
+    assert without_page_styling('<p title="a>b" STYLE = \'top:0\'>x</p>') == '<p title="a>b">x</p>'
+    code = "Use `<div style=\"x\">` or\n```html\n<div style=\"position:fixed\">\n```"
+    assert without_page_styling(code) == code  # code shows its text as written
+    assert without_page_styling("if a < b and style = 3 > c") == "if a < b and style = 3 > c"
+
+
+def test_the_history_is_rewritten_for_display_only():
+    stored = [{"role": "assistant", "content": '<b style="position:fixed">hi</b> ![x](http://evil.example/a.png)'}]
+    shown = shown_history(stored)
+    assert shown[0]["content"] == "<b>hi</b> [image from evil.example withheld]"
+    assert stored[0]["content"].startswith('<b style="position:fixed">')  # the stored message is untouched
+    assert shown_text("plain") == "plain"

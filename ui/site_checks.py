@@ -1,0 +1,165 @@
+"""What keeps other web sites from using the app through the user's own browser (PageGuard applies these).
+
+A page on evil.example can make the browser send requests to http://127.0.0.1:7860: a form or a `text/plain`
+fetch goes out without asking the server first, and its answer is hidden only by CORS. A DNS-rebinding page
+goes further: its own name, evil.example, points at 127.0.0.1 after the page has loaded, so the browser
+treats the app as evil.example itself and lets the page read every answer. Hence:
+
+- the Host header must be a loopback name, an IP address (rebinding needs a name the attacker controls), the
+  address the app listens on, or a name the app was given (`HostPolicy`);
+- a request that can change something (any method but GET, HEAD, OPTIONS) or a WebSocket whose Origin is not
+  the app's own (the same host and port the request was sent to) is refused; a request without an Origin comes
+  from a program (curl, the OpenAI client), which the key guards where there is one;
+- a POST to /v1 must be `application/json`, which a browser sends cross-site only after a CORS preflight that
+  this app never grants;
+- an `Access-Control-Allow-Origin` naming any origin but the app's own is removed from every answer;
+- /login answers a few attempts a minute per client address (`LoginThrottle`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+LOGIN_PATHS = frozenset({"/login", "/login/", "/gradio_api/login", "/gradio_api/login/"})
+_LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
+_ALL_INTERFACES = ("", "0.0.0.0", "::")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    message: str
+
+
+@dataclass(frozen=True)
+class HostPolicy:
+    """The Host names the app answers to besides loopback names and IP addresses. `any_host` turns the check off
+    (for a tunnel such as Gradio's share link, whose name the app cannot know in advance)."""
+
+    names: frozenset[str] = frozenset()
+    any_host: bool = False
+
+    @classmethod
+    def listening_on(cls, host: str, *names: str, any_host: bool = False) -> HostPolicy:
+        extra = {n.lower().rstrip(".") for n in names}
+        if host not in _ALL_INTERFACES:
+            extra.add(host.lower().strip("[]").rstrip("."))
+        return cls(frozenset(extra), any_host)
+
+    def allows(self, host_header: str) -> bool:
+        if self.any_host:
+            return True
+        host = _host_name(host_header)
+        if not host:
+            return False
+        if host in _LOOPBACK_NAMES or host.endswith(".localhost") or host in self.names:
+            return True
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return True
+
+
+def _host_name(host_header: str) -> str:
+    """'Example.COM:7860' -> 'example.com'; '[::1]:7860' -> '::1'."""
+    try:
+        return (urlsplit("//" + host_header.strip()).hostname or "").rstrip(".")
+    except ValueError:
+        return ""
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def own_origin(scope) -> str | None:
+    """The origin the request was sent to, as a browser on the app's page would write it."""
+    host = _header(scope, b"host")
+    if not host:
+        return None
+    secure = scope.get("scheme") in ("https", "wss")
+    return f"{'https' if secure else 'http'}://{host.strip().lower()}"
+
+
+def _same_origin(origin: str, scope) -> bool:
+    own = own_origin(scope)
+    if own is None:
+        return False
+    try:
+        theirs, ours = urlsplit(origin.strip().lower()), urlsplit(own)
+        return (theirs.hostname, theirs.port or _default_port(theirs.scheme)) == \
+            (ours.hostname, ours.port or _default_port(ours.scheme))
+    except ValueError:
+        return False
+
+
+def _default_port(scheme: str) -> int:
+    return 443 if scheme in ("https", "wss") else 80
+
+
+def cross_site_refusal(scope, hosts: HostPolicy) -> Refusal | None:
+    """Why this request may not reach the app, or None."""
+    host = _header(scope, b"host") or ""
+    if not hosts.allows(host):
+        return Refusal(403, f"This app does not answer to the host name {_host_name(host) or host!r}; open it as "
+                            f"http://127.0.0.1 or http://localhost (a page that renames itself to reach the app "
+                            f"is refused).")
+    origin = _header(scope, b"origin")
+    changes_state = scope["type"] == "websocket" or scope.get("method", "GET") not in SAFE_METHODS
+    if changes_state and origin is not None and not _same_origin(origin, scope):
+        return Refusal(403, f"Requests from another site ({origin}) may not use this app.")
+    if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path", "").startswith("/v1/"):
+        content_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+        if content_type != "application/json":
+            return Refusal(415, "The request body must be JSON, sent with 'Content-Type: application/json'.")
+    return None
+
+
+def without_foreign_cors(scope, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The response's headers without an Access-Control-Allow-Origin that names another site (or '*')."""
+    own = own_origin(scope)
+    kept = []
+    for name, value in headers:
+        if name.lower() == b"access-control-allow-origin":
+            origin = value.decode("latin-1")
+            if own is None or origin == "*" or not _same_origin(origin, scope):
+                continue
+        kept.append((name, value))
+    return kept
+
+
+@dataclass
+class LoginThrottle:
+    """At most `attempts` POSTs to /login per client address in any `window_s` seconds."""
+
+    attempts: int = 10
+    window_s: float = 60.0
+    _seen: dict[str, deque] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def wait_before(self, scope, now: float | None = None) -> int | None:
+        """None when this request may go on; else the seconds until the client may try again."""
+        if scope.get("method") != "POST" or scope.get("path") not in LOGIN_PATHS:
+            return None
+        now = time.monotonic() if now is None else now
+        client = (scope.get("client") or ("unknown", 0))[0]
+        with self._lock:
+            recent = self._seen.setdefault(client, deque())
+            while recent and now - recent[0] >= self.window_s:
+                recent.popleft()
+            if len(recent) >= self.attempts:
+                return max(1, int(self.window_s - (now - recent[0]) + 0.999))
+            recent.append(now)
+            if len(self._seen) > 10_000:  # many addresses: forget those with nothing recent
+                self._seen = {k: v for k, v in self._seen.items() if v and now - v[-1] < self.window_s}
+        return None
