@@ -13,6 +13,11 @@ byte of it is read. A chunk's safetensors header is screened first; then the chu
 folder beside the database, hashed on the way and never read past its declared size, and is checked there
 (memory-mapped) before the session is created. The staged files are then moved into place, so a refusal
 leaves neither a session nor a file behind.
+
+What the loaded model can use bounds an import too (`ImportLimits`): a chunk that reaches past the model's
+window (a file may declare 0-1,000,000 tokens for a model of 8,192) is refused with why, and so is a file
+whose chunks add up to more than `total_bytes`. A staging folder left by a crash is removed by
+`remove_stale_staging` when the app starts.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import os
 import shutil
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,6 +61,24 @@ _CHUNK_FORMATS = (EXACT_FORMAT, INT8_FORMAT, INT8_PER_TOKEN_FORMAT)
 # Python's bzip2 and LZMA readers do not
 _COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 _KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+STAGING_PREFIX = ".import-"
+
+
+@dataclass(frozen=True)
+class ImportLimits:
+    """What an imported session may hold. `window`: the loaded model's context window in tokens (None: not
+    known, only the file's own consistency is checked); `total_bytes`: all of its KV chunks together, the same
+    bound as an upload's (ui/request_limits.py). A full 8,192-token window of the default model is ~97 MB in
+    int8 (11,891 bytes a token) and ~380 MB exact in float32."""
+
+    window: int | None = None
+    total_bytes: int = 2**30
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window <= 0:
+            raise ValueError(f"ImportLimits.window must be positive or None, got {self.window}")
+        if self.total_bytes <= 0:
+            raise ValueError(f"ImportLimits.total_bytes must be positive, got {self.total_bytes}")
 
 
 def max_chunk_bytes(signature: dict[str, str], tokens: int) -> int:
@@ -216,7 +240,7 @@ def _check_manifest_types(manifest: dict) -> None:
                         f"{c['end'] - c['start']} tokens of its model can take")
 
 
-def import_session(store, path: Path) -> str:
+def import_session(store, path: Path, limits: ImportLimits = ImportLimits()) -> str:
     """Validate the whole file, then write it as a new session; returns the new session's id.
 
     Memory holds the manifest and one block of one chunk at a time, whatever the file's size or claims;
@@ -230,9 +254,10 @@ def import_session(store, path: Path) -> str:
     with archive:
         with _damage_refused():
             manifest = _read_manifest(archive)
+            _check_fits(manifest, limits)
             _check_entries(archive, manifest)
             _check_free_space(store.data_dir, manifest)
-        staging = Path(tempfile.mkdtemp(prefix=".import-", dir=store.data_dir))
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=store.data_dir))
         try:
             with _damage_refused():
                 staged = [_stage_chunk(archive, index, entry, manifest["signature"], staging)
@@ -240,6 +265,30 @@ def import_session(store, path: Path) -> str:
             return _write_imported(store, manifest, staged)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def remove_stale_staging(data_dir: Path) -> list[Path]:
+    """Remove the staging folders an import left when the process was killed (they hold chunks no session
+    names); call it when the app starts, before any import can run. Returns what was removed."""
+    removed = []
+    for folder in Path(data_dir).glob(f"{STAGING_PREFIX}*"):
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _check_fits(manifest: dict, limits: ImportLimits) -> None:
+    """The session against the loaded model and the size limit, before a byte of KV is read."""
+    chunks, messages = manifest["chunks"], manifest["messages"]
+    tokens = max([c["end"] for c in chunks] + [m["token_end"] for m in messages] + [0])
+    if limits.window is not None and tokens > limits.window:
+        raise _fail(f"the session reaches token {tokens:,}, beyond the loaded model's window of "
+                    f"{limits.window:,} tokens (it was made with a model of a longer window, or the file lies)")
+    total = sum(c["size"] for c in chunks)
+    if total > limits.total_bytes:
+        raise _fail(f"its KV chunks hold {total:,} bytes, more than the {limits.total_bytes:,} an import may "
+                    f"({limits.total_bytes / 2**20:,.0f} MiB)")
 
 
 @contextlib.contextmanager

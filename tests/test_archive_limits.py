@@ -222,3 +222,63 @@ def test_legitimate_exports_of_both_formats_import_within_the_bound(engine, tmp_
     if kv_format == "int8":
         assert "k_channel_scale.0" in read_chunk(store.data_dir, store.chunks(imported)[0], signature)
     assert not [p for p in store.data_dir.iterdir() if p.name.startswith(".import-")]  # staging is gone
+
+
+# ---- imports fit the model (issue 34) -------------------------------------------------------------------
+
+def _rewritten(path, out, change):
+    """A copy of the export at `path` whose manifest went through `change` (its chunks untouched)."""
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(out, "w") as target:
+        for info in source.infolist():
+            data = source.read(info)
+            if info.filename == "manifest.json":
+                manifest = json.loads(data)
+                change(manifest)
+                data = json.dumps(manifest).encode()
+            target.writestr(info.filename, data)
+    return out
+
+
+def test_a_session_beyond_the_loaded_models_window_is_refused_with_why(engine, tmp_path):
+    source = SessionStore(tmp_path / "source")
+    exported = source.export(_session(source, engine, "int8"), tmp_path / "chat.igchat")
+    store = SessionStore(tmp_path / "data")
+    before = _files(store.data_dir)
+    with pytest.raises(ImportValidationError) as caught:
+        archive_module.import_session(store, exported, archive_module.ImportLimits(window=512))
+    assert str(caught.value) == ("cannot import this file: the session reaches token 560, beyond the loaded model's "
+                                 "window of 512 tokens (it was made with a model of a longer window, or the file "
+                                 "lies); nothing was imported")
+
+    def lie(manifest):  # issue 34: a chunk declaring 0-1,000,000 for a model of 8,192
+        manifest["messages"][-1]["token_end"] = 1_000_000
+    lying = _rewritten(exported, tmp_path / "lying.igchat", lie)
+    with pytest.raises(ImportValidationError, match="reaches token 1,000,000, beyond the loaded model's window of 8,192"):
+        archive_module.import_session(store, lying, archive_module.ImportLimits(window=8192))
+    assert store.list() == [] and _files(store.data_dir) == before
+    imported = archive_module.import_session(store, exported, archive_module.ImportLimits(window=engine.num_tokens))
+    assert store.get(imported).token_count == engine.num_tokens
+
+
+def test_an_import_over_the_total_size_limit_is_refused_before_a_chunk_is_read(engine, tmp_path):
+    source = SessionStore(tmp_path / "source")
+    exported = source.export(_session(source, engine, "exact"), tmp_path / "chat.igchat")
+    total = sum(c.size for c in source.chunks(source.list()[0].id))
+    store = SessionStore(tmp_path / "data")
+    with pytest.raises(ImportValidationError, match=f"hold {total:,} bytes, more than the {total - 1:,} an import may"):
+        archive_module.import_session(store, exported, archive_module.ImportLimits(total_bytes=total - 1))
+    assert store.list() == []
+    archive_module.import_session(store, exported, archive_module.ImportLimits(total_bytes=total))
+    with pytest.raises(ValueError, match="window"):
+        archive_module.ImportLimits(window=0)
+
+
+def test_staging_left_by_a_killed_import_is_removed_at_start(tmp_path):
+    store = SessionStore(tmp_path / "data")
+    left = store.data_dir / ".import-k9x2"
+    left.mkdir()
+    (left / "000000.safetensors").write_bytes(bytes(4096))
+    kept = store.data_dir / "import-notes"  # not staging: only the staging prefix goes
+    kept.mkdir()
+    assert archive_module.remove_stale_staging(store.data_dir) == [left]
+    assert not left.exists() and kept.is_dir()
