@@ -7,11 +7,28 @@
 Imports nothing from ui/ or sessions/, and no conversion library until a file needs one.
 """
 
-from documents.convert import MAX_NAME_CHARS, attachment_digest, attachment_name, convert_bytes, convert_file
+from documents.convert import (
+    MAX_NAME_CHARS,
+    attachment_digest,
+    attachment_name,
+    convert_bytes,
+    convert_file,
+)
 from documents.document import DOCUMENT_KINDS, Document, DocumentError, DocumentKind
-from documents.limits import DEFAULT_LIMITS, MAX_FILE_BYTES, MAX_TEXT_CHARS, MAX_UNZIPPED_BYTES, ConversionLimits
+from documents.limits import (
+    DEFAULT_LIMITS,
+    MAX_FILE_BYTES,
+    MAX_TEXT_CHARS,
+    MAX_UNZIPPED_BYTES,
+    ConversionLimits,
+)
 from documents.prompt import (
-    attachment_card, attachment_record, attachment_text, displayed_message, documents_of, message_with_attachments,
+    attachment_card,
+    attachment_record,
+    attachment_text,
+    displayed_message,
+    documents_of,
+    message_with_attachments,
     question_of,
 )
 

@@ -131,7 +131,7 @@ def _docx_text(name: str, data: bytes, limits: ConversionLimits) -> tuple[str, i
         html = mammoth.convert_to_html(io.BytesIO(data)).value
     except MemoryError:
         raise
-    except Exception:  # a damaged DOCX fails deep inside mammoth with any of zip, XML, key or recursion errors
+    except Exception:  # noqa: BLE001  a damaged DOCX fails inside mammoth with zip, XML, key or recursion errors
         raise DocumentError(f"{name} could not be read as a Word document (it may be damaged). "
                             f"Open and save it again, or attach it as PDF.") from None
     return _collapse_blank_lines(_clean(_html_text(name, html, limits))), _docx_page_count(data)

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-import documents
-import documents.sniff
 from documents import (
     MAX_FILE_BYTES,
     MAX_TEXT_CHARS,

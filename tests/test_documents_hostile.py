@@ -8,20 +8,25 @@ scales with them.
 
 from __future__ import annotations
 
-import io
+import hashlib
 import os
 import threading
 import time
-import zipfile
 import zlib
 
 import psutil
 import pytest
+from test_documents import docx_bytes, paragraph, pdf_bytes
 
-from documents import ConversionLimits, DocumentError, attachment_digest, attachment_name, convert_bytes
+from documents import (
+    ConversionLimits,
+    DocumentError,
+    attachment_digest,
+    attachment_name,
+    convert_bytes,
+)
 from documents.html_text import TextTooLong, html_to_text
 from documents.isolation import run_bounded
-from test_documents import docx_bytes, paragraph, pdf_bytes
 
 MiB = 2**20
 
@@ -63,8 +68,8 @@ def pdf_with_content(content: bytes) -> bytes:
     objects = [
         b"<< /Type /Catalog /Pages 2 0 R >>",
         b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 5 0 R >> >> "
-        b"/Contents 4 0 R >>",
+        (b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 5 0 R >> >> "
+         b"/Contents 4 0 R >>"),
         b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(stream) + stream + b"\nendstream",
         b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
     ]
@@ -204,7 +209,6 @@ def test_an_attached_file_is_sized_before_it_is_hashed(tmp_path):
     assert memory.growth < 16 * MiB
     small = tmp_path / "small.txt"
     small.write_bytes(b"x" * 3 * MiB)
-    import hashlib
     assert attachment_digest(small) == hashlib.sha256(b"x" * 3 * MiB).hexdigest()
 
 

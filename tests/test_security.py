@@ -89,6 +89,21 @@ def test_api_bounds_are_400s_in_openai_shape(app):
     assert "characters" in json.loads(body)["error"]["message"]
 
 
+def test_other_sites_are_refused_by_the_running_app(app):
+    """Issue 34's requests against the real app: a cross-site POST (with the key even) and a rebinding read."""
+    cross_site = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    status, _, body = api_post(app, cross_site, {"origin": "http://evil.example"})
+    assert status == 403 and "another site" in json.loads(body)["error"]["message"]
+    port = app.url.rstrip("/").rsplit(":", 1)[1]
+    for path in ("config", "v1/models"):
+        status, headers, _ = call("GET", app.url + path, None, {"host": f"evil.example:{port}",
+                                                                "origin": f"http://evil.example:{port}"})
+        assert status == 403, path  # refused by its Host; what Gradio's own CORS layer adds: filter_cors_of
+    status, _, _ = call("POST", app.url + "gradio_api/upload", b"x", {"origin": "http://evil.example",
+                                                                      "content-type": "multipart/form-data"})
+    assert status == 403
+
+
 def test_a_body_over_the_limit_is_refused_before_it_is_read(app):
     from ui.api.serving import MAX_BODY_BYTES
 

@@ -15,7 +15,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from ui.chat_markup import shown_history, shown_text, without_page_styling
-from ui.guard import PageGuard
+from ui.guard import PageGuard, filter_cors_of
 from ui.site_checks import HostPolicy, LoginThrottle
 
 calls: list[str] = []
@@ -23,6 +23,8 @@ calls: list[str] = []
 
 async def _record(request):
     calls.append(f"{request.method} {request.url.path}")
+    if request.url.path == "/login" and (await request.form()).get("password") != "right":
+        return JSONResponse({"detail": "Incorrect credentials."}, status_code=401)
     return JSONResponse({"ok": True}, headers={"access-control-allow-origin": request.headers.get("origin", "*")})
 
 
@@ -48,6 +50,8 @@ def test_a_cross_site_text_plain_post_to_the_api_is_refused_and_reaches_nothing(
     assert calls == []
     assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 200  # curl, the OpenAI client
     assert calls == ["POST /v1/chat/completions"]
+    with_key = _client(key="k")  # the key guards it: a cross-site page lacks it, whatever the content type
+    assert with_key.post("/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"}).status_code == 200
 
 
 def test_state_changing_page_routes_refuse_another_origin_but_not_the_apps_own():
@@ -73,6 +77,28 @@ def test_a_rebinding_host_is_refused_and_cors_never_names_another_site():
     assert calls == ["GET /v1/models"] * 2 + ["GET /config"] * 4
 
 
+def test_gradios_own_cors_middleware_outside_the_guard_is_filtered_too():
+    from gradio.route_utils import CustomCORSMiddleware
+
+    def app_with_gradios_cors() -> Starlette:
+        app = Starlette(routes=[Route("/v1/models", _record)], middleware=[Middleware(PageGuard)])
+        app.add_middleware(CustomCORSMiddleware, strict_cors=True)  # as gradio's create_app does
+        return app
+
+    lan = {"host": "192.168.1.20:7860", "origin": "http://evil.example"}
+    local = {"host": "127.0.0.1:7860", "origin": "http://localhost:3000"}  # another program's page
+    unfiltered = TestClient(app_with_gradios_cors())
+    assert unfiltered.get("/v1/models", headers=lan).headers["access-control-allow-origin"] == "http://evil.example"
+    filtered_app = app_with_gradios_cors()
+    filter_cors_of(filtered_app)
+    filtered = TestClient(filtered_app)
+    for headers in (lan, local):
+        answer = filtered.get("/v1/models", headers=headers)
+        assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+    own = filtered.get("/v1/models", headers={"host": "127.0.0.1:7860", "origin": "http://127.0.0.1:7860"})
+    assert own.headers["access-control-allow-origin"] == "http://127.0.0.1:7860"
+
+
 def test_the_host_policy_knows_the_listening_name_and_can_be_opened_for_a_tunnel():
     policy = HostPolicy.listening_on("mybox.lan", "chat.example")
     assert policy.allows("mybox.lan:7860") and policy.allows("CHAT.example") and not policy.allows("evil.example")
@@ -81,14 +107,20 @@ def test_the_host_policy_knows_the_listening_name_and_can_be_opened_for_a_tunnel
     assert _client(hosts=HostPolicy(any_host=True)).get("/config", headers={"host": "x.gradio.live"}).status_code == 200
 
 
-def test_login_is_throttled_per_client():
+def test_failed_logins_are_throttled_per_client():
     client = _client(login_throttle=LoginThrottle(attempts=5, window_s=60))
+    assert all(client.post("/login", data={"username": "a", "password": "right"}).status_code == 200
+               for _ in range(12))  # successes are not counted (gradio_client logs in for every Client)
     statuses = [client.post("/login", data={"username": "a", "password": str(n)}).status_code for n in range(8)]
-    assert statuses == [200] * 5 + [429] * 3
+    assert statuses == [401] * 5 + [429] * 3
+    assert client.post("/login", data={"username": "a", "password": "right"}).status_code == 429
     throttle = LoginThrottle(attempts=2, window_s=10)
     scope = {"method": "POST", "path": "/login", "client": ("10.0.0.1", 5)}
-    assert [throttle.wait_before(scope, now=t) for t in (0, 1, 2)] == [None, None, 8]
-    assert throttle.wait_before(scope, now=10.5) is None  # the first attempt has left the window
+    for now in (0, 1):
+        assert throttle.wait_before(scope, now=now) is None
+        throttle.record(scope, 401, now=now)
+    assert throttle.wait_before(scope, now=2) == 8
+    assert throttle.wait_before(scope, now=10.5) is None  # the first failure has left the window
     assert throttle.wait_before({**scope, "client": ("10.0.0.2", 5)}, now=2) is None
 
 

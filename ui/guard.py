@@ -8,11 +8,15 @@
   run history. The login itself is Gradio's (`launch(auth=login_with_key(key))`); /v1 keeps its bearer key;
 - other sites cannot use the app through the user's browser (ui/site_checks.py): a Host that is neither a
   loopback name, an IP address nor one the app was told of is refused (DNS rebinding), a state-changing
-  request or a WebSocket from another Origin is refused, a POST to /v1 must say `application/json` (a
-  cross-site form or `text/plain` fetch cannot), and no CORS header ever names another origin;
-- /login takes a few attempts a minute per client address.
+  request or a WebSocket from another Origin is refused, without a key a POST to /v1 must say
+  `application/json` (a cross-site form or `text/plain` fetch cannot), and no CORS header ever names another origin;
+- /login takes a few failed attempts a minute per client address;
+- an upload larger than MAX_UPLOAD_BYTES is refused by its declared length (413), and one that sends more than
+  it declared is cut off at the bound (ui/request_limits.py).
 
     app_kwargs["middleware"] = [Middleware(PageGuard, key="secret", hosts=HostPolicy.listening_on(args.host))]
+    demo.launch(app_kwargs=app_kwargs, ...)
+    filter_cors_of(demo.app)   # Gradio's own CORS middleware sits outside PageGuard: filter around it too
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ import hmac
 import json
 from http.cookies import SimpleCookie
 
-from .site_checks import HostPolicy, LoginThrottle, cross_site_refusal, without_foreign_cors
+from .request_limits import MAX_UPLOAD_BYTES, receive_at_most, upload_refusal
+from .site_checks import (
+    HostPolicy,
+    LoginThrottle,
+    cross_site_refusal,
+    without_foreign_cors,
+)
 
 # 'unsafe-inline' / 'unsafe-eval': Gradio's page sets inline styles and its frontend compiles some code at run
 # time; neither lets chat text reach another host, which is what this policy is for.
@@ -82,17 +92,45 @@ async def _refuse(scope, send, status: int, message: str, headers: tuple = ()) -
     await send({"type": "http.response.body", "body": body})
 
 
+class ForeignCorsFilter:
+    """ASGI wrapper that removes an Access-Control-Allow-Origin naming another origin from every answer."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_filtered(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": without_foreign_cors(scope, list(message.get("headers", ())))}
+            await send(message)
+
+        await self.app(scope, receive, send_filtered)
+
+
+def filter_cors_of(app) -> None:
+    """Put a ForeignCorsFilter around the whole of a Starlette app's middleware stack. Gradio adds its CORS
+    middleware itself, outside every middleware given to launch(), and it names the request's Origin when the
+    Host is not a loopback name (a LAN address) or the Origin is one (another local port): only a filter
+    around it can take that back. Call once, after launch() (which builds the stack)."""
+    stack = app.middleware_stack if app.middleware_stack is not None else app.build_middleware_stack()
+    if not isinstance(stack, ForeignCorsFilter):
+        app.middleware_stack = ForeignCorsFilter(stack)
+
+
 class PageGuard:
     def __init__(self, app, key: str | None = None, hosts: HostPolicy | None = None,
-                 login_throttle: LoginThrottle | None = None) -> None:
-        self.app, self.key = app, key
+                 login_throttle: LoginThrottle | None = None, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> None:
+        self.app, self.key, self.max_upload_bytes = app, key, max_upload_bytes
         self.hosts = hosts if hosts is not None else HostPolicy()
         self.login_throttle = login_throttle if login_throttle is not None else LoginThrottle()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        refusal = cross_site_refusal(scope, self.hosts)
+        refusal = cross_site_refusal(scope, self.hosts, json_only_api=self.key is None)
         if refusal is not None:
             return await _refuse(scope, send, refusal.status, refusal.message)
         path = scope.get("path", "")
@@ -105,9 +143,15 @@ class PageGuard:
         if wait is not None:
             return await _refuse(scope, send, 429, f"Too many login attempts; try again in {wait} seconds.",
                                  ((b"retry-after", str(wait).encode()),))
+        too_large = upload_refusal(scope, self.max_upload_bytes)
+        if too_large is not None:
+            return await _refuse(scope, send, 413, too_large)
+        if scope.get("method") == "POST":
+            receive = receive_at_most(receive, self.max_upload_bytes)
 
         async def send_with_policy(message) -> None:
             if message["type"] == "http.response.start":
+                self.login_throttle.record(scope, message["status"])
                 headers = without_foreign_cors(scope, list(message.get("headers", ())))
                 content_type = next((v for k, v in headers if k.lower() == b"content-type"), b"")
                 if content_type.startswith(b"text/html"):

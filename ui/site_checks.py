@@ -10,10 +10,10 @@ treats the app as evil.example itself and lets the page read every answer. Hence
 - a request that can change something (any method but GET, HEAD, OPTIONS) or a WebSocket whose Origin is not
   the app's own (the same host and port the request was sent to) is refused; a request without an Origin comes
   from a program (curl, the OpenAI client), which the key guards where there is one;
-- a POST to /v1 must be `application/json`, which a browser sends cross-site only after a CORS preflight that
-  this app never grants;
+- without a key, a POST to /v1 must be `application/json`, which a browser sends cross-site only after a CORS
+  preflight that this app never grants;
 - an `Access-Control-Allow-Origin` naming any origin but the app's own is removed from every answer;
-- /login answers a few attempts a minute per client address (`LoginThrottle`).
+- /login answers a few failed attempts a minute per client address (`LoginThrottle`).
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ def _default_port(scheme: str) -> int:
     return 443 if scheme in ("https", "wss") else 80
 
 
-def cross_site_refusal(scope, hosts: HostPolicy) -> Refusal | None:
-    """Why this request may not reach the app, or None."""
+def cross_site_refusal(scope, hosts: HostPolicy, json_only_api: bool = True) -> Refusal | None:
+    """Why this request may not reach the app, or None. `json_only_api`: a POST to /v1 must say JSON (the app
+    asks it where there is no key; with one, a cross-site request lacks the key anyway)."""
     host = _header(scope, b"host") or ""
     if not hosts.allows(host):
         return Refusal(403, f"This app does not answer to the host name {_host_name(host) or host!r}; open it as "
@@ -118,7 +119,8 @@ def cross_site_refusal(scope, hosts: HostPolicy) -> Refusal | None:
     changes_state = scope["type"] == "websocket" or scope.get("method", "GET") not in SAFE_METHODS
     if changes_state and origin is not None and not _same_origin(origin, scope):
         return Refusal(403, f"Requests from another site ({origin}) may not use this app.")
-    if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path", "").startswith("/v1/"):
+    if (json_only_api and scope["type"] == "http" and scope.get("method") == "POST"
+            and scope.get("path", "").startswith("/v1/")):
         content_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
         if content_type != "application/json":
             return Refusal(415, "The request body must be JSON, sent with 'Content-Type: application/json'.")
@@ -140,26 +142,42 @@ def without_foreign_cors(scope, headers: list[tuple[bytes, bytes]]) -> list[tupl
 
 @dataclass
 class LoginThrottle:
-    """At most `attempts` POSTs to /login per client address in any `window_s` seconds."""
+    """At most `attempts` failed logins per client address in any `window_s` seconds; after that every login
+    from that address waits (a right password too) until the oldest failure leaves the window. Successful
+    logins are not counted: gradio_client logs in each time a Client is made."""
 
     attempts: int = 10
     window_s: float = 60.0
-    _seen: dict[str, deque] = field(default_factory=dict, repr=False)
+    _failures: dict[str, deque] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @staticmethod
+    def is_login(scope) -> bool:
+        return scope.get("method") == "POST" and scope.get("path") in LOGIN_PATHS
 
     def wait_before(self, scope, now: float | None = None) -> int | None:
         """None when this request may go on; else the seconds until the client may try again."""
-        if scope.get("method") != "POST" or scope.get("path") not in LOGIN_PATHS:
+        if not self.is_login(scope):
             return None
         now = time.monotonic() if now is None else now
-        client = (scope.get("client") or ("unknown", 0))[0]
         with self._lock:
-            recent = self._seen.setdefault(client, deque())
+            recent = self._failures.get(_client(scope), deque())
             while recent and now - recent[0] >= self.window_s:
                 recent.popleft()
             if len(recent) >= self.attempts:
                 return max(1, int(self.window_s - (now - recent[0]) + 0.999))
-            recent.append(now)
-            if len(self._seen) > 10_000:  # many addresses: forget those with nothing recent
-                self._seen = {k: v for k, v in self._seen.items() if v and now - v[-1] < self.window_s}
         return None
+
+    def record(self, scope, status: int, now: float | None = None) -> None:
+        """Note a login's answer: a refusal counts against its client address."""
+        if not self.is_login(scope) or status < 400 or status == 429:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if len(self._failures) > 10_000:  # many addresses: forget those with nothing recent
+                self._failures = {k: v for k, v in self._failures.items() if v and now - v[-1] < self.window_s}
+            self._failures.setdefault(_client(scope), deque()).append(now)
+
+
+def _client(scope) -> str:
+    return (scope.get("client") or ("unknown", 0))[0]
