@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import devices
 from .kv_pool import KVPool
-from .transfer import CudaOps, DeviceOps, Worker
+from .transfer import CudaOps, DeviceOps, ThreadedCpuOps, Worker
 
 
 @dataclass
@@ -242,6 +243,10 @@ class StreamFetcher:
             self.ops.copy(values[head], host_values[head], self._stream)
         return keys, values, self.ops.record(self._stream)
 
+    def pending_host_work(self) -> int:
+        """Writes and fetches whose host side has not finished yet."""
+        return self._worker.pending
+
     def flush(self) -> None:
         """Wait until every write and fetch started so far has been done on the host side."""
         if not self._closed:
@@ -268,4 +273,6 @@ def make_fetcher(pool: KVPool, device: torch.device, max_rows: int, ops: DeviceO
         return StreamFetcher(pool, ops, max_rows)
     if device.type == "cuda" and pool.device.type == "cpu":
         return StreamFetcher(pool, CudaOps(device), max_rows)
+    if devices.is_emulated(device) and pool.device != device:  # CUDA's pipeline, its copies run by threads
+        return StreamFetcher(pool, ThreadedCpuOps(device=device), max_rows)
     return DirectFetcher(pool, device, rows_in_place)

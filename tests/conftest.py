@@ -90,3 +90,25 @@ def pytest_ignore_collect(collection_path, config):
         if any(importlib.util.find_spec(name) is None for name in APP_PACKAGES):
             return True
     return None
+
+
+# CUDA's rules on the CPU (infinigen_core/devices.py): the tests of these files build engines that compute on
+# the emulated device with the pool in emulated host memory, and run under the mode that refuses what a GPU
+# would refuse. CI runs `python -m pytest`, so the files themselves turn it on, not an environment variable.
+SEPARATE_DEVICES_TEST_FILES = {"test_separate_devices.py"}
+
+
+@pytest.fixture
+def separate_devices(monkeypatch):
+    """INFINIGEN_SEPARATE_DEVICES=1 and the checking mode, for the whole test."""
+    from infinigen_core.devices import SEPARATE_DEVICES_ENV, SeparateDevicesMode
+
+    monkeypatch.setenv(SEPARATE_DEVICES_ENV, "1")
+    with SeparateDevicesMode():
+        yield
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SEPARATE_DEVICES_TEST_FILES and "separate_devices" not in item.fixturenames:
+            item.fixturenames.insert(0, "separate_devices")
