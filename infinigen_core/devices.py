@@ -143,6 +143,14 @@ def _side_of_device(device) -> str | None:
     return None
 
 
+def _target_device(args, kwargs):
+    """The device a factory or a copy puts its result on (`aten.to.device` takes it positionally)."""
+    device = kwargs.get("device")
+    if device is None:
+        device = next((arg for arg in args if isinstance(arg, torch.device)), None)
+    return device
+
+
 def _tensors(args, kwargs) -> list[torch.Tensor]:
     found = []
     for value in (*args, *kwargs.values()):
@@ -210,10 +218,11 @@ class _DispatchChecks(TorchDispatchMode):
         sides = {side for side in map(side_of, inputs) if side is not None}
         crossing_now = getattr(_local, "crossing", False)
         if len(sides) > 1 and not crossing_now:
+            described = ", ".join(f"{side_of(t) or 'untagged'} {tuple(t.shape)}" for t in inputs)
             raise SeparateDevicesError(
-                f"{func} mixes host memory (the pool, staging) with compute tensors: on a GPU they sit on two "
-                "devices; move one side first (the transfer layer's copies, or .to(device))")
-        target = _side_of_device(kwargs.get("device"))
+                f"{func} mixes host memory (the pool, staging) with compute tensors ({described}): on a GPU they "
+                "sit on two devices; move one side first (the transfer layer's copies, or .to(device))")
+        target = _side_of_device(_target_device(args, kwargs))
         if COMPUTE in sides and _reading_forbidden() and self._reads_on_host(func, args, target):
             _refuse_read_in_decode_step(func)
         out = func(*args, **kwargs)
@@ -224,7 +233,7 @@ class _DispatchChecks(TorchDispatchMode):
     def _reads_on_host(func, args, target: str | None) -> bool:
         if func in _HOST_READS:
             return True
-        if func is aten._to_copy.default:
+        if func.overloadpacket in (aten._to_copy, aten.to):
             return target == HOST  # a copy of a compute tensor to host memory
         if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default):
             indices = args[1] if len(args) > 1 else ()

@@ -120,3 +120,45 @@ def test_the_separated_engine_decodes_as_the_plain_one(tiny_llama, monkeypatch, 
 
     reference, logits = both(monkeypatch, tiny_llama, conversation, policy=policy, budget=0.3)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ the paths that broke the rules (issue 29)
+def prefill_then_decode(engine, tokens=90, steps=4):
+    return [engine.prefill(random_tokens(tokens, seed=3)), *engine.score(random_tokens(steps, seed=4))]
+
+
+def test_infinigen_configured_over_a_prefilled_pool(tiny_llama, monkeypatch):
+    """bench gpu's flow: prefill under `full`, then switch to InfiniGen with the context in the pool."""
+    def conversation(engine):
+        logits = [engine.prefill(random_tokens(90, seed=3))]
+        engine.configure(engine.config.with_changes(policy="infinigen", budget=0.3))
+        return logits + list(engine.score(random_tokens(4, seed=4)))
+
+    reference, logits = both(monkeypatch, tiny_llama, conversation, policy="full")
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 60], ids=["one-token", "sixty-tokens"])
+def test_a_restored_session_decodes_as_before(tiny_llama, monkeypatch, tokens):
+    """export -> reset -> import_rows -> decode, as every restored session runs (one token: the edge case)."""
+    def conversation(engine):
+        logits = [engine.prefill(random_tokens(tokens, seed=3))]
+        saved = [engine.export_rows(0, tokens)]
+        engine.reset()
+        assert engine.import_rows(saved) == tokens
+        return logits + list(engine.score(random_tokens(4, seed=4)))
+
+    reference, logits = both(monkeypatch, tiny_llama, conversation, policy="infinigen", budget=0.3)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+def test_a_truncate_that_moves_rows(tiny_llama, monkeypatch):
+    """Eviction reorders the slots; a truncate (regenerate) compacts them and InfiniGen rebuilds its keys."""
+    def conversation(engine):
+        logits = prefill_then_decode(engine)
+        engine.truncate(60)
+        return logits + list(engine.score(random_tokens(3, seed=5)))
+
+    reference, logits = both(monkeypatch, tiny_llama, conversation, policy="infinigen", budget=0.3,
+                             pool_limit_tokens=80, recent_window=16)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
