@@ -197,7 +197,8 @@ class StreamFetcher:
             written.result()
 
     def _write_rows(self, layer, slots, host_keys, host_values, ready) -> None:
-        ready.synchronize()  # only these copies, in the worker: the decode loop goes on
+        if ready is not None:
+            ready.synchronize()  # only these copies, in the worker: the decode loop goes on
         self.pool.write(layer, slots, host_keys, host_values)
 
     # -- selected rows: indices -> host, gather into staging, upload on the side stream
@@ -207,7 +208,8 @@ class StreamFetcher:
         return _Streamed(self.ops, self._worker.submit(self._upload_rows, layer, host_slots, ready), False, None)
 
     def _upload_rows(self, layer, host_slots, ready):
-        ready.synchronize()
+        if ready is not None:  # None: the slots were chosen in host memory (streaming), nothing to wait for
+            ready.synchronize()
         index, self._next_staging = self._next_staging, 1 - self._next_staging
         if self._staging_free[index] is not None:
             self._staging_free[index].synchronize()  # the upload that last read this buffer is done

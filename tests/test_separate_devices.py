@@ -162,3 +162,9 @@ def test_a_truncate_that_moves_rows(tiny_llama, monkeypatch):
     reference, logits = both(monkeypatch, tiny_llama, conversation, policy="infinigen", budget=0.3,
                              pool_limit_tokens=80, recent_window=16)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+def test_streaming_selects_in_host_memory(tiny_llama, monkeypatch):
+    """StreamingLLM's slots are chosen on the host: their fetch has nothing to copy down and no event."""
+    reference, logits = both(monkeypatch, tiny_llama, prefill_then_decode, policy="streaming", budget=0.3)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
