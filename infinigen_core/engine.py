@@ -321,8 +321,10 @@ class InfiniGenEngine:
         """One forward step over `token_ids`; `eager`: never the compiled one-token step (prefill, whose
         weights differ from the ones it was compiled for, runs a one-token chunk too)."""
         n, first = len(token_ids), self.pool.total_tokens
-        if n > 1:
-            self.fetcher.flush()  # prefill reads the pool from this thread: pending writes land first
+        # prefill reads the pool from this thread, and a growth copies it into new storage: pending writes
+        # (the fetch worker's, of the previous token) land first, or they would land in the old storage
+        if n > 1 or self.pool.grows_for(n):
+            self.fetcher.flush()
         stats = StepStats(step=self.steps_run, position=first, new_tokens=n)
         slots = self.pool.reserve(n)
         step = _Step(

@@ -136,6 +136,11 @@ class KVPool:
             capacity = min(capacity, self.limit_tokens)
         self._allocate(capacity)
 
+    def grows_for(self, n: int) -> bool:
+        """Whether reserving `n` more tokens reallocates the pool (a copy of every layer into new storage)."""
+        wanted = self._size + n if self.limit_tokens is None else min(self._size + n, self.limit_tokens)
+        return wanted > self.capacity
+
     # ------------------------------------------------------------------ writing
     @torch.inference_mode()
     def reserve(self, n: int) -> list[torch.Tensor]:

@@ -168,3 +168,34 @@ def test_streaming_selects_in_host_memory(tiny_llama, monkeypatch):
     """StreamingLLM's slots are chosen on the host: their fetch has nothing to copy down and no event."""
     reference, logits = both(monkeypatch, tiny_llama, prefill_then_decode, policy="streaming", budget=0.3)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+def test_the_pool_never_grows_under_a_write_in_flight(tiny_llama, monkeypatch):
+    """Decoding past the pool's capacity (no `prepare`) while the worker still writes the last token: the
+    growth copies the pool, so a write landing in the old storage would be lost. Copies to the host land
+    late here, so the worker is always behind when the next step grows the pool."""
+    late_writes = lambda: 0.05 if threading.current_thread().name == "cpu-ops-to-host" else 0.0  # noqa: E731
+    monkeypatch.setattr(engine_module, "make_fetcher", lambda pool, device, max_rows, **_: make_fetcher(
+        pool, device, max_rows, ops=ThreadedCpuOps(late_writes, device=device)))
+    in_flight = []
+    allocate = engine_module.KVPool._allocate
+
+    def recording_allocate(pool, capacity):
+        fetcher = getattr(engines[-1], "fetcher", None) if engines else None
+        if fetcher is not None and isinstance(fetcher, StreamFetcher):
+            in_flight.append(fetcher.pending_host_work())
+        allocate(pool, capacity)
+
+    engines = []
+    monkeypatch.setattr(engine_module.KVPool, "_allocate", recording_allocate)
+
+    def conversation(engine):
+        engines.append(engine)
+        assert engine.pool.capacity == 256
+        logits = prefill_then_decode(engine, tokens=250, steps=10)
+        assert engine.pool.capacity > 256
+        return logits
+
+    reference, logits = both(monkeypatch, tiny_llama, conversation, policy="offload")
+    assert in_flight and not any(in_flight), "the pool grew while the fetch worker had writes in flight"
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
