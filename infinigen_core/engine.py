@@ -223,6 +223,7 @@ class InfiniGenEngine:
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         self._check_fits(len(token_ids))
+        self.prepare(len(token_ids))  # the pool sized for the prompt at once, not doubled chunk by chunk
         logits = None
         with plain_fp32_weights(self.model):
             for start in range(0, len(token_ids), self.config.prefill_chunk):
