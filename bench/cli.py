@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--decode-tokens", type=int, default=8)
     gpu.add_argument("--predict", action="store_true",
                      help="no GPU needed: the table predicted from bytes moved per step (bench/gpu_predict.py)")
-    gpu.add_argument("--device-profile", default="h100", help="with --predict: h100 or h200")
+    gpu.add_argument("--device-profile", default="h100",
+                     help="with --predict: h100, h200, or measured rates (a .json from scripts/gpu_probe.py)")
     gpu.add_argument("--h2d-gbps", type=float, help="with --predict: a measured pinned host-to-device peak")
     gpu.add_argument("--emulate", action="store_true",
                      help="the same flow on the CPU under CUDA's rules (INFINIGEN_SEPARATE_DEVICES), tiny shape")

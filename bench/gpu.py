@@ -152,6 +152,13 @@ def _hf_offload_ms(model, ids: Sequence[int], context: int, steps: int) -> list[
     return step_ms[1:]  # the first step is a warm-up
 
 
+def bench_config(budget: float) -> EngineConfig:
+    """The engine's settings in every row (the predictor reads the same: gpu_predict.py). Alpha so large that
+    the budget always binds, and no fetch floor: InfiniGen fetches exactly budget x context rows."""
+    return EngineConfig(policy="full", alpha=1e6, budget=budget, prefill_chunk=1024, history_steps=8,
+                        min_fetch_tokens=0)
+
+
 class RowWriter:
     """The result so far, rewritten to `path` after every row: a run cut short (a time limit) keeps them."""
 
@@ -224,8 +231,7 @@ def _measure(shape_names, contexts, policies, budgets, decode_steps, progress, t
         model = random_llama(shape, window, target.device, target.dtype)
         generator = torch.Generator().manual_seed(0)
         skew = calibrate(model, torch.randint(0, shape.vocab, (256,), generator=generator).tolist(), target.device)
-        fixed = EngineConfig(policy="full", alpha=1e6, budget=budgets[0], prefill_chunk=1024, history_steps=8,
-                             min_fetch_tokens=0)
+        fixed = bench_config(budgets[0])
         engine = InfiniGenEngine(model, None, fixed, skew_set=skew, device=target.device, fingerprint=shape_name)
         try:
             for context in contexts:

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from bench.cli import main
-from bench.gpu import gpu_benchmark
+from bench.gpu import SHAPES, gpu_benchmark
+from bench.gpu_predict import PROFILES, predict_step
 
 CONTEXT, STEPS = 96, 2
 
@@ -45,3 +46,15 @@ def test_rows_are_saved_as_they_are_measured(tmp_path):
         gpu_benchmark(["tiny"], [CONTEXT], ["full", "offload", "infinigen"], [0.2], STEPS, stop_after_offload,
                       save=saved, emulate=True)
     assert [row["policy"] for row in json.loads(saved.read_text())["rows"]] == ["full", "offload"]
+
+
+def test_the_predictor_counts_the_bytes_the_engine_moves():
+    """The predicted table describes this code: per policy, the bytes it says a decode step moves are the
+    engine's own count in the emulated run of the benchmark's flow (one step at the context)."""
+    rows = gpu_benchmark(["tiny"], [CONTEXT], ["full", "offload", "infinigen"], [0.2, 0.1], 1, lambda _: None,
+                         emulate=True)["rows"]
+    assert len(rows) == 4
+    for row in rows:
+        predicted = predict_step(SHAPES["tiny"], CONTEXT, row["policy"], row["budget"], PROFILES["h100"],
+                                 element_bytes=4)
+        assert predicted["bytes_fetched_per_token"] == row["bytes_fetched_per_token"], row["policy"]
