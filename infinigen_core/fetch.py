@@ -250,9 +250,12 @@ class StreamFetcher:
         return self._worker.pending
 
     def flush(self) -> None:
-        """Wait until every write and fetch started so far has been done on the host side."""
+        """Wait until every write and fetch started so far has been done on the host side, and every copy
+        they enqueued has run: a truncate or a restore after a flush may overwrite pool rows that a copy
+        to the device was still reading (on a GPU the last step's DMAs need not have finished)."""
         if not self._closed:
             self._worker.submit(lambda: None).result()
+            self.ops.record(self._stream).synchronize()
 
     def close(self) -> None:
         """Stop the worker and the streams, waiting a bounded time. A fetch in flight either completes or

@@ -154,6 +154,19 @@ def test_fetches_in_flight_at_once_keep_their_staging(monkeypatch):
         fetcher.close()
 
 
+def test_flush_waits_for_the_copies_in_flight():
+    """After flush the pool may be overwritten (truncate, restore): no upload may still be reading it."""
+    pool = filled_pool()
+    ops = ThreadedCpuOps(delay_s=0.05)
+    fetcher = make_fetcher(pool, torch.device("cpu"), max_rows=16, ops=ops)
+    try:
+        fetcher.start_layer(0), fetcher.start_layer(1)  # two heads each, keys and values: 8 copies
+        fetcher.flush()
+        assert ops.copies == 8
+    finally:
+        fetcher.close()
+
+
 def test_close_in_the_middle_of_a_fetch_does_not_hang():
     pool = filled_pool()
     ops = ThreadedCpuOps(delay_s=30.0)  # every copy would take half a minute: close must cut it short
