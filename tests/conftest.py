@@ -103,7 +103,7 @@ def pytest_ignore_collect(collection_path, config):
 # the emulated device with the pool in emulated host memory, and run under the mode that refuses what a GPU
 # would refuse. CI runs `python -m pytest`, so the files themselves turn it on, not an environment variable.
 SEPARATE_DEVICES_TEST_FILES = {"test_separate_devices.py", "test_policies.py", "test_fetch_pipeline.py",
-                               "test_gpu_bench.py"}
+                               "test_session_storage.py", "test_gpu_bench.py"}
 
 
 @pytest.fixture
