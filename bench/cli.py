@@ -128,15 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--ppl-tokens", type=int, default=128, help="tokens scored after the resume (default 128)")
 
     gpu = commands.add_parser("gpu", help="random-weight Llama-2-7B/Llama-3-8B shapes on a CUDA device")
-    gpu.add_argument("--models", default="llama2-7b,llama3-8b")
+    gpu.add_argument("--models", help="default llama2-7b,llama3-8b (tiny with --emulate)")
     gpu.add_argument("--context", default="4096,8192,16384,32768")
     gpu.add_argument("--policies", default="full,offload,hf-offload,infinigen")
     gpu.add_argument("--budgets", default="0.15,0.1", help="fixed fractions InfiniGen fetches (one row each)")
     gpu.add_argument("--decode-tokens", type=int, default=8)
     gpu.add_argument("--predict", action="store_true",
                      help="no GPU needed: the table predicted from bytes moved per step (bench/gpu_predict.py)")
-    gpu.add_argument("--device-profile", default="h100", help="with --predict: h100 or h200")
+    gpu.add_argument("--device-profile", default="h100",
+                     help="with --predict: h100, h200, or measured rates (a .json from scripts/gpu_probe.py)")
     gpu.add_argument("--h2d-gbps", type=float, help="with --predict: a measured pinned host-to-device peak")
+    gpu.add_argument("--emulate", action="store_true",
+                     help="the same flow on the CPU under CUDA's rules (INFINIGEN_SEPARATE_DEVICES), tiny shape")
     gpu.add_argument("--json", action="store_true")
     gpu.add_argument("--save", type=Path)
 
@@ -336,12 +339,14 @@ def run_gpu(args) -> tuple[str, dict]:
             profile = profile_named(args.device_profile, args.h2d_gbps)
         except ValueError as error:
             raise EvalError(str(error)) from None
-        result = predict_table(parse_shapes(args.models), parse_numbers(args.context, int), policies,
+        result = predict_table(parse_shapes(args.models or "llama2-7b,llama3-8b"), parse_numbers(args.context, int), policies,
                                parse_numbers(args.budgets), profile)
     else:
-        result = gpu_benchmark(parse_shapes(args.models), parse_numbers(args.context, int), policies,
-                               parse_numbers(args.budgets), args.decode_tokens, _log)
-    if not result["cuda"] and not result.get("predicted"):
+        models = args.models or ("tiny" if args.emulate else "llama2-7b,llama3-8b")
+        result = gpu_benchmark(parse_shapes(models), parse_numbers(args.context, int), policies,
+                               parse_numbers(args.budgets), args.decode_tokens, _log, save=args.save,
+                               emulate=args.emulate)
+    if not result["cuda"] and not result.get("predicted") and not result.get("emulated"):
         return NO_CUDA_MESSAGE, result
     table = format_table(result["rows"], ["model", "context", "policy", "budget", "tokens_per_s", "speedup_vs_offload",
                                           "speedup_vs_hf_offload", "ratio_to_full", "ms_per_token",

@@ -13,15 +13,25 @@ depend on their values, and InfiniGen's budget is fixed (alpha so large that the
 binds), so every step fetches the same share of the cache. The pool sits in pinned host memory for
 offload and infinigen; `full` keeps the whole cache on the GPU. The peak host-to-device bandwidth is
 measured with a pinned copy and the achieved rate (bytes fetched per token / time per token) is
-reported against it. Without a CUDA device it prints so and exits 0.
+reported against it. Without a CUDA device it prints so and exits 0. Each row is written to `--save` as
+soon as it is measured (a run cut short keeps what it measured).
+
+    INFINIGEN_SEPARATE_DEVICES=1 python -m bench gpu --emulate --context 1024 --decode-tokens 4 --save F
+
+runs the same flow (prefill under `full`, switch the policy over the filled pool, decode) on the CPU with
+the pool and the compute side kept apart as on a GPU (infinigen_core/devices.py), with the tiny shape
+unless --models names others, and writes the same rows: it proves the flow before a GPU run.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -46,6 +56,8 @@ class ModelShape:
 SHAPES = {
     "llama2-7b": ModelShape("Llama-2-7B (MHA)", 4096, 11008, 32, 32, 32, 32000, 10000.0),
     "llama3-8b": ModelShape("Llama-3-8B (GQA)", 4096, 14336, 32, 32, 8, 128256, 500000.0),
+    # for --emulate on the CPU: the flow and the row format, not the speed, at a size a test can run
+    "tiny": ModelShape("tiny Llama (GQA)", 128, 256, 4, 4, 2, 256, 10000.0),
 }
 
 
@@ -97,14 +109,19 @@ def random_llama(shape: ModelShape, max_context: int, device: str = "cuda", dtyp
     return model.eval().requires_grad_(False)
 
 
-def _decode_ms(engine, tokens: Sequence[int]) -> tuple[list[float], int, float]:
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _decode_ms(engine, tokens: Sequence[int], device: str) -> tuple[list[float], int, float]:
     fetched_before = engine.fetcher.bytes_fetched
     step_ms, wait_ms = [], []
     for token in tokens:
-        torch.cuda.synchronize()
+        _synchronize(device)
         started = time.perf_counter()
         engine.decode(int(token))
-        torch.cuda.synchronize()
+        _synchronize(device)
         step_ms.append((time.perf_counter() - started) * 1e3)
         wait_ms.append(sum(layer.fetch_wait_ms for layer in engine.history[-1].layers))
     return step_ms, engine.fetcher.bytes_fetched - fetched_before, statistics.median(wait_ms)
@@ -135,68 +152,138 @@ def _hf_offload_ms(model, ids: Sequence[int], context: int, steps: int) -> list[
     return step_ms[1:]  # the first step is a warm-up
 
 
+def bench_config(budget: float) -> EngineConfig:
+    """The engine's settings in every row (the predictor reads the same: gpu_predict.py). Alpha so large that
+    the budget always binds, and no fetch floor: InfiniGen fetches exactly budget x context rows."""
+    return EngineConfig(policy="full", alpha=1e6, budget=budget, prefill_chunk=1024, history_steps=8,
+                        min_fetch_tokens=0)
+
+
+class RowWriter:
+    """The result so far, rewritten to `path` after every row: a run cut short (a time limit) keeps them."""
+
+    def __init__(self, path: Path | None, header: dict) -> None:
+        self.path, self.header, self.rows = path, header, []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        add_ratios(self.rows)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(self.path.name + ".part")
+            partial.write_text(json.dumps({**self.header, "rows": self.rows}, indent=1) + "\n", encoding="utf-8")
+            partial.replace(self.path)
+
+    def result(self) -> dict:
+        return {**self.header, "rows": self.rows}
+
+
+@dataclass(frozen=True)
+class BenchTarget:
+    """Where the benchmark runs: a CUDA device, or the CPU under CUDA's rules (devices.py) with a tiny shape."""
+
+    device: str  # "cuda" or "cpu"
+    dtype: torch.dtype
+    name: str
+    peak_h2d_gbps: float | None
+
+    @property
+    def emulated(self) -> bool:
+        return self.device == "cpu"
+
+
 def gpu_benchmark(shape_names: Sequence[str], contexts: Sequence[int], policies: Sequence[str],
-                  budgets: Sequence[float], decode_steps: int, progress=print) -> dict:
-    """Rows per (model, context, policy, budget): tokens_per_s, speed-ups, ratio to full, bytes, waits, memory."""
+                  budgets: Sequence[float], decode_steps: int, progress=print, save: Path | None = None,
+                  emulate: bool = False) -> dict:
+    """Rows per (model, context, policy, budget): tokens_per_s, speed-ups, ratio to full, bytes, waits, memory.
+
+    `emulate`: the same flow on the CPU with the pool and the compute side kept apart as on a GPU
+    (INFINIGEN_SEPARATE_DEVICES=1 and its checking mode); hf-offload needs CUDA and is left out there.
+    """
+    if emulate:
+        from infinigen_core.devices import SEPARATE_DEVICES_ENV, SeparateDevicesMode
+
+        os.environ[SEPARATE_DEVICES_ENV] = "1"
+        target = BenchTarget("cpu", torch.float32, "CPU emulating separate devices (INFINIGEN_SEPARATE_DEVICES=1)", None)
+        writer = RowWriter(save, {"cuda": False, "emulated": True, "device": target.name, "peak_h2d_gbps": None})
+        with SeparateDevicesMode():
+            _measure(shape_names, contexts, [p for p in policies if p != "hf-offload"], budgets, decode_steps,
+                     progress, target, writer)
+        return writer.result()
+    if not torch.cuda.is_available():
+        return {"cuda": False, "message": NO_CUDA_MESSAGE, "rows": []}
+    target = BenchTarget("cuda", torch.float16, torch.cuda.get_device_name(0), peak_h2d_gbps())
+    progress(f"peak pinned host-to-device copy: {target.peak_h2d_gbps:.1f} GB/s")
+    writer = RowWriter(save, {"cuda": True, "device": target.name, "peak_h2d_gbps": target.peak_h2d_gbps})
+    _measure(shape_names, contexts, policies, budgets, decode_steps, progress, target, writer)
+    return writer.result()
+
+
+def _measure(shape_names, contexts, policies, budgets, decode_steps, progress, target: BenchTarget,
+             writer: RowWriter) -> None:
     from infinigen_core import InfiniGenEngine
     from infinigen_core.calibration import calibrate
 
-    if not torch.cuda.is_available():
-        return {"cuda": False, "message": NO_CUDA_MESSAGE, "rows": []}
-    device_name = torch.cuda.get_device_name(0)
-    peak = peak_h2d_gbps()
-    progress(f"peak pinned host-to-device copy: {peak:.1f} GB/s")
-    rows = []
     window = max(contexts) + decode_steps + 2
     for shape_name in shape_names:
         shape = SHAPES[shape_name]
-        progress(f"building {shape.name} with random fp16 weights on {device_name}")
-        model = random_llama(shape, window)
+        progress(f"building {shape.name} with random {str(target.dtype)[6:]} weights on {target.name}")
+        model = random_llama(shape, window, target.device, target.dtype)
         generator = torch.Generator().manual_seed(0)
-        skew = calibrate(model, torch.randint(0, shape.vocab, (256,), generator=generator).tolist(), "cuda")
-        fixed = EngineConfig(policy="full", alpha=1e6, budget=budgets[0], prefill_chunk=1024, history_steps=8)
-        engine = InfiniGenEngine(model, None, fixed, skew_set=skew, device="cuda", fingerprint=shape_name)
+        skew = calibrate(model, torch.randint(0, shape.vocab, (256,), generator=generator).tolist(), target.device)
+        fixed = bench_config(budgets[0])
+        engine = InfiniGenEngine(model, None, fixed, skew_set=skew, device=target.device, fingerprint=shape_name)
         try:
             for context in contexts:
                 ids = torch.randint(0, shape.vocab, (context + decode_steps + 2,), generator=generator).tolist()
-                progress(f"{shape.name}: prefill {context} tokens (full cache on the GPU)")
-                engine.reset()
-                engine.configure(fixed)
-                engine.prefill(ids[:context])
-                runs = [(p, b) for p in policies if p != "hf-offload" for b in (budgets if p == "infinigen" else budgets[:1])]
-                for policy, budget in runs:
-                    engine.configure(fixed.with_changes(policy=policy, budget=budget))  # pinned host pool if not full
-                    engine.truncate(context)
-                    engine.prepare(decode_steps + 1)
-                    engine.decode(ids[context])  # warm-up step, not timed
-                    engine.truncate(context)
-                    torch.cuda.reset_peak_memory_stats()
-                    step_ms, fetched, wait_ms = _decode_ms(engine, ids[context : context + decode_steps])
-                    rows.append(_row(shape.name, context, policy, budget, step_ms, fetched / decode_steps, wait_ms, peak))
-                    progress(f"  {policy} (budget {budget}): {rows[-1]['ms_per_token']:.1f} ms/token")
-                engine.truncate(0)
-                if "hf-offload" in policies:
-                    engine.configure(fixed)
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                    step_ms = _hf_offload_ms(model, ids, context, decode_steps)
-                    rows.append(_row(shape.name, context, "hf-offload", None, step_ms, None, None, peak))
-                    progress(f"  hf-offload: {rows[-1]['ms_per_token']:.1f} ms/token")
+                _measure_context(engine, model, shape, ids, context, policies, budgets, decode_steps, progress,
+                                 target, writer)
         finally:
             engine.close()
             del engine, model
-            torch.cuda.empty_cache()
-    add_ratios(rows)
-    return {"cuda": True, "device": device_name, "peak_h2d_gbps": peak, "rows": rows}
+            if target.device == "cuda":
+                torch.cuda.empty_cache()
 
 
-def _row(model: str, context: int, policy: str, budget, step_ms, bytes_per_token, wait_ms, peak) -> dict:
+def _measure_context(engine, model, shape, ids, context, policies, budgets, decode_steps, progress,
+                     target: BenchTarget, writer: RowWriter) -> None:
+    """One context: prefill under `full`, then each policy over the same cache, then hf-offload."""
+    fixed = engine.config.with_changes(policy="full", budget=budgets[0])
+    progress(f"{shape.name}: prefill {context} tokens (full cache on the compute device)")
+    engine.reset()
+    engine.configure(fixed)
+    engine.prefill(ids[:context])
+    runs = [(p, b) for p in policies if p != "hf-offload" for b in (budgets if p == "infinigen" else budgets[:1])]
+    for policy, budget in runs:
+        engine.configure(fixed.with_changes(policy=policy, budget=budget))  # the host pool if not full
+        engine.truncate(context)
+        engine.prepare(decode_steps + 1)
+        engine.decode(ids[context])  # warm-up step, not timed
+        engine.truncate(context)
+        if target.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        step_ms, fetched, wait_ms = _decode_ms(engine, ids[context : context + decode_steps], target.device)
+        writer.add(_row(shape.name, context, policy, budget, step_ms, fetched / decode_steps, wait_ms, target))
+        progress(f"  {policy} (budget {budget}): {writer.rows[-1]['ms_per_token']:.1f} ms/token")
+    engine.truncate(0)
+    if "hf-offload" in policies:
+        engine.configure(fixed)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        step_ms = _hf_offload_ms(model, ids, context, decode_steps)
+        writer.add(_row(shape.name, context, "hf-offload", None, step_ms, None, None, target))
+        progress(f"  hf-offload: {writer.rows[-1]['ms_per_token']:.1f} ms/token")
+
+
+def _row(model: str, context: int, policy: str, budget, step_ms, bytes_per_token, wait_ms,
+         target: BenchTarget) -> dict:
     ms = statistics.median(step_ms)
+    peak = target.peak_h2d_gbps
     return {"model": model, "context": context, "policy": policy, "budget": budget if policy == "infinigen" else None,
             "ms_per_token": ms, "tokens_per_s": 1e3 / ms, "bytes_fetched_per_token": bytes_per_token,
             "fetch_wait_ms_per_step": wait_ms,
             "h2d_gbps": bytes_per_token / (ms / 1e3) / 1e9 if bytes_per_token and policy != "full" else None,
-            "peak_h2d_gbps": peak, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
+            "peak_h2d_gbps": peak, "peak_gpu_bytes": torch.cuda.max_memory_allocated() if target.device == "cuda" else None}
 
 
 def add_ratios(rows: list[dict]) -> None:

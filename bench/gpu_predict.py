@@ -1,36 +1,39 @@
-"""The GPU table predicted from bytes moved per decode step, to set beside a measured run.
+"""The GPU table predicted for this code's design, to set beside a measured run.
 
     python -m bench gpu --predict --device-profile h100 --save docs/results/gpu-predicted.json
+    python -m bench gpu --predict --device-profile docs/results/gpu-probe-h100.json   # measured rates
 
-At batch 1 a decode step is bound by memory traffic, so each policy's step time is estimated from what it
-moves and over which link:
+The bytes each policy moves per decode step are the engine's own count (`fetcher.bytes_fetched`, held to
+it by tests/test_gpu_bench.py): the pool holds the new token when a layer is fetched, InfiniGen fetches
+`EngineConfig.budget_tokens_for(context)` rows per KV head of each sparse layer and whole dense layers.
+Time per step, eager PyTorch, per decoder layer (what the code does on CUDA today, audit §1.3 and §2.1):
 
-- every policy reads all weights once from the GPU's memory (HBM);
-- `full` also reads the whole KV cache from HBM;
-- `offload` (FlexGen-style) copies every layer's whole KV from pinned host memory over PCIe, one layer ahead,
-  so the copy hides behind the compute and the step takes the longer of the two (plus the first layer's copy,
-  which nothing hides);
-- `hf-offload` (`DynamicCache(offloading=True)`) copies each layer's KV to the GPU and back again from
-  pageable memory, which CUDA copies synchronously: nothing overlaps;
-- `infinigen` copies the dense layers whole and the budget's share of the other layers' rows over PCIe,
-  one layer ahead, after the host gathers those rows into pinned staging (host memory bandwidth); on the GPU it
-  also reads the partial keys that speculation scores.
+- the host launches every layer's kernels (`host_ms_per_layer`); the GPU reads the layer's weights (and
+  under `full` its KV) from HBM; the step is bound by the slower of the two, layer by layer;
+- `offload` copies each whole layer from pinned memory by DMA one layer ahead on a side stream: a layer
+  takes the longest of launch, compute and its copy, and the first layer's copy hides behind nothing;
+- `hf-offload` (transformers' `DynamicCache(offloading=True)`) prefetches the next layer the same way
+  (pinned, non-blocking, on its own stream) and sends the layer back to the host after use: as `offload`
+  with the copy back in the other direction of the full-duplex link;
+- `infinigen` copies its dense layers as `offload` does; for each sparse layer the host waits on the
+  fetch worker, which waits for the GPU's indices (`round_trip_ms`) and gathers the rows into pinned
+  staging (`host_gather_gbps`) before the copy up: the host never runs more than a layer ahead, so the
+  round trip and the gather add to the layer's time; its speculation adds launches
+  (`sparse_extra_host_ms`) and reads the partial keys from HBM.
 
-The figures of a profile are stated, not measured: HBM from the vendor's sheet, 50 GB/s pinned over PCIe Gen5
-x16, 12 GB/s for pageable copies, and 25 GB/s for the host gathering rows with several threads. The gather is
-the least certain figure and the one InfiniGen's speed-up over `offload` hangs on: `offload` copies whole
-layers straight from pinned memory, InfiniGen must first gather the chosen rows, so below budget x PCIe rate
-the gather, not the link, bounds it. `--h2d-gbps` replaces the PCIe figure with a measured peak. Kernel launches, attention
-arithmetic and synchronisation are left out, so a measured step is slower than its prediction: the point is
-the ratios between policies and how they move with the context.
+Rates come from a profile (stated: vendor sheets and the audit's estimates) or from a measured-rates JSON
+written by scripts/gpu_probe.py. No CUDA graph, no zero-copy gather and no GPU-resident dense layers: this
+design has none of them yet, so the prediction does not either.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
-from .gpu import SHAPES, ModelShape, add_ratios
+from .gpu import SHAPES, ModelShape, add_ratios, bench_config
 
 
 @dataclass(frozen=True)
@@ -38,76 +41,115 @@ class DeviceProfile:
     name: str
     hbm_gbps: float  # the GPU's memory bandwidth, GB/s (10^9 bytes)
     pinned_h2d_gbps: float  # host -> device over PCIe from pinned memory
-    pageable_gbps: float  # host <-> device from pageable memory (staged through a driver buffer)
+    pinned_d2h_gbps: float  # device -> host into pinned memory (the other direction of a full-duplex link)
     host_gather_gbps: float  # the host's threads gathering selected rows into pinned staging
+    host_ms_per_layer: float  # eager: the host's time to launch one decoder layer's kernels
+    sparse_extra_host_ms: float  # InfiniGen per sparse layer: speculation's launches, the fetch hand-off
+    round_trip_ms: float  # per sparse layer: indices to the host, the worker's event wait, the hand-off back
+    rates: str = "stated"  # or the measured-rates file they came from
 
 
 PROFILES = {
-    "h100": DeviceProfile("H100 SXM (predicted)", hbm_gbps=3350.0, pinned_h2d_gbps=50.0, pageable_gbps=12.0,
-                          host_gather_gbps=25.0),
-    "h200": DeviceProfile("H200 (predicted)", hbm_gbps=4800.0, pinned_h2d_gbps=50.0, pageable_gbps=12.0,
-                          host_gather_gbps=25.0),
+    "h100": DeviceProfile("H100 SXM (predicted)", hbm_gbps=3350.0, pinned_h2d_gbps=50.0, pinned_d2h_gbps=50.0,
+                          host_gather_gbps=25.0, host_ms_per_layer=0.6, sparse_extra_host_ms=0.3,
+                          round_trip_ms=0.05),
+    "h200": DeviceProfile("H200 (predicted)", hbm_gbps=4800.0, pinned_h2d_gbps=50.0, pinned_d2h_gbps=50.0,
+                          host_gather_gbps=25.0, host_ms_per_layer=0.6, sparse_extra_host_ms=0.3,
+                          round_trip_ms=0.05),
 }
 FP16_BYTES = 2
-DENSE_LAYERS = 2  # EngineConfig.dense_layers: the first layers attend over every token
-PARTIAL_RATIO = 0.5  # EngineConfig.partial_ratio: the share of key channels speculation reads
 
 
-def weight_bytes(shape: ModelShape) -> int:
-    """fp16 bytes a decode step reads: every layer's projections and MLP, the output head (one embedding row
-    read for the input is negligible)."""
+def weight_bytes(shape: ModelShape, element_bytes: int = FP16_BYTES) -> int:
+    """Bytes a decode step reads: every layer's projections and MLP, the output head (one embedding row read
+    for the input is negligible)."""
     head_dim = shape.hidden // shape.heads
     attention = 2 * shape.hidden * shape.hidden + 2 * shape.hidden * shape.kv_heads * head_dim
     mlp = 3 * shape.hidden * shape.intermediate
-    return FP16_BYTES * (shape.layers * (attention + mlp + 2 * shape.hidden) + shape.vocab * shape.hidden)
+    return element_bytes * (shape.layers * (attention + mlp + 2 * shape.hidden) + shape.vocab * shape.hidden)
 
 
-def kv_bytes_per_token_layer(shape: ModelShape) -> int:
-    return 2 * shape.kv_heads * (shape.hidden // shape.heads) * FP16_BYTES
+def kv_bytes_per_token_layer(shape: ModelShape, element_bytes: int = FP16_BYTES) -> int:
+    """K and V of one token in one layer, every KV head."""
+    return 2 * shape.kv_heads * (shape.hidden // shape.heads) * element_bytes
 
 
-def predict_step(shape: ModelShape, context: int, policy: str, budget: float | None,
-                 profile: DeviceProfile) -> dict:
+def fetched_bytes(shape: ModelShape, context: int, policy: str, budget: float | None,
+                  element_bytes: int = FP16_BYTES) -> int:
+    """What the engine's fetcher counts for one decode step over `context` past tokens (bytes_fetched)."""
+    per_token = kv_bytes_per_token_layer(shape, element_bytes)
+    held = context + 1  # a layer is fetched after the new token's slot was reserved
+    if policy in ("full", "hf-offload"):
+        return 0  # full reads its cache in place; hf-offload is not the engine (its copies: see predict_step)
+    if policy == "offload":
+        return shape.layers * held * per_token
+    if policy != "infinigen":
+        raise ValueError(f"no prediction for policy {policy!r}")
+    if budget is None:
+        raise ValueError("infinigen needs a budget")
+    config = bench_config(budget)
+    dense = min(config.dense_layers, shape.layers)
+    rows = config.budget_tokens_for(context)
+    return dense * held * per_token + (shape.layers - dense) * rows * per_token
+
+
+def predict_step(shape: ModelShape, context: int, policy: str, budget: float | None, profile: DeviceProfile,
+                 element_bytes: int = FP16_BYTES) -> dict:
     """One row in the measured table's shape: ms_per_token, bytes_fetched_per_token, fetch wait, memory."""
-    per_layer = kv_bytes_per_token_layer(shape)
-    kv_all = context * per_layer * shape.layers
-    weights = weight_bytes(shape)
-    compute_s = weights / (profile.hbm_gbps * 1e9)
-    fetched = wait_s = None
+    per_token = kv_bytes_per_token_layer(shape, element_bytes)
+    layer_kv = (context + 1) * per_token
+    weights = weight_bytes(shape, element_bytes)
+    layer_weights_s = weights / shape.layers / (profile.hbm_gbps * 1e9)
+    host_s = profile.host_ms_per_layer / 1e3
+    h2d_s, d2h_s = layer_kv / (profile.pinned_h2d_gbps * 1e9), layer_kv / (profile.pinned_d2h_gbps * 1e9)
+    fetched = fetched_bytes(shape, context, policy, budget, element_bytes)
     gpu_bytes = weights
     if policy == "full":
-        step_s = compute_s + kv_all / (profile.hbm_gbps * 1e9)
-        gpu_bytes += kv_all
-    elif policy == "offload":
-        fetched = kv_all
-        first_layer_s = context * per_layer / (profile.pinned_h2d_gbps * 1e9)
-        step_s = max(compute_s, fetched / (profile.pinned_h2d_gbps * 1e9)) + first_layer_s
-        wait_s = step_s - compute_s
-        gpu_bytes += 2 * context * per_layer  # two layers in flight
-    elif policy == "hf-offload":
-        step_s = compute_s + 2 * kv_all / (profile.pageable_gbps * 1e9)  # to the GPU and back, unoverlapped
-        gpu_bytes += context * per_layer
-    elif policy == "infinigen":
-        if budget is None:
-            raise ValueError("infinigen needs a budget")
-        sparse = shape.layers - DENSE_LAYERS
-        fetched = int(DENSE_LAYERS * context * per_layer + sparse * budget * context * per_layer)
-        partial_keys = sparse * context * shape.kv_heads * (shape.hidden // shape.heads) * PARTIAL_RATIO * FP16_BYTES
-        compute_s += partial_keys / (profile.hbm_gbps * 1e9)
-        transfer_s = max(fetched / (profile.pinned_h2d_gbps * 1e9), fetched / (profile.host_gather_gbps * 1e9))
-        first_layer_s = context * per_layer / (profile.pinned_h2d_gbps * 1e9)
-        step_s = max(compute_s, transfer_s) + first_layer_s
-        wait_s = step_s - compute_s
-        gpu_bytes += int(partial_keys) + 2 * context * per_layer
+        step_s = shape.layers * max(host_s, layer_weights_s + layer_kv / (profile.hbm_gbps * 1e9))
+        gpu_bytes += shape.layers * layer_kv
+        busy_s = step_s
+    elif policy in ("offload", "hf-offload"):
+        back_s = d2h_s if policy == "hf-offload" else 0.0
+        step_s = h2d_s + shape.layers * max(host_s, layer_weights_s, h2d_s, back_s)
+        busy_s = shape.layers * max(host_s, layer_weights_s)
+        gpu_bytes += 2 * layer_kv  # two layers in flight
     else:
-        raise ValueError(f"no prediction for policy {policy!r}")
+        step_s, busy_s, partial_bytes = _infinigen_step(shape, context, budget, profile, element_bytes)
+        gpu_bytes += partial_bytes + 2 * layer_kv
     ms = step_s * 1e3
+    moved = fetched or (2 * shape.layers * layer_kv if policy == "hf-offload" else 0)
     return {"model": shape.name, "context": context, "policy": policy,
             "budget": budget if policy == "infinigen" else None, "ms_per_token": ms, "tokens_per_s": 1e3 / ms,
             "bytes_fetched_per_token": fetched,
-            "fetch_wait_ms_per_step": wait_s * 1e3 if wait_s is not None else None,
-            "h2d_gbps": fetched / step_s / 1e9 if fetched else None, "peak_h2d_gbps": profile.pinned_h2d_gbps,
+            "fetch_wait_ms_per_step": (step_s - busy_s) * 1e3 if policy != "full" else None,
+            "h2d_gbps": moved / step_s / 1e9 if moved else None, "peak_h2d_gbps": profile.pinned_h2d_gbps,
             "peak_gpu_bytes": gpu_bytes}
+
+
+def _infinigen_step(shape: ModelShape, context: int, budget: float | None, profile: DeviceProfile,
+                    element_bytes: int) -> tuple[float, float, int]:
+    """(step seconds, seconds the layers' own work takes, partial-key bytes on the GPU) for InfiniGen."""
+    if budget is None:
+        raise ValueError("infinigen needs a budget")
+    config = bench_config(budget)
+    per_token = kv_bytes_per_token_layer(shape, element_bytes)
+    head_dim = shape.hidden // shape.heads
+    dense = min(config.dense_layers, shape.layers)
+    sparse = shape.layers - dense
+    layer_kv = (context + 1) * per_token
+    rows_bytes = config.budget_tokens_for(context) * per_token
+    partial_layer = context * shape.kv_heads * head_dim * config.partial_ratio * element_bytes
+    hbm = profile.hbm_gbps * 1e9
+    layer_weights_s = weight_bytes(shape, element_bytes) / shape.layers / hbm
+    host_s = profile.host_ms_per_layer / 1e3
+    dense_s = max(host_s, layer_weights_s, layer_kv / (profile.pinned_h2d_gbps * 1e9))
+    sparse_busy_s = max(host_s + profile.sparse_extra_host_ms / 1e3, layer_weights_s + (partial_layer + rows_bytes) / hbm)
+    sparse_s = (max(sparse_busy_s, rows_bytes / (profile.pinned_h2d_gbps * 1e9)) + profile.round_trip_ms / 1e3
+                + rows_bytes / (profile.host_gather_gbps * 1e9))
+    first_s = layer_kv / (profile.pinned_h2d_gbps * 1e9)
+    step_s = first_s + dense * dense_s + sparse * sparse_s
+    busy_s = dense * max(host_s, layer_weights_s) + sparse * sparse_busy_s
+    return step_s, busy_s, int(sparse * partial_layer)
 
 
 def predict_table(shape_names: Sequence[str], contexts: Sequence[int], policies: Sequence[str],
@@ -123,7 +165,25 @@ def predict_table(shape_names: Sequence[str], contexts: Sequence[int], policies:
 
 
 def profile_named(name: str, h2d_gbps: float | None = None) -> DeviceProfile:
-    if name not in PROFILES:
-        raise ValueError(f"unknown device profile {name!r}: choose from {', '.join(PROFILES)}")
-    profile = PROFILES[name]
+    """A stated profile by name, or the rates a probe measured (a JSON file written by scripts/gpu_probe.py,
+    its `rates` over the h100 profile's); `h2d_gbps` replaces the pinned host-to-device rate."""
+    if name.endswith(".json"):
+        profile = _measured(Path(name))
+    elif name in PROFILES:
+        profile = PROFILES[name]
+    else:
+        raise ValueError(f"unknown device profile {name!r}: choose from {', '.join(PROFILES)} or a rates .json")
     return replace(profile, pinned_h2d_gbps=h2d_gbps) if h2d_gbps else profile
+
+
+def _measured(path: Path) -> DeviceProfile:
+    try:
+        probe = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read measured rates from {path}: {error}") from None
+    known = {field.name for field in fields(DeviceProfile)} - {"name", "rates"}
+    rates = {key: float(value) for key, value in probe.get("rates", {}).items() if key in known and value}
+    if not rates:
+        raise ValueError(f"{path} holds no rates (expected a 'rates' object from scripts/gpu_probe.py)")
+    name = f"{probe.get('device', 'measured device')} (predicted from measured rates)"
+    return replace(PROFILES["h100"], name=name, rates=str(path), **rates)

@@ -26,6 +26,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import devices
 from .arch import ModelAdapter
 from .attention import PoolAttention
 from .config import ConfigError, EngineConfig
@@ -123,14 +124,16 @@ class InfiniGenEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter.for_model(model)
-        self.device = torch.device(device)
+        self.device = devices.compute_device_for(device)  # INFINIGEN_SEPARATE_DEVICES: CUDA's rules on the CPU
+        if devices.is_emulated(self.device):
+            devices.tag_module(model)
         self.dtype = next(model.parameters()).dtype
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             self.dtype = torch.float16
         self.skew_set = skew_set
         self.fingerprint = fingerprint
         # cpu_kernels.CpuKernels (float32 on the CPU only): InfiniGen's selection and sparse attention in one pass each
-        self.kernels = kernels if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        self.kernels = kernels if self._on_plain_cpu() and self.dtype == torch.float32 else None
         self.legacy_fingerprints: tuple[str, ...] = ()  # what earlier versions called this model (loading.py)
         self.weights = weights_label(model)  # e.g. "int4 weights (head bf16)": what decode steps read (weights.py)
         self.token_ids: list[int] = []
@@ -156,7 +159,7 @@ class InfiniGenEngine:
         if policy_class.needs_skew and self.skew_set is None:
             raise ConfigError(f"the {config.policy} policy needs the model's skew matrices: calibrate it first")
         layout = dict(
-            device=self.device if policy_class.keeps_pool_on_device else torch.device("cpu"),
+            device=self.device if policy_class.keeps_pool_on_device else devices.host_device_for(self.device),
             pin_memory=self.device.type == "cuda" and not policy_class.keeps_pool_on_device,
             limit_tokens=config.pool_limit_tokens,
             sink_tokens=config.sink_tokens,
@@ -220,6 +223,7 @@ class InfiniGenEngine:
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         self._check_fits(len(token_ids))
+        self.prepare(len(token_ids))  # the pool sized for the prompt at once, not doubled chunk by chunk
         logits = None
         with plain_fp32_weights(self.model):
             for start in range(0, len(token_ids), self.config.prefill_chunk):
@@ -318,8 +322,10 @@ class InfiniGenEngine:
         """One forward step over `token_ids`; `eager`: never the compiled one-token step (prefill, whose
         weights differ from the ones it was compiled for, runs a one-token chunk too)."""
         n, first = len(token_ids), self.pool.total_tokens
-        if n > 1:
-            self.fetcher.flush()  # prefill reads the pool from this thread: pending writes land first
+        # prefill reads the pool from this thread, and a growth copies it into new storage: pending writes
+        # (the fetch worker's, of the previous token) land first, or they would land in the old storage
+        if n > 1 or self.pool.grows_for(n):
+            self.fetcher.flush()
         stats = StepStats(step=self.steps_run, position=first, new_tokens=n)
         slots = self.pool.reserve(n)
         step = _Step(
@@ -339,7 +345,7 @@ class InfiniGenEngine:
         started = time.perf_counter()
         run = self.decode_step if step.is_decode and not eager else self.model
         try:
-            with stepping(step):
+            with stepping(step), devices.decode_step(step.is_decode):
                 output = run(
                     input_ids=self._to_device(torch.tensor([token_ids])),
                     position_ids=step.query_positions.unsqueeze(0),
@@ -385,9 +391,12 @@ class InfiniGenEngine:
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor to the compute device without waiting (pinned, non-blocking) on a GPU."""
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device) if devices.is_emulated(self.device) else tensor
+
+    def _on_plain_cpu(self) -> bool:
+        return self.device.type == "cpu" and not devices.is_emulated(self.device)
 
     def _all_ones(self, n: int) -> torch.Tensor:
         """[1, n] ones whose strides depend on n only (a compiled step's guards check them)."""
@@ -467,8 +476,9 @@ class InfiniGenEngine:
         stats.speculate_ms = selection.speculate_ms
         if self.pool.slots_are_positions:
             stats.selected_positions = selection.slots
-        else:
-            stats.selected_positions = self.pool.positions(layer)[selection.slots.to(self.pool.device)]
+        else:  # a host read per layer on a GPU (after eviction only): known, left for a device mirror
+            with devices.host_read_allowed():
+                stats.selected_positions = self.pool.positions(layer)[selection.slots.to(self.pool.device)]
         stats.selected_scores = selection.scores
         if selection.alpha_total is not None:
             stats.deferred_from = step.stats

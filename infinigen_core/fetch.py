@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import devices
 from .kv_pool import KVPool
-from .transfer import CudaOps, DeviceOps, Worker
+from .transfer import CudaOps, DeviceOps, ThreadedCpuOps, Worker
 
 
 @dataclass
@@ -196,7 +197,8 @@ class StreamFetcher:
             written.result()
 
     def _write_rows(self, layer, slots, host_keys, host_values, ready) -> None:
-        ready.synchronize()  # only these copies, in the worker: the decode loop goes on
+        if ready is not None:
+            ready.synchronize()  # only these copies, in the worker: the decode loop goes on
         self.pool.write(layer, slots, host_keys, host_values)
 
     # -- selected rows: indices -> host, gather into staging, upload on the side stream
@@ -206,7 +208,8 @@ class StreamFetcher:
         return _Streamed(self.ops, self._worker.submit(self._upload_rows, layer, host_slots, ready), False, None)
 
     def _upload_rows(self, layer, host_slots, ready):
-        ready.synchronize()
+        if ready is not None:  # None: the slots were chosen in host memory (streaming), nothing to wait for
+            ready.synchronize()
         index, self._next_staging = self._next_staging, 1 - self._next_staging
         if self._staging_free[index] is not None:
             self._staging_free[index].synchronize()  # the upload that last read this buffer is done
@@ -242,10 +245,17 @@ class StreamFetcher:
             self.ops.copy(values[head], host_values[head], self._stream)
         return keys, values, self.ops.record(self._stream)
 
+    def pending_host_work(self) -> int:
+        """Writes and fetches whose host side has not finished yet."""
+        return self._worker.pending
+
     def flush(self) -> None:
-        """Wait until every write and fetch started so far has been done on the host side."""
+        """Wait until every write and fetch started so far has been done on the host side, and every copy
+        they enqueued has run: a truncate or a restore after a flush may overwrite pool rows that a copy
+        to the device was still reading (on a GPU the last step's DMAs need not have finished)."""
         if not self._closed:
             self._worker.submit(lambda: None).result()
+            self.ops.record(self._stream).synchronize()
 
     def close(self) -> None:
         """Stop the worker and the streams, waiting a bounded time. A fetch in flight either completes or
@@ -268,4 +278,6 @@ def make_fetcher(pool: KVPool, device: torch.device, max_rows: int, ops: DeviceO
         return StreamFetcher(pool, ops, max_rows)
     if device.type == "cuda" and pool.device.type == "cpu":
         return StreamFetcher(pool, CudaOps(device), max_rows)
+    if devices.is_emulated(device) and pool.device != device:  # CUDA's pipeline, its copies run by threads
+        return StreamFetcher(pool, ThreadedCpuOps(device=device), max_rows)
     return DirectFetcher(pool, device, rows_in_place)

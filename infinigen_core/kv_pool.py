@@ -121,7 +121,8 @@ class KVPool:
 
     @torch.inference_mode()
     def ensure_capacity(self, tokens: int) -> None:
-        """Make room for `tokens` slots per layer now (in steps of `growth_tokens`, never past the limit).
+        """Make room for `tokens` slots per layer now, rounded up to a multiple of `growth_tokens` (never
+        past the limit): a size asked for is what is allocated, give or take a growth step.
 
         Call it before a reply starts: growing allocates (pinned) memory and copies the pool, which must not
         happen in the middle of a token.
@@ -130,11 +131,21 @@ class KVPool:
             tokens = min(tokens, self.limit_tokens)
         if tokens <= self.capacity:
             return
-        step = self.growth_tokens
-        capacity = max(tokens, -(-tokens // step) * step, 2 * self.capacity)
+        capacity = -(-tokens // self.growth_tokens) * self.growth_tokens
         if self.limit_tokens is not None:
             capacity = min(capacity, self.limit_tokens)
         self._allocate(capacity)
+
+    def _grow_for(self, tokens: int) -> None:
+        """Room for `tokens` inside a step nothing prepared for: at least double, so a long decode without
+        `ensure_capacity` copies the pool a logarithmic number of times."""
+        if tokens > self.capacity:
+            self.ensure_capacity(max(tokens, 2 * self.capacity))
+
+    def grows_for(self, n: int) -> bool:
+        """Whether reserving `n` more tokens reallocates the pool (a copy of every layer into new storage)."""
+        wanted = self._size + n if self.limit_tokens is None else min(self._size + n, self.limit_tokens)
+        return wanted > self.capacity
 
     # ------------------------------------------------------------------ writing
     @torch.inference_mode()
@@ -149,7 +160,7 @@ class KVPool:
         first = self.total_tokens
         limit = self.limit_tokens
         if limit is None or self._size + n <= limit:
-            self.ensure_capacity(self._size + n)
+            self._grow_for(self._size + n)
             slots = torch.arange(self._size, self._size + n, device=self.device)
             self._positions[:, self._size : self._size + n] = slots + (first - self._size)
             if self.counts_fetches:

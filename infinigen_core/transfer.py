@@ -32,6 +32,8 @@ from typing import Protocol
 
 import torch
 
+from . import devices
+
 CLOSE_TIMEOUT_S = 5.0  # a closing thread that has not finished by then is left behind (daemon), never waited on
 
 
@@ -83,6 +85,9 @@ class Worker:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # a call is either queued before the stop marker or refused
         self._stopped = False
+        self._pending = 0  # calls submitted and not finished
+        # under the separate-devices check the thread keeps the same rules as the thread that made it
+        self._mode = devices.active_mode()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -93,20 +98,38 @@ class Worker:
             if self._stopped:
                 raise RuntimeError(f"{self._thread.name} is closed")
             self._calls.put((future, fn, args))
+            self._pending += 1
         return future
 
+    @property
+    def pending(self) -> int:
+        """Calls submitted that have not finished yet."""
+        return self._pending
+
     def _run(self) -> None:
+        with devices.entered(self._mode):
+            self._run_calls()
+
+    def _run_calls(self) -> None:
         while (item := self._calls.get()) is not None:
             future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
-                with torch.inference_mode():  # the pool's tensors are inference tensors
-                    result = fn(*args)
-            except BaseException as error:  # kept for whoever waits on the future; never leaks from the thread
-                future.set_exception(error)
-            else:
-                future.set_result(result)
+                self._call(future, fn, args)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    @staticmethod
+    def _call(future: Future, fn: Callable, args) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            with torch.inference_mode():  # the pool's tensors are inference tensors
+                result = fn(*args)
+        except BaseException as error:  # kept for whoever waits on the future; never leaks from the thread
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
     def stop(self) -> None:
         """Run what was submitted so far, then end."""
@@ -188,16 +211,20 @@ class _CpuStream:
             raise RuntimeError(f"a copy on this stream failed: {self.error!r}") from self.error
 
 
-def _poisoned(shape, dtype) -> torch.Tensor:
-    return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype)
+def _poisoned(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
 
 
 class ThreadedCpuOps:
     """Streams as threads, events as futures, every copy after `delay_s` (seconds, or a function returning
-    them, called once per copy in the stream's thread: jitter). See the module docstring."""
+    them, called once per copy in the stream's thread: jitter). See the module docstring.
 
-    def __init__(self, delay_s: float | Callable[[], float] = 0.0) -> None:
-        self.device = torch.device("cpu")
+    `device` is the compute device: the plain CPU, or `devices.EMULATED_COMPUTE`, where buffers are made on
+    the emulated host and compute devices and a host tensor's `to_host` is immediate, as on CUDA."""
+
+    def __init__(self, delay_s: float | Callable[[], float] = 0.0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._host_device = devices.host_device_for(self.device)
         self.delay_s = delay_s
         self.copies = 0  # copies run so far, on every stream
         self._counting = threading.Lock()
@@ -212,10 +239,10 @@ class ThreadedCpuOps:
         return stream
 
     def host_empty(self, shape, dtype) -> torch.Tensor:
-        return _poisoned(shape, dtype)
+        return _poisoned(shape, dtype, self._host_device)
 
     def empty(self, shape, dtype, stream) -> torch.Tensor:
-        return _poisoned(shape, dtype)
+        return _poisoned(shape, dtype, self.device)
 
     def copy(self, dst, src, stream) -> None:
         stream.worker.submit(self._copy, dst, src, stream)  # raises once closed
@@ -225,7 +252,8 @@ class ThreadedCpuOps:
         if delay > 0:
             self._stopping.wait(delay)
         try:
-            dst.copy_(src)
+            with devices.crossing():
+                dst.copy_(src)
         except Exception as error:
             stream.error = stream.error or error
         with self._counting:
@@ -240,10 +268,12 @@ class ThreadedCpuOps:
             return _CpuEvent(reached)
 
     def to_host(self, tensor):
+        if devices.is_emulated(self.device) and devices.side_of(tensor) == devices.HOST:
+            return tensor, None  # already in host memory: as CudaOps, nothing to copy and no event
         # A compute stream's copy reads the tensor at its place in the stream, i.e. as it is now; only its
         # arrival is late. Snapshot now, deliver after the delay.
         snapshot = tensor.detach().clone()
-        host = _poisoned(snapshot.shape, snapshot.dtype)
+        host = _poisoned(snapshot.shape, snapshot.dtype, self._host_device)
         self.copy(host, snapshot, self._compute_to_host)
         return host, self.record(self._compute_to_host)
 

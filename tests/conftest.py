@@ -8,6 +8,7 @@ the `engine` fixture hands it out reset to an empty conversation with default se
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -62,9 +63,15 @@ def make_tiny_engine(model_and_skew, **settings) -> InfiniGenEngine:
 
 @pytest.fixture(scope="session")
 def real_engine_shared():
+    from infinigen_core.devices import SEPARATE_DEVICES_ENV
     from infinigen_core.loading import load_engine
 
-    return load_engine(device="cpu", config=EngineConfig(), progress=lambda message: None)
+    separate = os.environ.pop(SEPARATE_DEVICES_ENV, None)  # shared by every test: always the plain CPU's
+    try:
+        return load_engine(device="cpu", config=EngineConfig(), progress=lambda message: None)
+    finally:
+        if separate is not None:
+            os.environ[SEPARATE_DEVICES_ENV] = separate
 
 
 @pytest.fixture
@@ -90,3 +97,28 @@ def pytest_ignore_collect(collection_path, config):
         if any(importlib.util.find_spec(name) is None for name in APP_PACKAGES):
             return True
     return None
+
+
+# CUDA's rules on the CPU (infinigen_core/devices.py): the tests of these files build engines that compute on
+# the emulated device with the pool in emulated host memory, and run under the mode that refuses what a GPU
+# would refuse. CI runs `python -m pytest`, so the files themselves turn it on, not an environment variable.
+SEPARATE_DEVICES_TEST_FILES = {"test_separate_devices.py", "test_policies.py", "test_fetch_pipeline.py",
+                               "test_session_storage.py", "test_gpu_bench.py"}
+
+
+@pytest.fixture
+def separate_devices(monkeypatch):
+    """INFINIGEN_SEPARATE_DEVICES=1 and the checking mode, for the whole test."""
+    from infinigen_core.devices import SEPARATE_DEVICES_ENV, SeparateDevicesMode
+
+    monkeypatch.setenv(SEPARATE_DEVICES_ENV, "1")
+    with SeparateDevicesMode():
+        yield
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        # the real engine is shared by the whole run and built once, on the plain CPU: it keeps it
+        if item.path.name in SEPARATE_DEVICES_TEST_FILES and "separate_devices" not in item.fixturenames \
+                and "real_engine" not in item.fixturenames:
+            item.fixturenames.insert(0, "separate_devices")

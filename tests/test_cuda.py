@@ -1,7 +1,7 @@
 """The CUDA path, on a GPU only (`python -m pytest -m cuda`); skipped where PyTorch sees no CUDA device.
 
-Exactness at a 100% budget, a decode step with no host sync under `set_sync_debug_mode("error")`, and
-8/4-bit weights through bitsandbytes.
+Exactness at a 100% budget, issue 29's first-run paths against the CPU, a decode step with no host sync under
+`set_sync_debug_mode("error")`, and 8/4-bit weights through bitsandbytes.
 """
 
 import pytest
@@ -46,6 +46,40 @@ def test_full_budget_matches_full_on_cuda(build):
             engine.close()
     torch.testing.assert_close(results["infinigen"], results["full"], rtol=0, atol=1e-4)
     torch.testing.assert_close(results["offload"], results["full"], rtol=0, atol=1e-4)
+
+
+def _logits_on(device: str, conversation, **settings) -> torch.Tensor:
+    """The conversation's logits on `device`, with the same weights and the CPU's skew on both sides (so both
+    select from the same projections)."""
+    model = _tiny_llama()
+    skew = calibrate(model, random_tokens(256, seed=1))
+    engine = InfiniGenEngine(model.to(device), None, EngineConfig(min_fetch_tokens=0, prefill_chunk=40, **settings),
+                             skew_set=skew, device=device)
+    try:
+        return torch.stack(conversation(engine))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("case", ["configure-after-prefill", "restore", "one-token-restore", "streaming"])
+def test_the_paths_the_first_run_would_have_broken(case):
+    """Issue 29's first-run bugs, on the card (tests/test_separate_devices.py holds them on the CPU): the policy
+    switched over a filled pool, a restored session (90 tokens, and one), streaming's host-side slots."""
+    tokens = 1 if case == "one-token-restore" else 90
+    policy = {"configure-after-prefill": "full", "streaming": "streaming"}.get(case, "infinigen")
+
+    def conversation(engine):
+        logits = [engine.prefill(random_tokens(tokens, seed=3)).float().cpu()]
+        if case == "configure-after-prefill":
+            engine.configure(engine.config.with_changes(policy="infinigen", budget=0.3))
+        elif case.endswith("restore"):
+            saved = [engine.export_rows(0, tokens)]
+            engine.reset()
+            assert engine.import_rows(saved) == tokens
+        return logits + [logits.float().cpu() for logits in engine.score(random_tokens(4, seed=4))]
+
+    torch.testing.assert_close(_logits_on("cuda", conversation, policy=policy, budget=0.3),
+                               _logits_on("cpu", conversation, policy=policy, budget=0.3), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("policy", ["infinigen", "offload", "full"])

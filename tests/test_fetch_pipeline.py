@@ -2,6 +2,8 @@
 
 Whatever the delays, every layer must attend to exactly the rows `DirectFetcher` gives it (same values,
 the new token first) at every step, through restores and truncations, and `close()` must never hang.
+The streamed runs keep CUDA's rules (conftest's `separate_devices`: the pool in emulated host memory, the
+model on the emulated compute device); the direct reference runs on the plain CPU.
 """
 
 import random
@@ -13,6 +15,7 @@ import torch
 
 import infinigen_core.engine as engine_module
 from conftest import make_tiny_engine, random_tokens
+from infinigen_core.devices import EMULATED_COMPUTE, SEPARATE_DEVICES_ENV
 from infinigen_core.fetch import DirectFetcher, PendingFetch, StreamFetcher, make_fetcher
 from infinigen_core.kv_pool import KVPool
 from infinigen_core.transfer import ThreadedCpuOps
@@ -44,8 +47,8 @@ def attended(monkeypatch):
 
 def streamed(monkeypatch, delay_s):
     """Engines built (or reconfigured) from here on fetch through StreamFetcher over ThreadedCpuOps."""
-    monkeypatch.setattr(engine_module, "make_fetcher",
-                        lambda pool, device, max_rows, **_: make_fetcher(pool, device, max_rows, ops=ThreadedCpuOps(delay_s)))
+    monkeypatch.setattr(engine_module, "make_fetcher", lambda pool, device, max_rows, **_: make_fetcher(
+        pool, device, max_rows, ops=ThreadedCpuOps(delay_s, device=device)))
 
 
 def conversation(engine, restore: bool) -> torch.Tensor:
@@ -69,6 +72,8 @@ def run(model, monkeypatch, attended, delay_s=None, restore=False, **settings):
     with monkeypatch.context() as patch:
         if delay_s is not None:
             streamed(patch, delay_s)
+        else:
+            patch.delenv(SEPARATE_DEVICES_ENV, raising=False)
         engine = make_tiny_engine(model, prefill_chunk=40, **settings)
         attended.clear()
         try:
@@ -145,6 +150,19 @@ def test_fetches_in_flight_at_once_keep_their_staging(monkeypatch):
             fetched = fetch.wait(new_keys, new_values, new_slots)
             keys, values = expected_rows(pool, layer, slots, new_keys, new_values)
             assert torch.equal(fetched.keys, keys) and torch.equal(fetched.values, values)
+    finally:
+        fetcher.close()
+
+
+def test_flush_waits_for_the_copies_in_flight():
+    """After flush the pool may be overwritten (truncate, restore): no upload may still be reading it."""
+    pool = filled_pool()
+    ops = ThreadedCpuOps(delay_s=0.05)
+    fetcher = make_fetcher(pool, torch.device("cpu"), max_rows=16, ops=ops)
+    try:
+        fetcher.start_layer(0), fetcher.start_layer(1)  # two heads each, keys and values: 8 copies
+        fetcher.flush()
+        assert ops.copies == 8
     finally:
         fetcher.close()
 

@@ -68,6 +68,27 @@ def test_capacity_grows_in_large_steps_ahead_of_the_tokens():
     assert pool._layers[0].keys is keys  # no reallocation inside the token loop
 
 
+def test_a_size_asked_for_rounds_up_to_the_growth_step_not_twice_the_pool():
+    """engine.prepare after a long prefill asks for a few more tokens: a pool of 4096 slots asked for 4200
+    grows to 4224 (the next multiple of 64), not 8192 (on a GPU, twice a 32k pool of a 7B model is 32 GiB more pinned memory)."""
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, initial_capacity=4, growth_tokens=64)
+    pool.ensure_capacity(4096)
+    assert pool.capacity == 4096
+    pool.ensure_capacity(4200)
+    assert pool.capacity == 4224  # 66 growth steps
+    assert not pool.grows_for(4224) and pool.grows_for(4225)
+
+
+def test_growth_inside_decoding_stays_geometric():
+    """A reserve past the capacity (no prepare) doubles: growing a token at a time would copy the pool
+    again every growth step."""
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, initial_capacity=256,
+                  growth_tokens=64)
+    for _ in range(257):
+        append_token_to(pool, heads=1, dim=2)
+    assert pool.capacity == 512
+
+
 def test_truncate_without_eviction_moves_nothing():
     pool = filled_pool(12)
     assert pool.truncate(5) is False and pool.slots_are_positions

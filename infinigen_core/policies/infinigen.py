@@ -84,27 +84,38 @@ class InfiniGenPolicy(KVPolicy):
             self._rank_thresholds = (torch.arange(-1, capacity, device=self.ctx.compute_device) * heads).view(1, -1)
 
     def rebuild(self) -> None:
+        """Every slot's partial key again, from the pool's keys (a restore, a truncate that moved rows, a
+        policy built over a pool that holds tokens). Written at once, never left for `finish_step`, which
+        expects exactly one decode step's keys (a pool of one token would otherwise look like one)."""
         pool = self.ctx.pool
         self.ensure_capacity(pool.capacity)
+        self._pending_keys = []
         if pool.size():
-            slots = torch.arange(pool.size(), device=pool.device)
-            for layer in range(pool.num_layers):
-                if self.is_sparse(layer):
-                    self.on_write(layer, slots, pool.keys(layer))
+            # the slots index the partial key cache, on the compute device (the pool may be in host memory)
+            slots = torch.arange(pool.size(), device=self.ctx.compute_device)
+            for layer in self.sparse_layers:
+                self._write_partial_keys(layer, slots, pool.keys(layer))
 
     def on_write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         if not self.is_sparse(layer):
             return
-        device = self.ctx.compute_device
-        if keys.dtype != self.partial_dtype or keys.device != device:
-            keys = keys.to(device=device, dtype=self.partial_dtype)
         if keys.shape[1] == 1 and self.ctx.pool.last_reserved_contiguous:
             # one token in the same slot of every layer: kept for finish_step, which writes them all at once
             # (nothing reads this token's partial key before the next step)
-            self._pending_keys.append(keys)
+            self._pending_keys.append(self._on_compute(keys))
             self._pending_slots = slots
             return
-        partial = self._stored(torch.bmm(keys, self.key_projections[layer]))
+        self._write_partial_keys(layer, slots, keys)
+
+    def _on_compute(self, keys: torch.Tensor) -> torch.Tensor:
+        device = self.ctx.compute_device
+        if keys.dtype != self.partial_dtype or keys.device != device:
+            keys = keys.to(device=device, dtype=self.partial_dtype)
+        return keys
+
+    def _write_partial_keys(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """keys [kv_heads, n, dim] (any device) of `slots` (compute device) into the layer's partial keys."""
+        partial = self._stored(torch.bmm(self._on_compute(keys), self.key_projections[layer]))
         self.partial_keys_t[layer].index_copy_(2, slots, partial.transpose(1, 2))
 
     def finish_step(self, completed: bool) -> None:

@@ -1,0 +1,60 @@
+"""`bench gpu`'s whole flow on the CPU under CUDA's rules (--emulate): the rows it writes, and when.
+
+conftest runs this file under the separate-devices mode: prefill under `full`, the policy switched over
+the filled pool, decoding from host memory through the streamed fetch, as on a GPU.
+"""
+
+import json
+
+import pytest
+
+from bench.cli import main
+from bench.gpu import SHAPES, gpu_benchmark
+from bench.gpu_predict import PROFILES, predict_step
+
+CONTEXT, STEPS = 96, 2
+
+
+def test_emulated_flow_writes_a_row_per_policy(tmp_path, capsys):
+    saved = tmp_path / "gpu.json"
+    assert main(["gpu", "--emulate", "--context", str(CONTEXT), "--decode-tokens", str(STEPS),
+                 "--budgets", "0.2", "--save", str(saved)]) in (0, None)
+    result = json.loads(saved.read_text())
+    assert result["emulated"] is True and result["cuda"] is False
+    rows = {row["policy"]: row for row in result["rows"]}
+    assert set(rows) == {"full", "offload", "infinigen"}  # hf-offload needs CUDA: left out
+    for row in rows.values():
+        assert row["context"] == CONTEXT and row["ms_per_token"] > 0 and row["tokens_per_s"] > 0
+    per_token = 2 * 2 * 32 * 4  # K and V, 2 KV heads, head_dim 32, float32: one token of one layer
+    # every layer whole, the new token included: 97 then 98 tokens
+    assert rows["offload"]["bytes_fetched_per_token"] == 4 * (2 * CONTEXT + 3) / 2 * per_token
+    assert rows["full"]["bytes_fetched_per_token"] == 0
+    assert 0 < rows["infinigen"]["bytes_fetched_per_token"] < rows["offload"]["bytes_fetched_per_token"]
+    assert rows["infinigen"]["ratio_to_full"] == pytest.approx(rows["full"]["ms_per_token"]
+                                                               / rows["infinigen"]["ms_per_token"])
+
+
+def test_rows_are_saved_as_they_are_measured(tmp_path):
+    """A run cut short (the device's time limit) keeps every row measured before."""
+    saved = tmp_path / "gpu.json"
+
+    def stop_after_offload(message):
+        if message.lstrip().startswith("offload"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        gpu_benchmark(["tiny"], [CONTEXT], ["full", "offload", "infinigen"], [0.2], STEPS, stop_after_offload,
+                      save=saved, emulate=True)
+    assert [row["policy"] for row in json.loads(saved.read_text())["rows"]] == ["full", "offload"]
+
+
+def test_the_predictor_counts_the_bytes_the_engine_moves():
+    """The predicted table describes this code: per policy, the bytes it says a decode step moves are the
+    engine's own count in the emulated run of the benchmark's flow (one step at the context)."""
+    rows = gpu_benchmark(["tiny"], [CONTEXT], ["full", "offload", "infinigen"], [0.2, 0.1], 1, lambda _: None,
+                         emulate=True)["rows"]
+    assert len(rows) == 4
+    for row in rows:
+        predicted = predict_step(SHAPES["tiny"], CONTEXT, row["policy"], row["budget"], PROFILES["h100"],
+                                 element_bytes=4)
+        assert predicted["bytes_fetched_per_token"] == row["bytes_fetched_per_token"], row["policy"]

@@ -1,0 +1,201 @@
+"""CUDA's rules on the CPU (infinigen_core/devices.py), and the engine's paths that broke them.
+
+Every test here runs under conftest's `separate_devices`: engines compute on the emulated device and keep
+their pool in emulated host memory, and the mode refuses what a GPU would. Each engine case below failed
+under the mode before its fix; its logits are compared with the same conversation on the plain CPU.
+"""
+
+import threading
+
+import pytest
+import torch
+
+import infinigen_core.engine as engine_module
+from conftest import make_tiny_engine, random_tokens
+from infinigen_core import devices
+from infinigen_core.devices import EMULATED_COMPUTE, EMULATED_HOST, SEPARATE_DEVICES_ENV, SeparateDevicesError
+from infinigen_core.fetch import StreamFetcher, make_fetcher
+from infinigen_core.transfer import ThreadedCpuOps, Worker
+
+
+# ------------------------------------------------------------------ the mode itself
+def test_an_op_mixing_host_and_compute_is_refused_by_name():
+    host = torch.zeros(4, device=EMULATED_HOST)
+    compute = torch.ones(4, device=EMULATED_COMPUTE)
+    with pytest.raises(SeparateDevicesError, match=r"aten\.add\.Tensor mixes host memory"):
+        host + compute
+    with pytest.raises(SeparateDevicesError, match="index_copy_"):
+        compute.index_copy_(0, torch.arange(2, device=EMULATED_HOST), torch.ones(2, device=EMULATED_COMPUTE))
+
+
+def test_sides_follow_the_tensors_an_op_reads():
+    host = torch.zeros(4, device=EMULATED_HOST)
+    compute = torch.ones(4, device=EMULATED_COMPUTE)
+    assert devices.side_of(host[1:] * 2) == devices.HOST
+    assert devices.side_of(compute.sum()) == devices.COMPUTE
+    assert devices.side_of(host.to(EMULATED_COMPUTE)) == devices.COMPUTE  # an explicit copy crosses
+    untagged = torch.ones(4)  # the plain CPU: mixes with either side
+    assert devices.side_of(untagged + compute) == devices.COMPUTE and devices.side_of(untagged + host) == devices.HOST
+
+
+def test_the_transfer_layer_crosses():
+    host = torch.zeros(4, device=EMULATED_HOST)
+    with devices.crossing():
+        host.copy_(torch.arange(4.0, device=EMULATED_COMPUTE))
+    assert devices.side_of(host) == devices.HOST and host.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("read", [lambda t: t.sum().item(), lambda t: t.tolist(), lambda t: t.nonzero(),
+                                  lambda t: t[t > 0], lambda t: t.to(EMULATED_HOST), lambda t: bool(t.any())],
+                         ids=["item", "tolist", "nonzero", "mask", "to-host", "bool"])
+def test_a_host_read_of_a_compute_tensor_in_the_decode_step_is_refused(read):
+    compute = torch.arange(4.0, device=EMULATED_COMPUTE)
+    read(compute)  # outside the decode step: allowed (it only costs a wait on a GPU)
+    with devices.decode_step(), pytest.raises(SeparateDevicesError, match="inside the decode step"):
+        read(compute)
+    with devices.decode_step():
+        read(torch.arange(4.0, device=EMULATED_HOST))  # host values are the host's to read
+        with devices.host_read_allowed():
+            read(compute)
+
+
+def mix():
+    return torch.zeros(2, device=EMULATED_HOST) + torch.ones(2, device=EMULATED_COMPUTE)
+
+
+def test_worker_threads_keep_the_rules():
+    """The fetch worker and the copy streams enter the mode of the thread that made them."""
+    worker = Worker("checked")
+    try:
+        with pytest.raises(SeparateDevicesError, match="add"):
+            worker.submit(mix).result()
+    finally:
+        worker.stop()
+    unchecked = []
+    thread = threading.Thread(target=lambda: unchecked.append(mix()))  # a thread of its own: no mode
+    thread.start(), thread.join()
+    assert len(unchecked) == 1
+    ops = ThreadedCpuOps(device=EMULATED_COMPUTE)
+    try:
+        host, stream = ops.host_empty((2,), torch.float32), ops.stream()
+        ops.copy(host, torch.ones(2, device=EMULATED_COMPUTE), stream)  # the transfer layer's crossing
+        ops.record(stream).synchronize()
+        assert host.tolist() == [1.0, 1.0] and devices.side_of(host) == devices.HOST
+        assert ops.to_host(host)[1] is None  # host memory already: as on CUDA, no copy and no event
+    finally:
+        ops.close()
+
+
+# ------------------------------------------------------------------ the engine under the mode
+def plain(monkeypatch, model, **settings):
+    """An engine on the plain CPU (the reference a separated run must match)."""
+    with monkeypatch.context() as patch:
+        patch.delenv(SEPARATE_DEVICES_ENV)
+        return make_tiny_engine(model, prefill_chunk=40, **settings)
+
+
+def separated(model, **settings):
+    engine = make_tiny_engine(model, prefill_chunk=40, **settings)
+    assert engine.device == EMULATED_COMPUTE and engine.kernels is None
+    return engine
+
+
+def both(monkeypatch, model, conversation, **settings) -> tuple[torch.Tensor, torch.Tensor]:
+    """The conversation's logits on the plain CPU and on the separated devices."""
+    results = []
+    for engine in (plain(monkeypatch, model, **settings), separated(model, **settings)):
+        try:
+            results.append(torch.stack(conversation(engine)))
+        finally:
+            engine.close()
+    return results[0], results[1]
+
+
+@pytest.mark.parametrize("policy", ["full", "offload", "infinigen", "h2o"])
+def test_the_separated_engine_decodes_as_the_plain_one(tiny_llama, monkeypatch, policy):
+    def conversation(engine):
+        if policy != "full" and engine.device == EMULATED_COMPUTE:
+            assert isinstance(engine.fetcher, StreamFetcher) and engine.pool.device == EMULATED_HOST
+        return [engine.prefill(random_tokens(90, seed=3)), *engine.score(random_tokens(4, seed=4))]
+
+    reference, logits = both(monkeypatch, tiny_llama, conversation, policy=policy, budget=0.3)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ the paths that broke the rules (issue 29)
+def prefill_then_decode(engine, tokens=90, steps=4):
+    return [engine.prefill(random_tokens(tokens, seed=3)), *engine.score(random_tokens(steps, seed=4))]
+
+
+def test_infinigen_configured_over_a_prefilled_pool(tiny_llama, monkeypatch):
+    """bench gpu's flow: prefill under `full`, then switch to InfiniGen with the context in the pool."""
+    def conversation(engine):
+        logits = [engine.prefill(random_tokens(90, seed=3))]
+        engine.configure(engine.config.with_changes(policy="infinigen", budget=0.3))
+        return logits + list(engine.score(random_tokens(4, seed=4)))
+
+    reference, logits = both(monkeypatch, tiny_llama, conversation, policy="full")
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 60], ids=["one-token", "sixty-tokens"])
+def test_a_restored_session_decodes_as_before(tiny_llama, monkeypatch, tokens):
+    """export -> reset -> import_rows -> decode, as every restored session runs (one token: the edge case)."""
+    def conversation(engine):
+        logits = [engine.prefill(random_tokens(tokens, seed=3))]
+        saved = [engine.export_rows(0, tokens)]
+        engine.reset()
+        assert engine.import_rows(saved) == tokens
+        return logits + list(engine.score(random_tokens(4, seed=4)))
+
+    reference, logits = both(monkeypatch, tiny_llama, conversation, policy="infinigen", budget=0.3)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+def test_a_truncate_that_moves_rows(tiny_llama, monkeypatch):
+    """Eviction reorders the slots; a truncate (regenerate) compacts them and InfiniGen rebuilds its keys."""
+    def conversation(engine):
+        logits = prefill_then_decode(engine)
+        engine.truncate(60)
+        return logits + list(engine.score(random_tokens(3, seed=5)))
+
+    reference, logits = both(monkeypatch, tiny_llama, conversation, policy="infinigen", budget=0.3,
+                             pool_limit_tokens=80, recent_window=16)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+def test_streaming_selects_in_host_memory(tiny_llama, monkeypatch):
+    """StreamingLLM's slots are chosen on the host: their fetch has nothing to copy down and no event."""
+    reference, logits = both(monkeypatch, tiny_llama, prefill_then_decode, policy="streaming", budget=0.3)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+def test_the_pool_never_grows_under_a_write_in_flight(tiny_llama, monkeypatch):
+    """Decoding past the pool's capacity (no `prepare`) while the worker still writes the last token: the
+    growth copies the pool, so a write landing in the old storage would be lost. Copies to the host land
+    late here, so the worker is always behind when the next step grows the pool."""
+    late_writes = lambda: 0.05 if threading.current_thread().name == "cpu-ops-to-host" else 0.0  # noqa: E731
+    monkeypatch.setattr(engine_module, "make_fetcher", lambda pool, device, max_rows, **_: make_fetcher(
+        pool, device, max_rows, ops=ThreadedCpuOps(late_writes, device=device)))
+    in_flight = []
+    allocate = engine_module.KVPool._allocate
+
+    def recording_allocate(pool, capacity):
+        fetcher = getattr(engines[-1], "fetcher", None) if engines else None
+        if fetcher is not None and isinstance(fetcher, StreamFetcher):
+            in_flight.append(fetcher.pending_host_work())
+        allocate(pool, capacity)
+
+    engines = []
+    monkeypatch.setattr(engine_module.KVPool, "_allocate", recording_allocate)
+
+    def conversation(engine):
+        engines.append(engine)
+        assert engine.pool.capacity == 256
+        logits = prefill_then_decode(engine, tokens=250, steps=10)
+        assert engine.pool.capacity > 256
+        return logits
+
+    reference, logits = both(monkeypatch, tiny_llama, conversation, policy="offload")
+    assert in_flight and not any(in_flight), "the pool grew while the fetch worker had writes in flight"
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
