@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ppl = commands.add_parser("ppl", help="perplexity of long text, scored token by token")
     _common(ppl, "full,infinigen,h2o,streaming")
-    ppl.add_argument("--context", type=int, required=True, help="tokens per window")
+    ppl.add_argument("--context", required=True, help="tokens per window; comma-separated for several (16384,32768)")
     ppl.add_argument("--prefill", type=int, help="tokens prefilled per window (default: all but the last min(256, N/4))")
+    ppl.add_argument("--scored-tokens", type=int, help="score the last N tokens of each window (instead of --prefill)")
     ppl.add_argument("--windows", type=int, default=1, help="windows spread over the text (default 1)")
 
     agree = commands.add_parser("agree", help="greedy agreement of each policy with the full cache")
@@ -183,18 +184,27 @@ def _prefill_for(args) -> int:
 
 
 def run_ppl(args) -> tuple[str, dict]:
-    from .ppl import perplexity, with_ratio_to_full
+    from .ppl import default_prefill, perplexity, with_ratio_to_full
 
     configs = _configs(args)
+    contexts = parse_numbers(args.context, int)
+    if args.prefill is not None and len(contexts) > 1:
+        raise EvalError("--prefill is for one --context; with several, use --scored-tokens")
     text = read_text(args.text)  # bad input fails before the model loads
     engine = _load_engine(args)
-    ids = load_token_ids(engine.tokenizer, text, args.context, args.text)
-    results = with_ratio_to_full(perplexity(engine, windows(ids, args.context, args.windows), _prefill_for(args),
-                                            configs, _log))
-    rows = [{"policy": name, **values} for name, values in results.items()]
-    table = format_table(rows, ["policy", "ppl", "ppl_vs_full", "fetched_ratio", "sparse_fetched_ratio",
+    ids = load_token_ids(engine.tokenizer, text, max(contexts), args.text)
+    rows, report = [], {"windows": args.windows, "contexts": {}}
+    for context in contexts:
+        prefill = args.prefill or (context - args.scored_tokens if args.scored_tokens else default_prefill(context))
+        results = with_ratio_to_full(perplexity(engine, windows(ids, context, args.windows), prefill, configs, _log))
+        rows += [{"context": context, "policy": name, **values} for name, values in results.items()]
+        report["contexts"][context] = {"prefill": prefill, **results}
+    table = format_table(rows, ["context", "policy", "ppl", "ppl_vs_full", "fetched_ratio", "sparse_fetched_ratio",
                                 "ms_per_token", "scored_tokens"])
-    return table, {"context": args.context, "prefill": _prefill_for(args), "windows": args.windows, **results}
+    if len(contexts) == 1:  # one context: its results at the top, as before several were taken
+        (context, results), = report.pop("contexts").items()
+        report = {"context": context, **report, **results}
+    return table, report
 
 
 def run_agree(args) -> tuple[str, dict]:
