@@ -107,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "with the decode step uncompiled: full+eager")
     speed.add_argument("--llama-python", type=Path, help="an interpreter with llama-cpp-python: adds llama.cpp's "
                        "rows (same GGUF and token ids, n_threads=2) and each row's ratio to it")
-    speed.add_argument("--gguf", type=Path, help="the GGUF llama.cpp loads (default: the default model's, cached)")
+    speed.add_argument("--gguf", type=Path, help="the GGUF llama.cpp loads (default: the model's own, where it is one)")
+    speed.add_argument("--threads", type=int, default=None,
+                       help="torch threads for our rows and n_threads for llama.cpp's (default: torch's count; "
+                            "llama.cpp 2). On a loaded machine 1 thread each is the comparison that means something")
 
     sweep = commands.add_parser("sweep", help="InfiniGen alpha x budget x partial ratio")
     _common(sweep, None)
@@ -275,6 +278,12 @@ def run_speed(args) -> tuple[str, dict]:
         gguf = gguf_file_for(args.model, default_cache_dir(), _log)
         if gguf is None:
             raise EvalError("--llama-python needs --gguf PATH when --model is neither a .gguf nor a packaged model")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise EvalError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     engine = _load_engine(args)
     ids = load_token_ids(engine.tokenizer, text, tokens_needed(max(contexts), args.decode_tokens, args.rounds), args.text)
     rows = []
@@ -284,7 +293,7 @@ def run_speed(args) -> tuple[str, dict]:
     if args.llama_python:
         _log(f"llama.cpp ({args.llama_python}, {gguf}): contexts {contexts}")
         rows = with_ratios(rows + llama_cpp_rows(args.llama_python, gguf, ids, contexts, args.decode_tokens,
-                                                 args.rounds))
+                                                 args.rounds, threads=args.threads or 2))
         rows.sort(key=lambda row: row["context"])  # stable: llama.cpp's row after ours, per context
     table = format_table(rows, ["context", "policy", "ms_per_token", "ratio_to_full", "ratio_to_llama_cpp",
                                 "prompt_tokens_per_s", "mean_ms", "speculate_ms",
