@@ -7,6 +7,7 @@
     python -m bench api --context 5000 --rounds 2   # through the app's OpenAI API, restarting it
     python -m bench page --rounds 3                 # a reply's tokens/s with the page open vs without
     python -m bench documents --json                # a chat about an attached file, again, after a restart
+    python -m bench search                          # search over 2,000 saved chats: median ms, index size
 
 Progress and loading messages go to stderr; the table goes to stdout, then (with --json) one JSON line.
 """
@@ -159,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     documents.add_argument("--text", type=Path, default=None, help="a folder of .txt files (default: bench/data)")
     documents.add_argument("--json", action="store_true")
     documents.add_argument("--save", type=Path)
+
+    search = commands.add_parser("search", help="full-text search over many saved chats: query time, index size")
+    search.add_argument("--sessions", type=int, default=2000)
+    search.add_argument("--messages", type=int, default=50, help="messages per session (default 50)")
+    search.add_argument("--queries", type=int, default=200)
+    search.add_argument("--json", action="store_true")
+    search.add_argument("--save", type=Path)
 
     plot = commands.add_parser("plot", help="PNG plots from results saved with --save")
     plot.add_argument("--results", type=Path, required=True, help="directory of saved JSON results")
@@ -372,6 +380,15 @@ def run_documents(args) -> tuple[str, dict]:
     return format_table([row], list(row)), row
 
 
+def run_search(args) -> tuple[str, dict]:
+    from .search import measure
+
+    if min(args.sessions, args.messages, args.queries) < 1:
+        raise EvalError("--sessions, --messages and --queries must be at least 1")
+    row = measure(args.sessions, args.messages, args.queries, show=_log)
+    return format_table([row], list(row)), row
+
+
 def run_plot(args) -> tuple[str, dict]:
     from .plots import make_plots
 
@@ -383,7 +400,7 @@ def run_plot(args) -> tuple[str, dict]:
 
 RUNNERS = {"ppl": run_ppl, "agree": run_agree, "weights": run_weights, "recall": run_recall, "speed": run_speed, "sweep": run_sweep,
            "resume": run_resume, "gpu": run_gpu, "api": run_api, "page": run_page,
-           "documents": run_documents, "plot": run_plot}
+           "documents": run_documents, "search": run_search, "plot": run_plot}
 
 
 def main(argv: list[str] | None = None) -> int:

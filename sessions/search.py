@@ -7,8 +7,8 @@
 The index lives in the session database as two FTS5 tables that SQLite triggers keep in step with
 `messages` and `sessions`, so every write path (send, rename, branch, delete, import, dropping the oldest
 turns) updates it in the same transaction as the rows themselves, and an older program writing the same
-file does too. Messages are indexed with external content: the index holds only the inverted lists, and
-`snippet()` reads the text back from the `message_search_source` view. What is indexed of a message is its
+file does too. Messages are indexed with external content: the index holds only the inverted lists, and the
+text is read back from the `message_search_source` view for the snippets of the hits shown. What is indexed of a message is its
 question (the text after its attached documents, see `documents.prompt.question_of`) plus the documents'
 names: the documents' own text is not, as it would make the index several times the size of the chats.
 
@@ -19,11 +19,12 @@ plain words or nothing, never a syntax error.
 
 from __future__ import annotations
 
-import html
-import re
+import json
 import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from .search_terms import SearchTerms
 
 MESSAGE_INDEX = "message_search"
 TITLE_INDEX = "title_search"
@@ -31,13 +32,12 @@ MESSAGE_SOURCE = "message_search_source"
 INDEX_TABLES = (MESSAGE_INDEX, TITLE_INDEX)
 # the tables FTS5 creates behind each index
 _SHADOW_SUFFIXES = ("_data", "_idx", "_docsize", "_config", "_content")
-# detail=column: enough for term matches and snippets (we never search phrases), about half the size of full
-_FTS_OPTIONS = "tokenize = 'unicode61 remove_diacritics 2', detail = column"
+# detail=none and columnsize=0: the index records which messages hold a word, not where or how often (we
+# search words, not phrases, and do not rank): 40% of the size with positions. The snippets are made from the
+# few messages shown (search_terms.py). prefix='2 3': the first two and three letters of every word have
+# lists of their own, so a word being typed costs as little as a whole one (measured: 3 ms, not 90 ms)
+_FTS_OPTIONS = "tokenize = 'unicode61 remove_diacritics 2', detail = none, columnsize = 0, prefix = '2 3'"
 _BUILD_BATCH = 2000  # messages indexed between two progress reports when an older database is indexed
-_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"  # private-use marks: survive html.escape, then become <mark>
-_WORD = re.compile(r"[^\W_]+")  # what FTS5's unicode61 tokenizer keeps as a token: letters and digits
-MAX_QUERY_WORDS = 16
-SNIPPET_TOKENS = 12
 
 ProgressCallback = Callable[[int, int], None]  # (messages indexed, messages in all)
 
@@ -138,69 +138,50 @@ def build_search_index(connection: sqlite3.Connection, progress: ProgressCallbac
     return True
 
 
-def fts_query(text: str) -> str | None:
-    """The user's text as a safe FTS5 query: its words quoted, all required, the last one also as a prefix
-    unless the text ends with a space (the user finished the word). None: no word to search for."""
-    words = _WORD.findall(text)[:MAX_QUERY_WORDS]
-    if not words:
-        return None
-    terms = [f'"{word}"' for word in words]
-    if not text[-1:].isspace():
-        terms[-1] += "*"
-    return " ".join(terms)
-
-
-_HITS_SQL = f"""
-WITH hits AS (
-  SELECT m.session_id, m.position, ms.rowid AS message_id,
-         ROW_NUMBER() OVER (PARTITION BY m.session_id ORDER BY ms.rank, m.position DESC) AS nth
-  FROM {MESSAGE_INDEX} ms JOIN messages m ON m.id = ms.rowid
-  WHERE {MESSAGE_INDEX} MATCH :query
-),
-titled AS (SELECT session_id FROM {TITLE_INDEX} WHERE {TITLE_INDEX} MATCH :query)
-SELECT s.id, s.title, s.updated, h.position, h.message_id
-FROM sessions s LEFT JOIN hits h ON h.session_id = s.id AND h.nth = 1
-WHERE h.session_id IS NOT NULL OR s.id IN titled
-ORDER BY s.updated DESC
-LIMIT :limit
-"""
+# A word found in more messages than this (limit x 40) is looked up among its newest matches only: SQLite
+# then reads a bounded part of the index, and the sessions come from the most recent uses of the word.
+CANDIDATES_PER_RESULT = 40
 
 
 def search_sessions(connection: sqlite3.Connection, text: str, limit: int = 50) -> list[SearchHit]:
-    """Sessions matching `text`, most recently changed first, at most `limit`: each with its best-matching
-    message (BM25) and a snippet of it, or where only its title matches, the title highlighted."""
-    query = fts_query(text)
+    """Sessions matching `text`, most recently changed first, at most `limit`: each with its newest matching
+    message and a snippet of it, or where only its title matches, the title highlighted.
+
+    Sessions are found from the newest `limit x CANDIDATES_PER_RESULT` matching messages (all of them for any
+    but the most common words) and every matching title."""
+    terms = SearchTerms.parse(text)
+    query = terms.fts_query()
     if query is None or limit < 1:
         return []
-    rows = connection.execute(_HITS_SQL, {"query": query, "limit": limit}).fetchall()
-    message_ids = [row[4] for row in rows if row[4] is not None]
-    snippets = _message_snippets(connection, query, message_ids)
-    titles = _title_highlights(connection, query, [row[0] for row in rows if row[4] is None])
-    return [SearchHit(session_id=session_id, title=title, updated=updated, message_index=position,
-                      snippet=snippets.get(message_id, "") if message_id is not None else titles.get(session_id, ""))
-            for session_id, title, updated, position, message_id in rows]
+    newest_match: dict[str, tuple[int, int]] = {}  # session -> (message id, position) of its newest match
+    for message_id, session_id, position in connection.execute(
+            f"SELECT m.id, m.session_id, m.position FROM (SELECT rowid FROM {MESSAGE_INDEX} WHERE {MESSAGE_INDEX} "
+            f"MATCH ? ORDER BY rowid DESC LIMIT ?) hit JOIN messages m ON m.id = hit.rowid",
+            [query, limit * CANDIDATES_PER_RESULT]):
+        newest_match.setdefault(session_id, (message_id, position))  # ids grow with time: the first is the newest
+    titled = [row[0] for row in connection.execute(
+        f"SELECT session_id FROM {TITLE_INDEX} WHERE {TITLE_INDEX} MATCH ?", [query])]
+    sessions = connection.execute(
+        "SELECT id, title, updated FROM sessions WHERE id IN (SELECT value FROM json_each(?)) "
+        "ORDER BY updated DESC LIMIT ?", [json.dumps(sorted({*newest_match, *titled})), limit]).fetchall()
+    chosen = [newest_match[s][0] for s, _, _ in sessions if s in newest_match]
+    snippets = _message_snippets(connection, terms, chosen)
+    hits = []
+    for session_id, title, updated in sessions:
+        message_id, position = newest_match.get(session_id, (None, None))
+        snippet = snippets.get(message_id, "") if message_id is not None else terms.highlight(title)
+        hits.append(SearchHit(session_id, title, snippet, position, updated))
+    return hits
 
 
-def _message_snippets(connection: sqlite3.Connection, query: str, message_ids: list[int]) -> dict[int, str]:
+def _message_snippets(connection: sqlite3.Connection, terms: SearchTerms, message_ids: list[int]) -> dict[int, str]:
+    """A snippet of each message: its question where a word matched there, else its attachments' names."""
     if not message_ids:
         return {}
-    marks = ", ".join("?" * len(message_ids))
-    rows = connection.execute(
-        f"SELECT rowid, snippet({MESSAGE_INDEX}, -1, ?, ?, '…', {SNIPPET_TOKENS}) FROM {MESSAGE_INDEX} "
-        f"WHERE {MESSAGE_INDEX} MATCH ? AND rowid IN ({marks})", [_MARK_OPEN, _MARK_CLOSE, query, *message_ids])
-    return {rowid: _marked_html(snippet) for rowid, snippet in rows}
-
-
-def _title_highlights(connection: sqlite3.Connection, query: str, session_ids: list[str]) -> dict[str, str]:
-    if not session_ids:
-        return {}
-    marks = ", ".join("?" * len(session_ids))
-    rows = connection.execute(
-        f"SELECT session_id, highlight({TITLE_INDEX}, 0, ?, ?) FROM {TITLE_INDEX} "
-        f"WHERE {TITLE_INDEX} MATCH ? AND session_id IN ({marks})", [_MARK_OPEN, _MARK_CLOSE, query, *session_ids])
-    return {session_id: _marked_html(text) for session_id, text in rows}
-
-
-def _marked_html(text: str | None) -> str:
-    escaped = html.escape(text or "", quote=False)
-    return escaped.replace(_MARK_OPEN, "<mark>").replace(_MARK_CLOSE, "</mark>")
+    rows = connection.execute(f"SELECT id, question, names FROM {MESSAGE_SOURCE} WHERE id IN "
+                              f"(SELECT value FROM json_each(?))", [json.dumps(message_ids)])
+    snippets = {}
+    for message_id, question, names in rows:
+        shown = question if not names or terms.first_match(question or "") is not None else names
+        snippets[message_id] = terms.snippet(shown or "")
+    return snippets

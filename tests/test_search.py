@@ -6,7 +6,8 @@ import pytest
 
 from documents import Document, attachment_record, message_with_attachments
 from sessions import SessionStore
-from sessions.search import fts_query, has_search_index, index_table_names
+from sessions.search import has_search_index, index_table_names
+from sessions.search_terms import SearchTerms
 
 WORDS = ("river", "mountain", "budget", "recipe", "garden", "invoice", "python", "guitar", "lantern", "meadow")
 
@@ -46,14 +47,14 @@ def test_a_word_from_one_message_among_300_sessions_finds_that_session_and_messa
     assert store.search("zeppelin tickets guitar") == []  # all words must be in one message
 
 
-def test_results_come_newest_first_with_the_best_message_of_each_session(store):
+def test_results_come_newest_first_with_the_newest_matching_message_of_each_session(store):
     older, newer = store.create("older"), store.create("newer")
     store.add_messages(older, [("user", "a walk by the river", 0, 0)])
     store.add_messages(newer, [("user", "river", 0, 0), ("assistant", "the river river river", 0, 0)])
     store.add_messages(older, [("user", "nothing to see", 0, 0)])  # changed last: now the newest
     hits = store.search("river")
     assert [h.session_id for h in hits] == [older, newer]
-    assert hits[1].message_index in (0, 1) and "<mark>river</mark>" in hits[1].snippet
+    assert hits[1].message_index == 1 and hits[1].snippet.count("<mark>river</mark>") == 3
     assert len(store.search("river", limit=1)) == 1
 
 
@@ -110,10 +111,16 @@ def test_any_text_is_searched_as_plain_words_never_as_an_error(store, text):
     assert [h.session_id for h in store.search(text)] == ([session_id] if HOSTILE[text] else [])
 
 
-def test_the_query_quotes_every_word():
-    assert fts_query('cat "AND') == '"cat" "AND"*'
-    assert fts_query("naïve café ") == '"naïve" "café"'
-    assert fts_query('" * ( )') is None
+def test_the_query_quotes_every_word_and_the_snippet_marks_what_matched():
+    assert SearchTerms.parse('cat "AND').fts_query() == '"cat" "AND"*'
+    assert SearchTerms.parse("naïve café ").fts_query() == '"naïve" "café"'
+    assert SearchTerms.parse("cat a").fts_query() == '"cat" "a"'  # one letter: not a prefix of every a-word
+    assert SearchTerms.parse('" * ( )').fts_query() is None
+    terms = SearchTerms.parse("CAFE nai")
+    assert terms.highlight("Le café naïf, <i>naive</i>") == "Le <mark>café</mark> <mark>naïf</mark>, &lt;i&gt;<mark>naive</mark>&lt;/i&gt;"
+    long = " ".join(f"w{n}" for n in range(100)).replace("w50", "the Café")
+    assert SearchTerms.parse("cafe ").snippet(long) == "…w47 w48 w49 the <mark>Café</mark> w51 w52 w53 w54 w55 w56 w57 w58 w59…"
+    assert SearchTerms.parse("w1 ").snippet("w1\n\n  w2") == "<mark>w1</mark> w2"
 
 
 def test_a_database_from_before_the_index_is_indexed_on_first_open_with_progress(tmp_path):
