@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 
 from documents.document import Document
-from documents.passages import Passage, pdf_page_starts, split_passages
+from documents.page_starts import page_starts
+from documents.passages import Passage, split_passages
 
 # questions are matched on word stems ("named" finds "name"), accents and case ignored
 _TOKENIZER = "porter unicode61 remove_diacritics 2"
@@ -34,7 +35,8 @@ class PassageIndex:
     @classmethod
     def open(cls, folder: Path | str, document: Document, passage_tokens: int = 200,
              data: bytes | None = None) -> PassageIndex:
-        """The document's index, built on first use. `data`: the original PDF's bytes, for page numbers."""
+        """The document's index, built on first use. `data`: the original file's bytes, for a PDF's or DOCX's
+        page numbers."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{document.sha256}-{passage_tokens}.sqlite"
@@ -42,8 +44,8 @@ class PassageIndex:
             connection = _opened_if_valid(path, document, passage_tokens)
             if connection is not None:
                 return cls(connection, path)
-        page_starts = pdf_page_starts(document, data) if document.kind == "pdf" and data else None
-        _build(path, document, split_passages(document, passage_tokens, page_starts), passage_tokens)
+        starts = page_starts(document, data)
+        _build(path, document, split_passages(document, passage_tokens, starts), passage_tokens)
         return cls(sqlite3.connect(path, check_same_thread=False), path)
 
     def passages(self) -> list[Passage]:

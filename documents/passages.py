@@ -1,7 +1,7 @@
 """A converted document cut into passages that each say where they come from (pages or lines).
 
-    passages = split_passages(document, page_starts=pdf_page_starts(document, data))  # PDF: pages kept
-    passages = split_passages(document)                 # text, HTML, DOCX: line numbers
+    passages = split_passages(document, page_starts=page_starts(document, data))  # PDF, DOCX: pages kept
+    passages = split_passages(document)                 # text, HTML: line numbers
     describe_read(document.name, passages[:1] + passages[40:42])   # 'report.pdf: pages 1, 36-37'
 
 A passage is a run of whole paragraphs (blank-line separated) of about `passage_tokens` tokens, never
@@ -54,7 +54,7 @@ class Passage:
 def split_passages(document: Document, passage_tokens: int = 200,
                    page_starts: Sequence[int] | None = None) -> list[Passage]:
     """The document's passages in order. `page_starts`: where each page begins in `document.text` (character
-    offsets, the first 0), as `pdf_page_starts` finds them; without it passages carry line numbers only."""
+    offsets, the first 0), as `documents.page_starts.page_starts` finds them; without it passages carry line numbers only."""
     if passage_tokens < 8:
         raise ValueError(f"passage_tokens must be at least 8, got {passage_tokens}")
     text, limit = document.text, passage_tokens * CHARS_PER_TOKEN
@@ -115,35 +115,6 @@ def _cut(text: str, start: int, stop: int, limit: int) -> list[tuple[int, int]]:
         start += cut
     spans.append((start, stop))
     return spans
-
-
-def pdf_page_starts(document: Document, data: bytes) -> list[int] | None:
-    """Where each page of the PDF `data` begins in `document.text` (made from the same bytes by
-    `convert_bytes`), found by reading the pages' text again; None where they cannot all be placed."""
-    import pypdfium2
-
-    from documents.convert import _PDFIUM_LOCK, _clean, _collapse_blank_lines
-
-    with _PDFIUM_LOCK:
-        pdf = pypdfium2.PdfDocument(data)
-        try:
-            page_texts = []
-            for index in range(len(pdf)):
-                page = pdf[index]
-                text_page = page.get_textpage()
-                page_texts.append(_collapse_blank_lines(_clean(text_page.get_text_range())))
-                text_page.close()
-                page.close()
-        finally:
-            pdf.close()
-    starts, cursor = [], 0
-    for page_text in page_texts:
-        found = document.text.find(page_text, cursor) if page_text else cursor
-        if found < 0:
-            return None
-        starts.append(found if starts else 0)
-        cursor = found + len(page_text)
-    return starts
 
 
 def describe_read(name: str, passages: Sequence[Passage]) -> str:

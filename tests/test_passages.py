@@ -4,7 +4,7 @@ import hashlib
 import random
 
 import pytest
-from test_documents import pdf_bytes
+from test_documents import docx_bytes, paragraph, pdf_bytes
 
 from documents import Document, convert_bytes
 from documents.passage_index import PassageIndex
@@ -79,6 +79,28 @@ def test_a_40k_token_pdf_reads_the_planted_page_and_names_it(tmp_path):
     assert reading.description.startswith("report.pdf: pages 1, ") and "[page 57]\n" in reading.document.text
     ranges = [r.split("-") for r in reading.description.split(": pages ")[1].split(", ")]
     assert any(int(r[0]) <= 57 <= int(r[-1]) for r in ranges)
+
+
+def test_a_docx_keeps_the_pages_word_recorded(tmp_path):
+    rng = random.Random(2)
+    pages = [[sentence(rng) for _ in range(6)] for _ in range(12)]
+    pages[8][3] = "The harbour master keeps a cat named Biscuit."
+    rendered_break = '<w:p><w:r><w:lastRenderedPageBreak/><w:t>{}</w:t></w:r></w:p>'
+    body = "".join((rendered_break.format(text) if row == 0 and number > 0 else paragraph(text))
+                   for number, page in enumerate(pages) for row, text in enumerate(page))
+    data = docx_bytes(body, pages=12)
+    document = convert_bytes("minutes.docx", data)
+    index = PassageIndex.open(tmp_path, document, 40, data=data)
+    passages = index.passages()
+    assert {p.page for p in passages} == set(range(1, 13))
+    assert all(p.text.split("\n")[0] in "\n".join(pages[p.page - 1]) for p in passages)  # each on its page
+    reading = read_for_question(index, document, QUESTION, ReadingConfig(passage_tokens=40, budget_tokens=120),
+                                approx_tokens)
+    assert "Biscuit" in reading.document.text and reading.description.startswith("minutes.docx: pages 1, ")
+    assert "9" in reading.description.split(": pages ")[1].replace("-", ", ").split(", ")
+    without_breaks = docx_bytes("".join(paragraph(t) for page in pages for t in page), pages=12)
+    assert {p.page for p in PassageIndex.open(tmp_path / "plain", convert_bytes("plain.docx", without_breaks), 40,
+                                              data=without_breaks).passages()} == {None}  # lines, not guessed pages
 
 
 def test_the_index_is_built_once_per_file_and_rebuilt_when_damaged(tmp_path):
