@@ -85,10 +85,10 @@ def _schema() -> list[str]:
     add_title = f"INSERT INTO {TITLE_INDEX}(title, session_id) VALUES (new.title, new.id);"
     remove_title = f"DELETE FROM {TITLE_INDEX} WHERE session_id = old.id;"
     return [
-        f"CREATE VIEW {MESSAGE_SOURCE} AS SELECT m.id AS id, {_question_sql('m')} AS question, "
-        f"{_names_sql('m')} AS names FROM messages m",
-        f"CREATE VIRTUAL TABLE {MESSAGE_INDEX} USING fts5(question, names, content = '{MESSAGE_SOURCE}', "
-        f"content_rowid = 'id', {_FTS_OPTIONS})",
+        (f"CREATE VIEW {MESSAGE_SOURCE} AS SELECT m.id AS id, {_question_sql('m')} AS question, "
+         f"{_names_sql('m')} AS names FROM messages m"),
+        (f"CREATE VIRTUAL TABLE {MESSAGE_INDEX} USING fts5(question, names, content = '{MESSAGE_SOURCE}', "
+         f"content_rowid = 'id', {_FTS_OPTIONS})"),
         f"CREATE VIRTUAL TABLE {TITLE_INDEX} USING fts5(title, session_id UNINDEXED, {_FTS_OPTIONS})",
         f"CREATE TRIGGER {MESSAGE_INDEX}_insert AFTER INSERT ON messages BEGIN {add} END",
         f"CREATE TRIGGER {MESSAGE_INDEX}_delete AFTER DELETE ON messages BEGIN {remove} END",
@@ -103,6 +103,22 @@ def has_search_index(connection: sqlite3.Connection) -> bool:
     found = connection.execute("SELECT COUNT(*) FROM sqlite_master WHERE type = 'trigger' AND name = ?",
                                [f"{MESSAGE_INDEX}_insert"]).fetchone()[0]
     return bool(found)
+
+
+def drop_search_index(connection: sqlite3.Connection) -> None:
+    """Remove the index, its triggers and its view: the file as a version before the index left it (the next
+    `SessionStore` open builds it again). For tests of old databases, and to rebuild an index from scratch."""
+    with connection:
+        for name, kind in connection.execute(
+                "SELECT name, type FROM sqlite_master WHERE type IN ('trigger', 'view') AND name IN "
+                "(SELECT value FROM json_each(?))", [json.dumps([MESSAGE_SOURCE, *_trigger_names()])]).fetchall():
+            connection.execute(f"DROP {kind.upper()} {name}")
+        for table in INDEX_TABLES:
+            connection.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+def _trigger_names() -> list[str]:
+    return [f"{index}_{event}" for index in INDEX_TABLES for event in ("insert", "delete", "update")]
 
 
 def build_search_index(connection: sqlite3.Connection, progress: ProgressCallback | None = None) -> bool:

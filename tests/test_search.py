@@ -6,7 +6,7 @@ import pytest
 
 from documents import Document, attachment_record, message_with_attachments
 from sessions import SessionStore
-from sessions.search import has_search_index, index_table_names
+from sessions.search import drop_search_index, has_search_index, index_table_names
 from sessions.search_terms import SearchTerms
 
 WORDS = ("river", "mountain", "budget", "recipe", "garden", "invoice", "python", "guitar", "lantern", "meadow")
@@ -128,7 +128,7 @@ def test_a_database_from_before_the_index_is_indexed_on_first_open_with_progress
     store = SessionStore(data)
     ids = add_chats(store, 30, messages=150)
     store.add_message(ids[5], "user", "the lighthouse keeper", 0, 0)
-    _remove_index(store.db.conn)  # the file as an earlier version left it
+    drop_search_index(store.db.conn)  # the file as an earlier version left it
     store.db.conn.close()
 
     reports = []
@@ -146,7 +146,7 @@ def test_an_interrupted_index_build_leaves_the_database_as_it_was(tmp_path):
     data = tmp_path / "data"
     store = SessionStore(data)
     add_chats(store, 10, messages=500)
-    _remove_index(store.db.conn)
+    drop_search_index(store.db.conn)
     store.db.conn.close()
 
     def interrupt(done, total):
@@ -171,12 +171,3 @@ def test_an_import_and_a_write_by_another_program_are_indexed(store, tmp_path):
     store.db.execute("INSERT INTO messages (session_id, role, content, position, token_start, token_end, created, "
                      "attachments) VALUES (?, 'user', 'a telescope', 1, 0, 0, 0, 'not json')", [session_id])
     assert store.search("telescope")[0].session_id == session_id
-
-
-def _remove_index(connection):
-    for name, kind in connection.execute("SELECT name, type FROM sqlite_master WHERE type IN ('trigger', 'view') "
-                                         "AND name LIKE '%search%'").fetchall():
-        connection.execute(f"DROP {kind.upper()} {name}")
-    for table in ("message_search", "title_search"):
-        connection.execute(f"DROP TABLE {table}")
-    connection.commit()
