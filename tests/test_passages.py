@@ -9,7 +9,7 @@ from test_documents import docx_bytes, paragraph, pdf_bytes
 from documents import Document, convert_bytes
 from documents.passage_index import PassageIndex
 from documents.passages import Passage, describe_read, split_passages
-from documents.reading import ReadingConfig, read_for_question
+from documents.reading import ReadingConfig, default_reading, read_for_question, window_note
 
 FACT = "The harbour master's cat is named Biscuit."
 QUESTION = "What is the harbour master's cat named?"
@@ -27,12 +27,14 @@ def approx_tokens(text: str) -> int:
     return len(text) // 4 + 1
 
 
-def long_text(lines: int, fact_line: int, seed: int = 0) -> str:
-    """`lines` lines of filler in paragraphs of five, the fact alone on line `fact_line` (1-based)."""
+def long_text(lines: int, fact_line: int, seed: int = 0, own_paragraph: bool = False) -> str:
+    """`lines` lines of filler in paragraphs of five, the fact on line `fact_line` (1-based), in a paragraph of
+    its own (blank lines around it) when `own_paragraph`."""
     rng = random.Random(seed)
     out = []
     for number in range(1, lines + 1):
-        out.append(FACT if number == fact_line else ("" if number % 6 == 0 else sentence(rng)))
+        blank = number % 6 == 0 or (own_paragraph and abs(number - fact_line) == 1)
+        out.append(FACT if number == fact_line else ("" if blank else sentence(rng)))
     return "\n".join(out)
 
 
@@ -146,3 +148,34 @@ def test_what_was_read_is_described_in_merged_ranges():
     assert describe_read("notes.txt", [at(lines=(1, 12)), at(lines=(840, 850)), at(lines=(852, 861))]) == \
         "notes.txt: lines 1-12, 840-861"
     assert describe_read("a.md", []) == "a.md: nothing"
+
+
+def test_the_card_note_and_the_budget_for_a_model():
+    assert window_note(31_200, room=7_900, window=8_192) == (
+        "31,200 tokens, 3.8x this model's window: the passages nearest each question will be read")
+    assert window_note(5_000, room=7_900, window=8_192) is None  # it fits: read whole, as before
+    small, large = default_reading(8_192, parameters=135_000_000), default_reading(32_768, parameters=8_000_000_000)
+    assert small.budget_tokens < 500 and large.budget_tokens == 3_276
+    with pytest.raises(ValueError):
+        ReadingConfig(passage_tokens=300, budget_tokens=200)
+
+
+def test_the_default_model_answers_from_the_passages_of_a_40k_token_document(tmp_path, real_engine):
+    """Through the real chat path: the chosen passages are attached in place of the whole text. The fact is a
+    short paragraph of its own: the 135M model answers from a short passage, not from one padded with filler
+    (a 48-token passage of the fact and three filler sentences made it answer wrongly)."""
+    from infinigen_core.config import SamplingConfig
+    from sessions import ChatSession, SessionStore
+
+    document = text_document(long_text(2800, fact_line=2213, own_paragraph=True), name="ledger.txt")
+    config = default_reading(real_engine.max_context, parameters=135_000_000)
+    index = PassageIndex.open(tmp_path / "passages", document, config.passage_tokens)
+    count = lambda text: len(real_engine.tokenizer.encode(text, add_special_tokens=False))
+    reading = read_for_question(index, document, QUESTION, config, count)
+    assert reading.tokens <= config.budget_tokens and FACT in reading.document.text
+    store = SessionStore(tmp_path / "data")
+    with ChatSession.open(store, real_engine, store.create("Ledger")) as chat:
+        events = list(chat.send(QUESTION, SamplingConfig(max_new_tokens=12), attachments=[reading.document]))
+    assert "biscuit" in events[-1].full_text.lower()
+    stored = store.messages(chat.id)[0]
+    assert "Biscuit" in stored.content and stored.attachments[0]["name"] == "ledger.txt"
