@@ -3,22 +3,30 @@
     starts = page_starts(document, data)   # [0, 2374, 4822, ...] or None (no pages known: use line numbers)
 
 The converter keeps the text, not the page boundaries, so they are found again from the file's bytes: a
-PDF's pages are read again with the converter's own cleaning and located in order in the text; a DOCX's
-paragraphs are read from word/document.xml with the page breaks Word recorded when it last laid the file
-out (`w:lastRenderedPageBreak`) and the hard ones (`w:br w:type="page"`), and each page starts where its
-first paragraph is found in the text.
+PDF's pages are read again and each is located, in order, by its first words (whatever the converter's
+cleaning did to the spaces and line breaks between them); a DOCX's paragraphs are read from
+word/document.xml with the page breaks Word recorded when it last laid the file out
+(`w:lastRenderedPageBreak`) and the hard ones (`w:br w:type="page"`), and each page starts where its first
+paragraph is found in the text.
 """
 
 from __future__ import annotations
 
 import io
+import re
+import threading
 import zipfile
 from xml.etree import ElementTree
 
 from documents.document import Document
 
 _W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
-_LOCATE_CHARS = 60  # a paragraph is found by its beginning: enough to be unique, short enough to survive layout
+_LOCATE_WORDS = 12  # a page or paragraph is found by its first words: enough to be unique in order
+_WORD = re.compile(r"[^\W_]+")
+try:  # where PDFium runs in this process for conversions too, share the converter's lock (it is not thread-safe)
+    from documents.convert import _PDFIUM_LOCK
+except ImportError:  # conversions run elsewhere (an isolated process): a lock for this module's own use
+    _PDFIUM_LOCK = threading.Lock()
 
 
 def page_starts(document: Document, data: bytes | None) -> list[int] | None:
@@ -33,11 +41,9 @@ def page_starts(document: Document, data: bytes | None) -> list[int] | None:
 
 
 def pdf_page_starts(document: Document, data: bytes) -> list[int] | None:
-    """Where each page of the PDF `data` begins in `document.text` (made from the same bytes by
-    `convert_bytes`), found by reading the pages' text again; None where they cannot all be placed."""
+    """Where each page of the PDF `data` begins in `document.text` (made from the same bytes by the
+    converter), found by reading the pages' text again; None where they cannot all be placed."""
     import pypdfium2
-
-    from documents.convert import _PDFIUM_LOCK, _clean, _collapse_blank_lines
 
     with _PDFIUM_LOCK:
         pdf = pypdfium2.PdfDocument(data)
@@ -46,19 +52,29 @@ def pdf_page_starts(document: Document, data: bytes) -> list[int] | None:
             for index in range(len(pdf)):
                 page = pdf[index]
                 text_page = page.get_textpage()
-                page_texts.append(_collapse_blank_lines(_clean(text_page.get_text_range())))
+                page_texts.append(text_page.get_text_range())
                 text_page.close()
                 page.close()
         finally:
             pdf.close()
     starts, cursor = [], 0
     for page_text in page_texts:
-        found = document.text.find(page_text, cursor) if page_text else cursor
-        if found < 0:
+        found = _find_words(document.text, page_text, cursor)
+        if found is None:
             return None
         starts.append(found if starts else 0)
-        cursor = found + len(page_text)
+        cursor = found
     return starts
+
+
+def _find_words(text: str, piece: str, cursor: int) -> int | None:
+    """Where the first words of `piece` stand in `text` from `cursor` on, whatever whitespace, line breaks or
+    control characters the converter's cleaning changed between them (`cursor` for a piece with no words)."""
+    words = _WORD.findall(piece)[:_LOCATE_WORDS]
+    if not words:
+        return cursor
+    found = re.compile(r"\W+".join(map(re.escape, words))).search(text, cursor)
+    return found.start() if found else None
 
 
 def docx_page_starts(document: Document, data: bytes) -> list[int] | None:
@@ -72,12 +88,12 @@ def docx_page_starts(document: Document, data: bytes) -> list[int] | None:
         return None
     starts, cursor = [0], 0
     for page, text in paragraphs:
-        found = document.text.find(text[:_LOCATE_CHARS], cursor) if text else -1
-        if found < 0:
+        found = _find_words(document.text, text, cursor) if text else None
+        if found is None:
             continue
         while len(starts) < page:  # pages with no text of their own start where the next one does
             starts.append(found)
-        cursor = found + min(len(text), _LOCATE_CHARS)
+        cursor = found
     return starts if len(starts) > 1 else None
 
 
