@@ -7,6 +7,8 @@
     python -m bench api --context 5000 --rounds 2   # through the app's OpenAI API, restarting it
     python -m bench page --rounds 3                 # a reply's tokens/s with the page open vs without
     python -m bench documents --json                # a chat about an attached file, again, after a restart
+    python -m bench search                          # search over 2,000 saved chats: median ms, index size
+    python -m bench reading                         # which reading budget answers from a 40k-token document
 
 Progress and loading messages go to stderr; the table goes to stdout, then (with --json) one JSON line.
 """
@@ -168,12 +170,31 @@ def build_parser() -> argparse.ArgumentParser:
     documents.add_argument("--json", action="store_true")
     documents.add_argument("--save", type=Path)
 
+    _library_commands(commands)
+
     plot = commands.add_parser("plot", help="PNG plots from results saved with --save")
     plot.add_argument("--results", type=Path, required=True, help="directory of saved JSON results")
     plot.add_argument("--out", type=Path, default=Path("docs/plots"))
     plot.add_argument("--json", action="store_true")
     plot.add_argument("--save", type=Path)
     return parser
+
+
+def _library_commands(commands) -> None:
+    """The saved-chat search and the long-document reading benchmarks (issue 32)."""
+    search = commands.add_parser("search", help="full-text search over many saved chats: query time, index size")
+    search.add_argument("--sessions", type=int, default=2000)
+    search.add_argument("--messages", type=int, default=50, help="messages per session (default 50)")
+    search.add_argument("--queries", type=int, default=200)
+    search.add_argument("--json", action="store_true")
+    search.add_argument("--save", type=Path)
+
+    reading = commands.add_parser("reading", help="answers from a document longer than the window, per reading "
+                                  "budget (passages chosen by BM25)")
+    reading.add_argument("--tokens", type=int, default=40_000, help="tokens of the document (default 40000)")
+    reading.add_argument("--configs", default=None, help="passage:budget token pairs, comma-separated")
+    reading.add_argument("--json", action="store_true")
+    reading.add_argument("--save", type=Path)
 
 
 def _load_engine(args):
@@ -395,6 +416,25 @@ def run_documents(args) -> tuple[str, dict]:
     return format_table([row], list(row)), row
 
 
+def run_search(args) -> tuple[str, dict]:
+    from .search import measure
+
+    if min(args.sessions, args.messages, args.queries) < 1:
+        raise EvalError("--sessions, --messages and --queries must be at least 1")
+    row = measure(args.sessions, args.messages, args.queries, show=_log)
+    return format_table([row], list(row)), row
+
+
+def run_reading(args) -> tuple[str, dict]:
+    from .reading import DEFAULT_CONFIGS, measure
+
+    try:
+        rows = measure(args.tokens, args.configs or DEFAULT_CONFIGS, show=_log)
+    except ValueError as error:
+        raise EvalError(f"--configs: {error}") from None
+    return format_table(rows, list(rows[0])), {"rows": rows}
+
+
 def run_plot(args) -> tuple[str, dict]:
     from .plots import make_plots
 
@@ -406,7 +446,8 @@ def run_plot(args) -> tuple[str, dict]:
 
 RUNNERS = {"ppl": run_ppl, "agree": run_agree, "weights": run_weights, "recall": run_recall, "speed": run_speed, "sweep": run_sweep,
            "resume": run_resume, "gpu": run_gpu, "api": run_api, "page": run_page,
-           "documents": run_documents, "plot": run_plot}
+           "documents": run_documents, "search": run_search,
+           "reading": run_reading, "plot": run_plot}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,11 @@
     store = SessionStore()                      # ~/.local/share/infinigen-chat/sessions.db
     session_id = store.create("Trip planning", system_prompt="You are concise.")
     for summary in store.list(): print(summary.title, summary.token_count)
+    for hit in store.search("paris train"): print(hit.title, hit.snippet)   # full-text, newest first
+
+The database keeps its own full-text index of titles, messages and attachment names (sessions/search.py):
+SQLite triggers update it in the same transaction as every write, and a database saved before it existed
+gets it on its first open (`SessionStore(..., index_progress=callback)` reports that build's progress).
 
 Chunk files live beside the database (kv/<session>/...). A branch shares its parent's chunk files; a
 file is removed only when no session refers to it any more. `store.storage` says in which format new
@@ -30,6 +35,7 @@ import sqlite_utils
 from .errors import SessionError, SessionNotFoundError
 from .lock import session_lock
 from .paths import default_data_dir
+from .search import ProgressCallback, SearchHit, build_search_index, index_table_names, search_sessions
 from .snapshots import ChunkRecord
 from .storage import StorageConfig
 
@@ -86,7 +92,8 @@ class Message:
 
 
 class SessionStore:
-    def __init__(self, data_dir: Path | str | None = None, storage: StorageConfig | None = None) -> None:
+    def __init__(self, data_dir: Path | str | None = None, storage: StorageConfig | None = None,
+                 index_progress: ProgressCallback | None = None) -> None:
         self.data_dir = Path(data_dir).expanduser() if data_dir else default_data_dir()
         self.storage = storage or StorageConfig()
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -102,6 +109,7 @@ class SessionStore:
             self.db.execute("PRAGMA synchronous=FULL")
             self._create_tables()
             self._add_later_columns()
+            build_search_index(connection, index_progress)  # only a database from before the index needs it
         except sqlite3.DatabaseError as error:
             if connection is not None:
                 connection.close()
@@ -130,7 +138,7 @@ class SessionStore:
         if damage != "ok":
             raise sqlite3.DatabaseError(damage)
         tables = set(self.db.table_names())
-        strangers = {t for t in tables if not t.startswith("sqlite_")} - set(_TABLES)
+        strangers = {t for t in tables if not t.startswith("sqlite_")} - set(_TABLES) - index_table_names()
         if strangers:
             raise sqlite3.DatabaseError(f"it holds other tables ({', '.join(sorted(strangers)[:3])})")
         for table in tables & set(_TABLES):
@@ -176,6 +184,12 @@ class SessionStore:
             message_count=row["message_count"], bytes_on_disk=row["kv_bytes"], kv_tokens=row["kv_tokens"],
             last_used=row["last_used"], kv_dropped=bool(row["kv_dropped"]), origin=row["origin"],
         )
+
+    @_locked
+    def search(self, text: str, limit: int = 50) -> list[SearchHit]:
+        """Sessions whose title, messages or attachment names hold every word of `text` (the last word may be
+        unfinished), most recently changed first; any text is safe (no query syntax reaches SQLite)."""
+        return search_sessions(self.db.conn, text, limit)
 
     @_locked
     def touch(self, session_id: str) -> None:

@@ -9,6 +9,7 @@ import pytest
 from documents import attachment_card, convert_bytes, displayed_message, message_with_attachments, question_of
 from infinigen_core.config import SamplingConfig
 from sessions import ChatSession, SessionStore
+from sessions.search import drop_search_index
 
 SHORT = SamplingConfig(max_new_tokens=4)
 # about 500 tokens of plain text, the same bytes every time
@@ -67,6 +68,7 @@ def test_a_database_from_before_the_attachments_column_opens_and_gains_it(tmp_pa
     store = SessionStore(tmp_path)
     old = store.create("older chat")
     store.add_message(old, "user", "hello", 0, 3)
+    drop_search_index(store.db.conn)  # that version had no search index either (its view reads the column)
     store.db.execute("ALTER TABLE messages DROP COLUMN attachments")  # as an earlier version wrote it
     store.db.conn.close()
     reopened = SessionStore(tmp_path)
