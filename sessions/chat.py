@@ -17,10 +17,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from infinigen_core import chat_token_ids, generate, GenerationEvent, SamplingConfig
-from infinigen_core.prefix import common_prefix_length
-
 from documents import Document, attachment_record, attachment_text, message_with_attachments
+from infinigen_core import GenerationEvent, SamplingConfig, chat_token_ids, generate
+from infinigen_core.prefix import common_prefix_length
 
 from .budget import enforce_disk_limit
 from .errors import ContextWindowError, SessionError
@@ -29,7 +28,9 @@ from .snapshots import ChunkError, ChunkRecord, read_chunk, resign_chunk, write_
 from .store import Message, SessionStore
 
 Progress = Callable[[int, int], None]
-REPLY_RESERVE_TOKENS = 64  # room the next reply needs at least, counted when checking the window
+# room the next reply needs at least: the one reserve of the one window rule (WindowCheck.of), which the page
+# and the API both apply, so a message near the window's edge gets the same answer from both
+REPLY_RESERVE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,24 @@ class WindowCheck:
     window: int
     droppable_turns: int
 
+    @classmethod
+    def of(cls, prompt_tokens: int, window: int, user_turns: int) -> "WindowCheck":
+        """The window rule: the prompt and a short reply (REPLY_RESERVE_TOKENS) fit the model's window."""
+        needed = prompt_tokens + REPLY_RESERVE_TOKENS
+        return cls(needed <= window, needed, window, max(user_turns - 1, 0))
+
+    def explain(self, attached: bool = False) -> str:
+        """Why the message cannot be sent, by how much, and what to do instead: the one wording of both faces."""
+        over = self.needed_tokens - self.window
+        if attached:
+            return (f"This message with its attachments needs {self.needed_tokens:,} tokens (with room for a short "
+                    f"reply), {over:,} more than the model's window of {self.window:,}. Attach a smaller part of "
+                    f"the file (about {over:,} tokens less), start a new session, or load a model with a longer "
+                    f"window. Nothing was read or sent.")
+        return (f"This message would bring the conversation to {self.needed_tokens:,} tokens (with room for a short "
+                f"reply), {over:,} beyond the model's window of {self.window:,}. Start a new session, or drop the "
+                f"oldest turns ({self.droppable_turns} can go; the system prompt stays). Nothing was sent.")
+
 
 def conversation(system: str, turns: list[tuple[str, str]]) -> list[dict]:
     """(role, content) turns after the system prompt (when there is one), as the chat template takes them."""
@@ -56,15 +75,15 @@ def conversation(system: str, turns: list[tuple[str, str]]) -> list[dict]:
 
 
 def reply_prompt_ids(tokenizer, turns: list[dict], window: int) -> list[int]:
-    """`turns` templated for the model's reply, which must fit the window with one token at least; raises
+    """`turns` templated for the model's reply, which must fit the window with room for a short reply; raises
     ContextWindowError (its check says how many turns could go).
 
         ids = reply_prompt_ids(engine.tokenizer, conversation("Be brief.", [("user", "Hi")]), engine.max_context)
     """
     prompt_ids = chat_token_ids(tokenizer, turns, add_generation_prompt=True)
-    if len(prompt_ids) + 1 > window:
-        users = sum(1 for turn in turns if turn["role"] == "user")
-        raise ContextWindowError(WindowCheck(False, len(prompt_ids) + 1, window, max(users - 1, 0)))
+    check = WindowCheck.of(len(prompt_ids), window, sum(1 for turn in turns if turn["role"] == "user"))
+    if not check.fits:
+        raise ContextWindowError(check)
     return prompt_ids
 
 
@@ -218,10 +237,9 @@ class ChatSession:
 
     def check_window(self, text: str = "", messages: list[Message] | None = None) -> WindowCheck:
         """Whether a user message `text` and a short reply fit the model's window."""
-        needed = len(self._conversation_ids(messages, text, generation_prompt=True)) + REPLY_RESERVE_TOKENS
+        prompt = len(self._conversation_ids(messages, text, generation_prompt=True))
         history = self.messages if messages is None else messages
-        turns = sum(1 for m in history if m.role == "user")
-        return WindowCheck(needed <= self.engine.max_context, needed, self.engine.max_context, max(turns - 1, 0))
+        return WindowCheck.of(prompt, self.engine.max_context, sum(1 for m in history if m.role == "user"))
 
     def drop_oldest_turns(self, text: str = "") -> int:
         """Forget the oldest turns (never the system prompt) until `text` fits; returns how many went."""
@@ -259,7 +277,7 @@ class ChatSession:
             raise SessionError("the message is empty: type something first")
         check = self.check_window(text)
         if not check.fits:
-            raise ContextWindowError(check)
+            raise ContextWindowError(check, attached=bool(attachments))
         prompt_ids = self._conversation_ids(extra_user=text, generation_prompt=True)
         start = len(self._conversation_ids()) if self.messages or self.system_prompt else 0
         self.store.add_message(self.id, "user", text, start, len(prompt_ids), records)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
-from PIL import Image
 import psutil
 import torch
+from PIL import Image
 
 MiB = 2**20
 
