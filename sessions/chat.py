@@ -24,7 +24,8 @@ from infinigen_core.prefix import common_prefix_length
 from .budget import enforce_disk_limit
 from .errors import ContextWindowError, SessionError
 from .lock import SessionLock, session_lock
-from .snapshots import ChunkError, ChunkRecord, read_chunk, resign_chunk, write_chunk
+from .restore import ChunkChoice, missing_cache, read_chunks, which_chunks
+from .snapshots import ChunkError, ChunkRecord, read_chunk, write_chunk
 from .store import Message, SessionStore
 
 Progress = Callable[[int, int], None]
@@ -40,6 +41,21 @@ class RestoreReport:
     seconds: float
     rebuilt: bool
     reason: str  # why the pool was rebuilt ("" when it was not)
+
+
+@dataclass
+class NewMessage:
+    """A message about to be stored: who said it, what, the token span it takes in the templated conversation,
+    and its attachments' records (the store takes it as a row)."""
+
+    role: str
+    content: str
+    token_start: int
+    token_end: int
+    attachments: list[dict]
+
+    def row(self) -> tuple:
+        return self.role, self.content, self.token_start, self.token_end, self.attachments
 
 
 @dataclass(frozen=True)
@@ -140,68 +156,34 @@ class ChatSession:
         return up_to - record.start
 
     def _restore(self, progress: Progress | None) -> RestoreReport:
+        """Read back the chunks this model can use, then re-read what they do not hold."""
         started = time.perf_counter()
         engine, signature = self.engine, self.engine.kv_signature()
         engine.reset()
         self.store.remove_leftovers(self.id)
-        stored = self.store.kv_signature(self.id)
-        if stored in engine.legacy_kv_signatures():
-            self._take_over_legacy_chunks(stored, signature)
-            stored = signature
-        problem = ""
-        if self.store.chunks(self.id) and stored != signature:
-            # another model (or dtype) wrote them: set them aside for when it comes back, never drop them
-            self.store.park_chunks(self.id)
-            problem = ("the conversation was last read by another model or precision (its KV cache is kept for "
-                       "when you switch back), so this model reads it anew")
-        unparked = not self.store.chunks(self.id) and self.store.unpark_chunks(self.id, signature) > 0
-        if unparked:
-            problem = ""  # this model's own cache from an earlier visit
-        records = self.store.chunks(self.id)
-        tensors, expected_start = [], 0
-        for record in records:
-            try:
-                if record.start != expected_start:
-                    raise ChunkError(f"chunk {expected_start}-{record.start} is missing")
-                tensors.append(read_chunk(self.store.data_dir, record, signature))
-            except ChunkError as error:
-                problem = str(error)
-                break
-            expected_start = record.end
-            if progress is not None:
-                progress(expected_start, records[-1].end)
+        choice = which_chunks(self.store, self.id, engine)
+        tensors, read_up_to, problem = read_chunks(self.store, choice, signature, progress)
         if problem:
-            self.store.drop_chunks_from(self.id, expected_start if tensors else -1)
+            self.store.drop_chunks_from(self.id, read_up_to if tensors else -1)
         restored = engine.import_rows(tensors) if tensors else 0
         del tensors  # views of the mapped files: let the mappings go
         self._saved_ids = list(engine.token_ids)
-        summary = self.store.get(self.id)
-        # (a cache brought back from an earlier visit is measured against the conversation below, not against
-        # the token count that the other model wrote)
-        if not problem and not unparked and summary.message_count and restored < max(summary.token_count, 1):
-            problem = ("its KV cache was dropped to stay within the disk limit" if summary.kv_dropped
-                       else "its KV cache was not on disk")
-        prefilled = 0
-        wanted = self._conversation_ids() if self.messages else []
-        # re-read what the cache lacks: everything after a problem, or, for a cache brought back from an earlier
-        # visit of this model, what was said under another model since (the common prefix is kept)
-        if wanted and (problem or (unparked and wanted != engine.token_ids)):
-            before = engine.num_tokens
-            engine.sync_to(wanted[: engine.max_context], progress)
-            prefilled = engine.num_tokens - min(before, engine.num_tokens)
-            self._persist_new_rows()
+        problem = problem or missing_cache(self.store, self.id, restored, choice)
+        prefilled = self._reread(problem, choice, progress)
         return RestoreReport(restored, prefilled, time.perf_counter() - started, bool(problem), problem)
 
-    def _take_over_legacy_chunks(self, old: dict[str, str], new: dict[str, str]) -> None:
-        """Chunks an earlier version saved for this same model under its older fingerprint: each is checked
-        and rewritten under the current signature, so the session restores instead of being re-read."""
-        written: list[ChunkRecord] = []
-        for record in self.store.chunks(self.id):
-            try:
-                written.append(resign_chunk(self.store.data_dir, self.id, record, old, new))
-            except ChunkError:  # damaged or missing: keep the intact chunks before it; the rest is re-read
-                break
-        self.store.replace_chunks(self.id, written, new)
+    def _reread(self, problem: str, choice: ChunkChoice, progress: Progress | None) -> int:
+        """Re-read what the cache lacks: everything after a problem, or, for a cache brought back from an
+        earlier visit of this model, what was said under another model since (the common prefix is kept).
+        Returns the tokens read."""
+        engine = self.engine
+        wanted = self._conversation_ids() if self.messages else []
+        if not wanted or not (problem or (choice.unparked and wanted != engine.token_ids)):
+            return 0
+        before = engine.num_tokens
+        engine.sync_to(wanted[: engine.max_context], progress)
+        self._persist_new_rows()
+        return engine.num_tokens - min(before, engine.num_tokens)
 
     # ------------------------------------------------------------------ conversation
     @property
@@ -290,21 +272,20 @@ class ChatSession:
         whole conversation. Checked against the window first; the messages are stored in one transaction.
         `documents`, per turn where given, are the files whose text its content holds (kept as its cards)."""
         tokenizer = self.engine.tokenizer
-        turns_so_far, rows = self._conversation(), []
+        turns_so_far, new = self._conversation(), []
         end = len(self._conversation_ids()) if turns_so_far else 0
-        for role, content in turns:
+        for index, (role, content) in enumerate(turns):
             if role not in ("user", "assistant"):
                 raise SessionError(f"a stored message is from the user or the assistant, not {role!r}")
             turns_so_far.append({"role": role, "content": content})
             start, end = end, len(chat_token_ids(tokenizer, turns_so_far, add_generation_prompt=False))
-            rows.append([role, content, start, end, ()])
-        for row, attached in zip(rows, documents):
-            row[4] = self._records(attached)
+            attached = self._records(documents[index]) if index < len(documents) else []
+            new.append(NewMessage(role, content, start, end, attached))
         prompt_ids = reply_prompt_ids(tokenizer, turns_so_far, self.engine.max_context)
-        if rows and rows[-1][0] == "user":
-            rows[-1][3] = len(prompt_ids)  # like `send`: a user message's span ends after the reply's opening
-        if rows:
-            self.store.add_messages(self.id, [tuple(row) for row in rows])
+        if new and new[-1].role == "user":
+            new[-1].token_end = len(prompt_ids)  # like `send`: a user message's span ends after the reply's opening
+        if new:
+            self.store.add_messages(self.id, [message.row() for message in new])
         yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress)
 
     def regenerate(self, sampling: SamplingConfig = SamplingConfig(), cancel=None,
