@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from documents import Document, displayed_message
+from documents import Document, attachment_record, displayed_message, message_with_attachments
 from infinigen_core import GenerationEvent
 from sessions import ChatSession, SessionError
 
@@ -30,13 +30,19 @@ class PageTurns:
     def __init__(self, pages: PageSessions) -> None:
         self.pages = pages
         self.turns, self.open, self.store, self.settings = pages.turns, pages.open, pages.store, pages.settings
+        self.waiting_for_model = 0  # messages sent while the model loads, sent once it is ready
 
     def send(self, text: str, attachments: Sequence[Document] = ()) -> Iterator[list[dict]]:
         """Send `text` after the attached documents' text. A new session's first message starts from the
-        longest token prefix another session stored (a document read before is not read again)."""
+        longest token prefix another session stored (a document read before is not read again). A message sent
+        while the model loads is shown at once and sent when the model is ready."""
         text = text or ""
         if not text.strip() and not attachments:
             raise UserError("The message is empty: type something first.")
+        shown_while_waiting = not self.pages.host.ready.is_set()
+        if shown_while_waiting:
+            yield self._shown_waiting(text, attachments)
+            self._wait_for_model()
         chat = self.pages.require_chat()
         content, records = chat.user_message(text, tuple(attachments))
         check = chat.check_window(content)
@@ -51,8 +57,22 @@ class PageTurns:
             return chat.send(text, self._sampling(), self.turns.cancel, progress, attachments=tuple(attachments))
 
         # the message shows at once, before the model has read it (a long document takes a while)
-        yield from self._run(generate, self.pages.chat_history() + [{"role": "user",
-                                                                     "content": displayed_message(content, records)}])
+        shown = self.pages.chat_history() + [{"role": "user", "content": displayed_message(content, records)}]
+        yield from self._run(generate, None if shown_while_waiting else shown)
+
+    @staticmethod
+    def _shown_waiting(text: str, attachments: Sequence[Document]) -> list[dict]:
+        """The message as shown while it waits for the model (which opens the latest session once loaded)."""
+        records = [attachment_record(document) for document in attachments]
+        return [{"role": "user", "content": displayed_message(message_with_attachments(text.strip(), attachments),
+                                                              records)}]
+
+    def _wait_for_model(self) -> None:
+        self.waiting_for_model += 1  # the status line says so
+        try:
+            self.pages.host.ready.wait()
+        finally:
+            self.waiting_for_model -= 1
 
     def regenerate(self) -> Iterator[list[dict]]:
         self.pages.require_chat()

@@ -168,10 +168,13 @@ def test_the_page_shows_a_message_at_once_and_a_turn_that_fails_leaves_it_in_the
     try:
         _settings(service, max_new_tokens=3)
         updates = actions.send("Hello")
-        history, box, note = next(updates)  # before the model has read it
+        history, box, note, _status, sessions = next(updates)  # before the model has read it
         assert history == [{"role": "user", "content": "Hello"}] and box == gr.skip() and note == gr.skip()
+        assert sessions == gr.skip()
         rest = list(updates)
         assert rest[0][1] == EMPTY_BOX  # emptied once the turn started
+        assert rest[0][4]["choices"][0][0].startswith("Hello · ")  # the session list shows its new title at once
+        assert any(status != gr.skip() and "Ready" not in status for *_, status, _ in rest)  # the turn's phase
         assert [m["role"] for m in rest[-1][0]] == ["user", "assistant"] and rest[-1][0][1]["content"]
 
         def refuse(*args, **kwargs):
@@ -180,7 +183,7 @@ def test_the_page_shows_a_message_at_once_and_a_turn_that_fails_leaves_it_in_the
         monkeypatch.setattr(ChatSession, "send", refuse)
         updates = actions.send("Again")
         assert next(updates)[0][-1] == {"role": "user", "content": "Again"}
-        history, box, _ = next(updates)  # the turn failed: the chat as stored, the box left as it was
+        history, box, *_ = next(updates)  # the turn failed: the chat as stored, the box left as it was
         assert history == rest[-1][0] and box == gr.skip()
         with pytest.raises(gr.Error, match="the disk is full"):
             next(updates)

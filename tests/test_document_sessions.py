@@ -159,7 +159,7 @@ def test_the_page_attaches_files_refuses_bad_ones_and_starts_a_new_chat_about_th
         with pytest.raises(gr.Error, match="broken.pdf"):
             list(actions.send({"text": "And this?", "files": [str(bad)]}))
         assert controller.open_sessions.page.id == session and len(controller.open_sessions.page.messages) == messages  # nothing stored
-        *_, (history, box, _) = actions.send({"text": "How many ships?", "files": [str(good)]})
+        *_, (history, box, *_) = actions.send({"text": "How many ships?", "files": [str(good)]})
         assert history[0]["content"].startswith("📄 harbour log.txt · 24 lines ·") and box["files"] == []
         history, _, info = actions.file_chat()
         assert controller.open_sessions.page.id != session and history == [] and "Attached again" in info

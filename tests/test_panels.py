@@ -105,13 +105,19 @@ def test_timing_table_splits_the_mean_step(data):
     assert caption == "12.5 tokens/s; context 42 / 8,192 tokens"
 
 
-def test_views_before_any_decode_step_are_empty_and_say_so():
+def test_views_before_any_decode_step_say_so_and_hold_no_missing_number():
     engine = FakeEngine()
     engine.history = engine.history[:1]
     views = panels.panel_views(panels.collect(engine))
-    assert views["fetch"][0].empty and views["timing"][0].empty
+    fetch, timing = views["fetch"][0], views["timing"][0]
+    # every layer and every part at 0: an empty table would make Vega label its axis and legend NaN, -Infinity
+    assert fetch["layer"].tolist() == [0, 1, 2] * 2 and set(fetch["fetched / context"]) == {0.0}
+    assert timing["part"].tolist() == ["speculate", "fetch wait", "attention", "rest of the model"]
+    assert set(timing["ms per decode step"]) == {0.0}
+    assert not fetch.isna().any().any() and not timing.isna().any().any()
     assert "<img" not in views["sparsity"][0] and "no decode step yet" in views["sparsity"][0]
     assert views["fetch"][1] == views["sparsity"][1] == "no decode step yet"
+    assert views["timing"][1].startswith("no decode step yet; context")
 
 
 # ------------------------------------------------------------------------------------ the tick

@@ -125,7 +125,8 @@ class ChatPage:
             self.regenerate_button = gr.Button("Regenerate")
             self.edit_button = gr.Button("Replace last message with this text")
             self.drop_button = gr.Button("Drop oldest turns")
-            self.file_chat_button = gr.Button("New chat about this file", elem_id="ig-file-chat")
+            # shown once the open session holds a file (refresh_sessions)
+            self.file_chat_button = gr.Button("New chat about this file", elem_id="ig-file-chat", visible=False)
         with gr.Accordion("System prompt", open=False):
             self.system_box = gr.Textbox(label="System prompt", lines=2)
             self.system_button = gr.Button("Set system prompt")
@@ -209,8 +210,8 @@ class ChatPage:
     def _then_refresh(self, event, **options):
         """After `event`, the sidebar shows the sessions as they are now, and the status line the app's state."""
         return event.then(self.actions.refresh_sessions, None, [self.session_picker, self.title_box,
-                                                                self.system_box, self.session_info, self.status],
-                          **options)
+                                                                self.system_box, self.session_info, self.status,
+                                                                self.file_chat_button], **options)
 
     def _bind(self, demo: gr.Blocks) -> None:
         # scripts and tests (gradio_client, logged in with the key when the app has one) may call the events
@@ -219,7 +220,7 @@ class ChatPage:
         act = self.actions
         hidden: dict[str, Any] = {"api_name": False}
         private: dict[str, Any] = {"api_visibility": "private"}
-        chat_and_box = [self.chatbot, self.message, self.attachment_info]
+        chat_and_box = [self.chatbot, self.message, self.attachment_info, self.status, self.session_picker]
         # every event that streams a reply: no progress animation over the chat, which would redraw the page at
         # every frame on the cores the model decodes on (the chat shows the turn, the status line the model)
         replying: dict[str, Any] = {"show_progress": "hidden"}

@@ -120,41 +120,57 @@ class PageActions:
         current = chat.id if chat is not None else None
         summaries = self.service.store.list()
         summary = find(summaries, current)
+        has_file = chat is not None and any(message.attachments for message in chat.messages)
         return gr.update(choices=session_choices(summaries), value=current), \
             (summary.title if summary else ""), (summary.system_prompt if summary else ""), \
-            session_details(summary), status_text(self.service)
+            session_details(summary), status_text(self.service), gr.update(visible=has_file)
+
+    def _session_picker(self):
+        """The session list as it is now (a turn that has just started has stored its message and title)."""
+        chat = self.service.open_sessions.page
+        return gr.update(choices=session_choices(self.service.store.list()), value=chat.id if chat else None)
 
     def history(self) -> list[dict]:
         return self.service.pages.chat_history()
 
     # ---------------------------------------------------------------- turns
     @shows_errors
-    def send(self, value) -> Iterator[tuple[list[dict], dict, str]]:
-        """The message box's text and files ({"text", "files"}; a plain string from scripts)."""
+    def send(self, value) -> Iterator[tuple]:
+        """The message box's text and files ({"text", "files"}; a plain string from scripts). Yields the chat,
+        the box, the attachments' note, the status line and the session list, each gr.skip() when unchanged."""
         value = {"text": value, "files": []} if isinstance(value, str) or value is None else value
         documents = self.documents(value)
-        # the first update shows the message before the model reads it; the box is emptied (once) by the
-        # second, when the turn has started: a turn refused before then leaves the message where it was
-        updates = 0
+        # the first update shows the message before the model reads it (or while it waits for the model to load);
+        # the box is emptied (once) by the second, when the turn has started: a turn refused before then leaves
+        # the message where it was. The status line follows the turn's phase (reading, replying) as it changes,
+        # and the session list shows the new message's session at once
+        skip, updates, phase = gr.skip(), 0, None
         try:
             for history in self.service.page_turns.send(value.get("text") or "", documents):
                 updates += 1
+                status, phase = self._status_on_change(phase)
                 if updates == 2:
                     self.pending = []
-                    yield history, EMPTY_BOX, ""
+                    yield history, EMPTY_BOX, "", status, self._session_picker()
                 else:
-                    yield history, gr.skip(), gr.skip()
+                    yield history, skip, skip, status, skip
         except UserError:
             if updates == 1:  # the message was shown but not sent: the chat as it is, the box as it was
-                yield self.history(), gr.skip(), gr.skip()
+                yield self.history(), skip, skip, skip, skip
             raise
-        sent = updates >= 2
-        if documents and sent:
-            yield history, EMPTY_BOX, self.tokens_read_note()
+        if documents and updates >= 2:
+            yield history, EMPTY_BOX, self.tokens_read_note(), skip, skip
+
+    def _status_on_change(self, shown_phase: str | None) -> tuple[object, str]:
+        """The status line when the turn's phase differs from `shown_phase` (else gr.skip()), and the phase."""
+        phase = self.service.turns.progress.phase
+        if self.service.page_turns.waiting_for_model:
+            phase = "waiting"
+        return (status_text(self.service) if phase != shown_phase else gr.skip()), phase
 
     def send_text(self, text: str) -> Iterator[tuple[list[dict], str]]:
         """`/send` for scripts: a plain message in, (history, "") out, as before the box took files."""
-        for history, _box, _note in self.send(text):
+        for history, *_ in self.send(text):
             yield history, ""
 
     def edit_text(self, text: str) -> Iterator[tuple[list[dict], str]]:

@@ -51,7 +51,9 @@ def _time_left(progress) -> str:
 def status_text(service: ChatService) -> str:
     host = service.host
     if host.engine is None:
-        return f"**Starting:** {host.status}"
+        waiting = service.page_turns.waiting_for_model
+        note = (" Your message waits for the model; it is sent as soon as the model is ready." if waiting else "")
+        return f"**Starting:** {host.status}{note}"
     progress = service.turns.progress
     if progress.phase == "restore":
         return f"**Opening the session:** {progress.done:,} / {progress.total:,} tokens of KV cache..."
