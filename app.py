@@ -22,21 +22,22 @@ def main(argv: list[str] | None = None) -> int:
         # Nothing to fetch, so nothing is fetched: set before transformers or huggingface_hub read it. A hub
         # id on the command line may download (unless the user set HF_HUB_OFFLINE=1 themselves).
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from chat_service import ChatService
     from sessions import SessionError
-    from ui.controller import ChatController
-    from ui.layout import CSS, build_app
+    from ui.layout import CSS, ChatPage
 
     try:
-        controller = ChatController(args.data_dir, args.model, args.device, quantize=args.quantize,
-                                    storage=args.storage)
+        service = ChatService(args.data_dir, args.model, args.device, quantize=args.quantize,
+                              storage=args.storage)
     except (OSError, SessionError) as error:
         print(f"error: cannot use the data directory: {error}", file=sys.stderr)
         return 2
-    controller.host.weights = args.weights
-    controller.host.compile_decode = args.compile_decode
-    controller.host.cpu_kernels = args.cpu_kernels
-    controller.load_in_background(progress=lambda message: print(message, flush=True))
-    demo = build_app(controller)
+    service.host.weights = args.weights
+    service.host.compile_decode = args.compile_decode
+    service.host.cpu_kernels = args.cpu_kernels
+    service.load_in_background(progress=lambda message: print(message, flush=True))
+    page = ChatPage(service)
+    demo = page.build()
     from starlette.middleware import Middleware
 
     from ui.guard import PageGuard, login_with_key
@@ -44,20 +45,20 @@ def main(argv: list[str] | None = None) -> int:
 
     # the key guards the page (Gradio's login: any user name, the key as password), Gradio's routes and /v1;
     # the page's HTML gets a script that runs before Gradio's (head_script.py)
-    app_kwargs = {"middleware": [Middleware(PageGuard, key=args.api_key), Middleware(HeadScript)]}
+    app_kwargs: dict[str, list] = {"middleware": [Middleware(PageGuard, key=args.api_key), Middleware(HeadScript)]}
     auth = login_with_key(args.api_key) if args.api_key else None
     if args.api:  # routes given to the app's constructor exist before the server takes its first request
         from ui.api import ApiOptions, api_routes
 
-        app_kwargs["routes"] = api_routes(controller, ApiOptions(args.api_key, args.api_max_waiting))
+        app_kwargs["routes"] = api_routes(service, ApiOptions(args.api_key, args.api_max_waiting))
     try:
         demo.queue(default_concurrency_limit=1).launch(
             server_name=args.host, server_port=args.port, share=args.share, ssr_mode=False, css=CSS,
-            allowed_paths=[str(demo.export_dir)], show_error=True, quiet=True, prevent_thread_lock=True,
+            allowed_paths=[str(page.export_dir)], show_error=True, quiet=True, prevent_thread_lock=True,
             app_kwargs=app_kwargs, auth=auth, auth_message="Log in with the app's key as the password "
                                                            "(any user name).",
         )
-        print(f"InfiniGen Chat on http://{args.host}:{args.port} (sessions in {controller.store.data_dir})"
+        print(f"InfiniGen Chat on http://{args.host}:{args.port} (sessions in {service.store.data_dir})"
               f"{'; log in with the key (any user name)' if auth else ''}", flush=True)
         if args.api:
             print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1"

@@ -108,7 +108,7 @@ def _set_max_new_tokens(url: str, max_new_tokens: int) -> None:
     """The page's settings: the defaults (greedy) with the reply's length capped like the API request's."""
     from gradio_client import Client
 
-    from ui.settings import Settings
+    from chat_service.settings import Settings
 
     s = Settings()
     Client(url, verbose=False).predict(s.policy, s.alpha, s.budget, s.partial_ratio, s.pool_limit, False, 0.0, 1.0,

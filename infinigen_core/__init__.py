@@ -14,6 +14,14 @@ HF_HUB_OFFLINE) must not import torch or transformers through this package.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # type checkers and editors see the names; at run time they load on first use (below)
+    from .config import ConfigError, EngineConfig, SamplingConfig
+    from .engine import ContextOverflowError, InfiniGenEngine
+    from .generation import GenerationEvent, chat_token_ids, generate
+    from .hub import ModelLoadError
+    from .loading import load_engine
 
 _HOMES = {
     "ConfigError": "config",
@@ -28,7 +36,11 @@ _HOMES = {
     "load_engine": "loading",
 }
 
-__all__ = sorted(_HOMES)
+__all__ = [  # written out, as the TYPE_CHECKING imports above are, so linters and type checkers read it
+    "ConfigError", "ContextOverflowError", "EngineConfig", "GenerationEvent", "InfiniGenEngine", "ModelLoadError",
+    "SamplingConfig", "chat_token_ids", "generate", "load_engine",
+]
+assert sorted(__all__) == sorted(_HOMES)
 
 
 def __getattr__(name: str):

@@ -132,6 +132,7 @@ class InfiniGenEngine:
             self.dtype = torch.float16
         self.skew_set = skew_set
         self.fingerprint = fingerprint
+        self.model_name = "model"  # what the app and the API call it: load_engine names it after its checkpoint
         # cpu_kernels.CpuKernels (float32 on the CPU only): InfiniGen's selection and sparse attention in one pass each
         self.kernels = kernels if self._on_plain_cpu() and self.dtype == torch.float32 else None
         self.legacy_fingerprints: tuple[str, ...] = ()  # what earlier versions called this model (loading.py)
@@ -201,6 +202,13 @@ class InfiniGenEngine:
         engine's step it attends as transformers does)."""
         self.fetcher.close()
         release_pinned_memory(self.pool)
+
+    def __enter__(self) -> InfiniGenEngine:
+        """`with InfiniGenEngine(...) as engine:` closes it at the end of the block, whatever happens in it."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ conversation
     @property

@@ -17,19 +17,21 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from infinigen_core import chat_token_ids, generate, GenerationEvent, SamplingConfig
-from infinigen_core.prefix import common_prefix_length
-
 from documents import Document, attachment_record, attachment_text, message_with_attachments
+from infinigen_core import GenerationEvent, SamplingConfig, chat_token_ids, generate
+from infinigen_core.prefix import common_prefix_length
 
 from .budget import enforce_disk_limit
 from .errors import ContextWindowError, SessionError
 from .lock import SessionLock, session_lock
-from .snapshots import ChunkError, ChunkRecord, read_chunk, resign_chunk, write_chunk
+from .restore import ChunkChoice, missing_cache, read_chunks, which_chunks
+from .snapshots import ChunkError, ChunkRecord, read_chunk, write_chunk
 from .store import Message, SessionStore
 
 Progress = Callable[[int, int], None]
-REPLY_RESERVE_TOKENS = 64  # room the next reply needs at least, counted when checking the window
+# room the next reply needs at least: the one reserve of the one window rule (WindowCheck.of), which the page
+# and the API both apply, so a message near the window's edge gets the same answer from both
+REPLY_RESERVE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -41,12 +43,45 @@ class RestoreReport:
     reason: str  # why the pool was rebuilt ("" when it was not)
 
 
+@dataclass
+class NewMessage:
+    """A message about to be stored: who said it, what, the token span it takes in the templated conversation,
+    and its attachments' records (the store takes it as a row)."""
+
+    role: str
+    content: str
+    token_start: int
+    token_end: int
+    attachments: list[dict]
+
+    def row(self) -> tuple:
+        return self.role, self.content, self.token_start, self.token_end, self.attachments
+
+
 @dataclass(frozen=True)
 class WindowCheck:
     fits: bool
     needed_tokens: int
     window: int
     droppable_turns: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, window: int, user_turns: int) -> "WindowCheck":
+        """The window rule: the prompt and a short reply (REPLY_RESERVE_TOKENS) fit the model's window."""
+        needed = prompt_tokens + REPLY_RESERVE_TOKENS
+        return cls(needed <= window, needed, window, max(user_turns - 1, 0))
+
+    def explain(self, attached: bool = False) -> str:
+        """Why the message cannot be sent, by how much, and what to do instead: the one wording of both faces."""
+        over = self.needed_tokens - self.window
+        if attached:
+            return (f"This message with its attachments needs {self.needed_tokens:,} tokens (with room for a short "
+                    f"reply), {over:,} more than the model's window of {self.window:,}. Attach a smaller part of "
+                    f"the file (about {over:,} tokens less), start a new session, or load a model with a longer "
+                    f"window. Nothing was read or sent.")
+        return (f"This message would bring the conversation to {self.needed_tokens:,} tokens (with room for a short "
+                f"reply), {over:,} beyond the model's window of {self.window:,}. Start a new session, or drop the "
+                f"oldest turns ({self.droppable_turns} can go; the system prompt stays). Nothing was sent.")
 
 
 def conversation(system: str, turns: list[tuple[str, str]]) -> list[dict]:
@@ -56,15 +91,15 @@ def conversation(system: str, turns: list[tuple[str, str]]) -> list[dict]:
 
 
 def reply_prompt_ids(tokenizer, turns: list[dict], window: int) -> list[int]:
-    """`turns` templated for the model's reply, which must fit the window with one token at least; raises
+    """`turns` templated for the model's reply, which must fit the window with room for a short reply; raises
     ContextWindowError (its check says how many turns could go).
 
         ids = reply_prompt_ids(engine.tokenizer, conversation("Be brief.", [("user", "Hi")]), engine.max_context)
     """
     prompt_ids = chat_token_ids(tokenizer, turns, add_generation_prompt=True)
-    if len(prompt_ids) + 1 > window:
-        users = sum(1 for turn in turns if turn["role"] == "user")
-        raise ContextWindowError(WindowCheck(False, len(prompt_ids) + 1, window, max(users - 1, 0)))
+    check = WindowCheck.of(len(prompt_ids), window, sum(1 for turn in turns if turn["role"] == "user"))
+    if not check.fits:
+        raise ContextWindowError(check)
     return prompt_ids
 
 
@@ -121,68 +156,34 @@ class ChatSession:
         return up_to - record.start
 
     def _restore(self, progress: Progress | None) -> RestoreReport:
+        """Read back the chunks this model can use, then re-read what they do not hold."""
         started = time.perf_counter()
         engine, signature = self.engine, self.engine.kv_signature()
         engine.reset()
         self.store.remove_leftovers(self.id)
-        stored = self.store.kv_signature(self.id)
-        if stored in engine.legacy_kv_signatures():
-            self._take_over_legacy_chunks(stored, signature)
-            stored = signature
-        problem = ""
-        if self.store.chunks(self.id) and stored != signature:
-            # another model (or dtype) wrote them: set them aside for when it comes back, never drop them
-            self.store.park_chunks(self.id)
-            problem = ("the conversation was last read by another model or precision (its KV cache is kept for "
-                       "when you switch back), so this model reads it anew")
-        unparked = not self.store.chunks(self.id) and self.store.unpark_chunks(self.id, signature) > 0
-        if unparked:
-            problem = ""  # this model's own cache from an earlier visit
-        records = self.store.chunks(self.id)
-        tensors, expected_start = [], 0
-        for record in records:
-            try:
-                if record.start != expected_start:
-                    raise ChunkError(f"chunk {expected_start}-{record.start} is missing")
-                tensors.append(read_chunk(self.store.data_dir, record, signature))
-            except ChunkError as error:
-                problem = str(error)
-                break
-            expected_start = record.end
-            if progress is not None:
-                progress(expected_start, records[-1].end)
+        choice = which_chunks(self.store, self.id, engine)
+        tensors, read_up_to, problem = read_chunks(self.store, choice, signature, progress)
         if problem:
-            self.store.drop_chunks_from(self.id, expected_start if tensors else -1)
+            self.store.drop_chunks_from(self.id, read_up_to if tensors else -1)
         restored = engine.import_rows(tensors) if tensors else 0
         del tensors  # views of the mapped files: let the mappings go
         self._saved_ids = list(engine.token_ids)
-        summary = self.store.get(self.id)
-        # (a cache brought back from an earlier visit is measured against the conversation below, not against
-        # the token count that the other model wrote)
-        if not problem and not unparked and summary.message_count and restored < max(summary.token_count, 1):
-            problem = ("its KV cache was dropped to stay within the disk limit" if summary.kv_dropped
-                       else "its KV cache was not on disk")
-        prefilled = 0
-        wanted = self._conversation_ids() if self.messages else []
-        # re-read what the cache lacks: everything after a problem, or, for a cache brought back from an earlier
-        # visit of this model, what was said under another model since (the common prefix is kept)
-        if wanted and (problem or (unparked and wanted != engine.token_ids)):
-            before = engine.num_tokens
-            engine.sync_to(wanted[: engine.max_context], progress)
-            prefilled = engine.num_tokens - min(before, engine.num_tokens)
-            self._persist_new_rows()
+        problem = problem or missing_cache(self.store, self.id, restored, choice)
+        prefilled = self._reread(problem, choice, progress)
         return RestoreReport(restored, prefilled, time.perf_counter() - started, bool(problem), problem)
 
-    def _take_over_legacy_chunks(self, old: dict[str, str], new: dict[str, str]) -> None:
-        """Chunks an earlier version saved for this same model under its older fingerprint: each is checked
-        and rewritten under the current signature, so the session restores instead of being re-read."""
-        written: list[ChunkRecord] = []
-        for record in self.store.chunks(self.id):
-            try:
-                written.append(resign_chunk(self.store.data_dir, self.id, record, old, new))
-            except ChunkError:  # damaged or missing: keep the intact chunks before it; the rest is re-read
-                break
-        self.store.replace_chunks(self.id, written, new)
+    def _reread(self, problem: str, choice: ChunkChoice, progress: Progress | None) -> int:
+        """Re-read what the cache lacks: everything after a problem, or, for a cache brought back from an
+        earlier visit of this model, what was said under another model since (the common prefix is kept).
+        Returns the tokens read."""
+        engine = self.engine
+        wanted = self._conversation_ids() if self.messages else []
+        if not wanted or not (problem or (choice.unparked and wanted != engine.token_ids)):
+            return 0
+        before = engine.num_tokens
+        engine.sync_to(wanted[: engine.max_context], progress)
+        self._persist_new_rows()
+        return engine.num_tokens - min(before, engine.num_tokens)
 
     # ------------------------------------------------------------------ conversation
     @property
@@ -218,10 +219,9 @@ class ChatSession:
 
     def check_window(self, text: str = "", messages: list[Message] | None = None) -> WindowCheck:
         """Whether a user message `text` and a short reply fit the model's window."""
-        needed = len(self._conversation_ids(messages, text, generation_prompt=True)) + REPLY_RESERVE_TOKENS
+        prompt = len(self._conversation_ids(messages, text, generation_prompt=True))
         history = self.messages if messages is None else messages
-        turns = sum(1 for m in history if m.role == "user")
-        return WindowCheck(needed <= self.engine.max_context, needed, self.engine.max_context, max(turns - 1, 0))
+        return WindowCheck.of(prompt, self.engine.max_context, sum(1 for m in history if m.role == "user"))
 
     def drop_oldest_turns(self, text: str = "") -> int:
         """Forget the oldest turns (never the system prompt) until `text` fits; returns how many went."""
@@ -259,7 +259,7 @@ class ChatSession:
             raise SessionError("the message is empty: type something first")
         check = self.check_window(text)
         if not check.fits:
-            raise ContextWindowError(check)
+            raise ContextWindowError(check, attached=bool(attachments))
         prompt_ids = self._conversation_ids(extra_user=text, generation_prompt=True)
         start = len(self._conversation_ids()) if self.messages or self.system_prompt else 0
         self.store.add_message(self.id, "user", text, start, len(prompt_ids), records)
@@ -272,21 +272,20 @@ class ChatSession:
         whole conversation. Checked against the window first; the messages are stored in one transaction.
         `documents`, per turn where given, are the files whose text its content holds (kept as its cards)."""
         tokenizer = self.engine.tokenizer
-        turns_so_far, rows = self._conversation(), []
+        turns_so_far, new = self._conversation(), []
         end = len(self._conversation_ids()) if turns_so_far else 0
-        for role, content in turns:
+        for index, (role, content) in enumerate(turns):
             if role not in ("user", "assistant"):
                 raise SessionError(f"a stored message is from the user or the assistant, not {role!r}")
             turns_so_far.append({"role": role, "content": content})
             start, end = end, len(chat_token_ids(tokenizer, turns_so_far, add_generation_prompt=False))
-            rows.append([role, content, start, end, ()])
-        for row, attached in zip(rows, documents):
-            row[4] = self._records(attached)
+            attached = self._records(documents[index]) if index < len(documents) else []
+            new.append(NewMessage(role, content, start, end, attached))
         prompt_ids = reply_prompt_ids(tokenizer, turns_so_far, self.engine.max_context)
-        if rows and rows[-1][0] == "user":
-            rows[-1][3] = len(prompt_ids)  # like `send`: a user message's span ends after the reply's opening
-        if rows:
-            self.store.add_messages(self.id, [tuple(row) for row in rows])
+        if new and new[-1].role == "user":
+            new[-1].token_end = len(prompt_ids)  # like `send`: a user message's span ends after the reply's opening
+        if new:
+            self.store.add_messages(self.id, [message.row() for message in new])
         yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress)
 
     def regenerate(self, sampling: SamplingConfig = SamplingConfig(), cancel=None,

@@ -22,10 +22,6 @@ class ImportValidationError(SessionError):
 class ContextWindowError(SessionError):
     """The next turn does not fit the model's window; carries the WindowCheck with the options."""
 
-    def __init__(self, check) -> None:
+    def __init__(self, check, attached: bool = False) -> None:
         self.check = check
-        super().__init__(
-            f"this message would bring the conversation to {check.needed_tokens} tokens, beyond the model's "
-            f"window of {check.window}: start a new session, or drop the oldest turns "
-            f"({check.droppable_turns} can go; the system prompt stays)"
-        )
+        super().__init__(check.explain(attached))  # the one wording (sessions.chat.WindowCheck)

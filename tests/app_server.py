@@ -40,6 +40,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def page_served(url: str) -> bool:
+    """Whether the page answers (it comes up at once; the model loads behind it)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 def _ready(url: str, auth: tuple[str, str] | None) -> bool:
     try:
         status = Client(url, verbose=False, auth=auth).predict(api_name="/status")
@@ -52,9 +63,10 @@ def _ready(url: str, auth: tuple[str, str] | None) -> bool:
 
 @contextlib.contextmanager
 def running_app(data_dir: Path, timeout_s: float = 600, args: tuple[str, ...] = (),
-                env: dict[str, str] | None = None) -> Iterator[RunningApp]:
+                env: dict[str, str] | None = None, until_ready: bool = True) -> Iterator[RunningApp]:
     """The first run on a machine downloads and converts the model, hence the generous timeout. `args` are
-    more flags for app.py, `env` more environment variables."""
+    more flags for app.py, `env` more environment variables; `until_ready=False` hands the app over as soon
+    as its page answers, while the model still loads."""
     port = free_port()
     environment = {**os.environ, **(env or {})}
     key = args[args.index("--api-key") + 1] if "--api-key" in args else environment.get("INFINIGEN_API_KEY")
@@ -66,7 +78,7 @@ def running_app(data_dir: Path, timeout_s: float = 600, args: tuple[str, ...] = 
         url = f"http://127.0.0.1:{port}/"
         try:
             deadline = time.time() + timeout_s
-            while not _ready(url, auth):
+            while not (_ready(url, auth) if until_ready else page_served(url)):
                 if process.poll() is not None:
                     raise RuntimeError(f"app.py exited: {log_path.read_text()[-2000:]}")
                 if time.time() > deadline:

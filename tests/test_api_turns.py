@@ -10,28 +10,30 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from chat_service import ChatService
+from chat_service.settings import SettingsForm
+from sessions.chat import REPLY_RESERVE_TOKENS
 from ui.api import ApiOptions, api_routes
-from ui.controller import ChatController
 
 HELLO = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
 
 
-def api_client(controller: ChatController, **options) -> TestClient:
+def api_client(controller: ChatService, **options) -> TestClient:
     return TestClient(FastAPI(routes=api_routes(controller, ApiOptions(**options))))
 
 
 @pytest.fixture
 def loaded(tmp_path, real_engine):
-    controller = ChatController(tmp_path, loader=lambda *args, **kwargs: real_engine)
+    controller = ChatService(tmp_path, loader=lambda *args, **kwargs: real_engine)
     controller.load(progress=lambda message: None)
-    assert controller.load_error is None, controller.load_error
+    assert controller.host.load_error is None, controller.host.load_error
     yield controller
-    for chat in {controller.chat, controller.api_chat} - {None}:
+    for chat in {controller.open_sessions.page, controller.open_sessions.api} - {None}:
         chat.close()
 
 
 def test_requests_while_the_model_loads_get_503_with_retry_after(tmp_path):
-    controller = ChatController(tmp_path)  # never loaded: still starting
+    controller = ChatService(tmp_path)  # never loaded: still starting
     client = api_client(controller)
     for response in (client.get("/v1/models"), client.post("/v1/chat/completions", json=HELLO)):
         assert response.status_code == 503 and response.headers["retry-after"] == "5"
@@ -42,7 +44,7 @@ def test_a_model_that_failed_to_load_says_why(tmp_path):
     def broken_loader(*args, **kwargs):
         raise OSError("no such checkpoint: /nowhere")
 
-    controller = ChatController(tmp_path, loader=broken_loader)
+    controller = ChatService(tmp_path, loader=broken_loader)
     controller.load(progress=lambda message: None)
     response = api_client(controller).post("/v1/chat/completions", json=HELLO)
     assert response.status_code == 503 and "no such checkpoint" in response.json()["error"]["message"]
@@ -89,17 +91,17 @@ def threads_running(engine, monkeypatch) -> set[str]:
 def test_the_page_and_the_api_take_turns_with_the_engine(loaded, monkeypatch):
     """An API turn leaves the page's session as it was; the page's next turn reads its KV back from disk. Every
     step and restore runs in the one model thread, whichever thread asked (engine_thread.py says why)."""
-    ran_in = threads_running(loaded.engine, monkeypatch)
+    ran_in = threads_running(loaded.host.engine, monkeypatch)
     client = api_client(loaded)
-    loaded.apply_settings("infinigen", 12, "0.15", 0.5, "", False, 0.0, 1.0, 0, 1.0, 8)  # short page replies
-    page_reply = list(loaded.send("Name a colour."))[-1]
-    page_session = loaded.chat.id
+    loaded.settings.apply(loaded.host.engine, SettingsForm(max_new_tokens=8))  # short page replies
+    page_reply = list(loaded.page_turns.send("Name a colour."))[-1]
+    page_session = loaded.open_sessions.page.id
     api = client.post("/v1/chat/completions", json=HELLO)
     assert api.status_code == 200 and api.headers["x-infinigen-session"] != page_session
-    assert loaded.chat.id == page_session and loaded.chat_history() == page_reply
-    history = list(loaded.send("And another one."))[-1]
+    assert loaded.open_sessions.page.id == page_session and loaded.pages.chat_history() == page_reply
+    history = list(loaded.page_turns.send("And another one."))[-1]
     assert [m["role"] for m in history] == ["user", "assistant"] * 2
-    assert loaded.chat.restore.tokens_restored > 0 and not loaded.chat.restore.rebuilt  # read back, not recomputed
+    assert loaded.open_sessions.page.restore.tokens_restored > 0 and not loaded.open_sessions.page.restore.rebuilt  # read back, not recomputed
     assert ran_in == {"model"}
 
 
@@ -128,27 +130,27 @@ def test_switching_models_closes_the_apis_session_too(tmp_path, real_engine):
         engine.model_name = model or "SmolLM2-135M-Instruct"
         return engine
 
-    controller = ChatController(tmp_path, loader=loader)
+    controller = ChatService(tmp_path, loader=loader)
     controller.load(progress=lambda message: None)
     try:
         client = api_client(controller)
         first = client.post("/v1/chat/completions", json=HELLO)
         api_session = first.headers["x-infinigen-session"]
-        assert controller.api_chat is not None
-        old_engine = controller.engine
+        assert controller.open_sessions.api is not None
+        old_engine = controller.host.engine
         controller.switch_model("another")
-        assert controller.engine is not old_engine and controller.api_chat is None
-        assert controller.open_sessions.holder is controller.chat and controller.chat.engine is controller.engine
+        assert controller.host.engine is not old_engine and controller.open_sessions.api is None
+        assert controller.open_sessions.holder is controller.open_sessions.page and controller.open_sessions.page.engine is controller.host.engine
         follow_up = {"messages": HELLO["messages"] + [
             {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
             {"role": "user", "content": "Again."}], "max_tokens": 4}
         again = client.post("/v1/chat/completions", json=follow_up)
         assert again.status_code == 200 and again.headers["x-infinigen-session"] == api_session
-        assert controller.api_chat.engine is controller.engine
+        assert controller.open_sessions.api.engine is controller.host.engine
     finally:
-        for chat in {controller.chat, controller.api_chat} - {None}:
+        for chat in {controller.open_sessions.page, controller.open_sessions.api} - {None}:
             chat.close()
-        controller.engine.close()
+        controller.host.engine.close()
 
 
 
@@ -184,12 +186,83 @@ def test_cached_tokens_exclude_what_reopening_re_read_after_the_disk_limit_dropp
 
     intact = client.post("/v1/chat/completions", json=_follow_up(kept_request, kept, "And lakes?"))
     assert intact.headers["x-infinigen-session"] == kept_id and intact.headers["x-infinigen-continued"] == "true"
-    assert loaded.api_chat.restore.tokens_prefilled == 0  # read back from its chunks, not re-read
+    assert loaded.open_sessions.api.restore.tokens_prefilled == 0  # read back from its chunks, not re-read
     usage = intact.json()["usage"]
     assert 0 < usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] < 20  # the new turn only
 
     reread = client.post("/v1/chat/completions", json=_follow_up(dropped_request, dropped, "And glaciers?"))
     assert reread.headers["x-infinigen-session"] == dropped_id and reread.headers["x-infinigen-continued"] == "true"
-    assert loaded.api_chat.restore.tokens_prefilled > 20  # the whole stored conversation was read again
+    assert loaded.open_sessions.api.restore.tokens_prefilled > 20  # the whole stored conversation was read again
     usage = reread.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # every token of this prompt was read
+
+
+def test_a_message_at_the_windows_edge_gets_the_same_answer_from_the_page_and_the_api(loaded):
+    """One window rule with one reply reserve and one wording: what the page refuses, the API refuses in the same
+    words, and what fits one fits the other."""
+    from chat_service import UserError
+    from ui.api import parse_chat_request
+    from ui.api.serving import checked_prompt_ids
+
+    chat = loaded.open_sessions.page
+    window = loaded.host.engine.max_context
+    base = chat.check_window(" ".join(["word"] * 7000)).needed_tokens  # " word" is one token per repeat
+    words = 7000 + window - base  # the prompt and the reply's reserve fill the window exactly
+
+    def api_answer(text: str):
+        request = parse_chat_request({"messages": [{"role": "user", "content": text}]}, "SmolLM2-135M-Instruct",
+                                     loaded.settings.current.sampling)
+        return checked_prompt_ids(loaded, request)
+
+    fits = " ".join(["word"] * words)
+    assert chat.check_window(fits).fits and chat.check_window(fits).needed_tokens == window
+    assert len(api_answer(fits)) + REPLY_RESERVE_TOKENS == window  # accepted by both
+
+    too_long = " ".join(["word"] * (words + 1))
+    with pytest.raises(UserError) as page_refusal:
+        list(loaded.page_turns.send(too_long))
+    response = api_client(loaded).post("/v1/chat/completions", json={"messages": [{"role": "user",
+                                                                                     "content": too_long}]})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert response.json()["error"]["message"] == str(page_refusal.value)
+    assert f"{window + 1:,} tokens" in str(page_refusal.value) and "Nothing was sent" in str(page_refusal.value)
+    assert chat.messages == [] and [s.origin for s in loaded.store.list()] == ["app"]  # nothing stored, no API session
+
+
+def test_a_large_pdf_converts_off_the_event_loop_while_other_requests_are_answered(loaded, monkeypatch):
+    """Converting an attachment takes seconds: while it runs, the server's event loop (the page's too) answers."""
+    import base64
+
+    from test_documents import pdf_bytes
+
+    from ui.api import protocol
+
+    started, finished = threading.Event(), threading.Event()
+    convert = protocol.convert_bytes
+
+    def converting(name, data):  # the real conversion, observed
+        started.set()
+        try:
+            return convert(name, data)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(protocol, "convert_bytes", converting)
+    pages = [[f"Line {line} of page {page}: the harbour log lists the ships." for line in range(12)]
+             for page in range(2000)]
+    data_url = "data:application/pdf;base64," + base64.b64encode(pdf_bytes(pages)).decode()
+    request = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "How many ships?"},
+        {"type": "file", "file": {"filename": "log.pdf", "file_data": data_url}}]}], "max_tokens": 4}
+    answers = []
+    with TestClient(FastAPI(routes=api_routes(loaded, ApiOptions()))) as client:  # one event loop for both
+        sender = threading.Thread(target=lambda: answers.append(client.post("/v1/chat/completions", json=request)))
+        sender.start()
+        assert started.wait(timeout=120)
+        models = client.get("/v1/models")
+        converting_still = not finished.is_set()
+        sender.join(timeout=300)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    assert converting_still  # answered while the PDF was still being converted
+    assert answers[0].status_code == 400  # far longer than the window: refused, and nothing stored
+    assert answers[0].json()["error"]["code"] == "context_length_exceeded"

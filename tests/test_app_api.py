@@ -3,8 +3,9 @@
 import time
 
 import pytest
-from app_server import running_app
 from gradio_client import Client
+
+from app_server import running_app
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,10 @@ import time
 from pathlib import Path
 
 import pytest
-from app_server import chromium_page, log_in, running_app
 
 from ui.head_script import THROTTLED_FRAME_MS
+
+from app_server import chromium_page, log_in, running_app
 
 pytest.importorskip("playwright.sync_api")
 

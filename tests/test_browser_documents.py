@@ -6,8 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
-from app_server import chromium_page, log_in, running_app
 from gradio_client import Client
+
+from app_server import chromium_page, log_in, running_app
 
 pytest.importorskip("playwright.sync_api")
 

@@ -176,7 +176,7 @@ def test_without_a_cpp_compiler_decoding_stays_eager_without_trying(tiny_model, 
 def test_the_model_summary_and_the_options_say_whether_decode_is_compiled(first_compile):
     from infinigen_core.cli import build_parser
     from ui.cli import parse_args
-    from ui.model_host import ModelHost
+    from chat_service.model_host import ModelHost
 
     compiled = first_compile[0]
     compiled.model_name = "tiny"

@@ -1,19 +1,24 @@
-"""The app's controller without Gradio: start-up beside another app process, settings kept per session."""
+"""The app's service without Gradio: start-up beside another app process, settings kept per session."""
 
 from pathlib import Path
 
 import pytest
 
+from chat_service import ChatService, UserError
+from chat_service.settings import SettingsForm, apply_storage
 from sessions import SessionStore, StorageConfig
 from sessions.lock import SessionLock
-from ui.controller import ChatController, UserError
 
 
-def _controller(data_dir: Path, engine) -> ChatController:
-    controller = ChatController(data_dir, loader=lambda *args, **kwargs: engine)
-    controller.load(progress=lambda message: None)
-    assert controller.load_error is None, controller.load_error
-    return controller
+def _service(data_dir: Path, engine) -> ChatService:
+    service = ChatService(data_dir, loader=lambda *args, **kwargs: engine)
+    service.load(progress=lambda message: None)
+    assert service.host.load_error is None, service.host.load_error
+    return service
+
+
+def _settings(service: ChatService, **values) -> str:
+    return service.settings.apply(service.host.engine, SettingsForm(**values))
 
 
 def test_a_second_app_process_starts_on_a_session_the_first_does_not_hold(tmp_path, real_engine):
@@ -22,40 +27,41 @@ def test_a_second_app_process_starts_on_a_session_the_first_does_not_hold(tmp_pa
     newest = store.create("newest")
     held_elsewhere = SessionLock(tmp_path / "locks" / f"{newest}.lock").acquire()  # like another process
     try:
-        controller = _controller(tmp_path, real_engine)
-        assert controller.chat.id == older and "Ready" in controller.status
-        controller.chat.close()
+        service = _service(tmp_path, real_engine)
+        assert service.open_sessions.page.id == older and "Ready" in service.host.status
+        service.open_sessions.page.close()
         held_too = SessionLock(tmp_path / "locks" / f"{older}.lock").acquire()
         try:
-            controller = _controller(tmp_path, real_engine)
-            assert controller.chat.id not in (older, newest)  # every session taken: a new one
+            service = _service(tmp_path, real_engine)
+            assert service.open_sessions.page.id not in (older, newest)  # every session taken: a new one
         finally:
-            controller.chat.close()
+            service.open_sessions.page.close()
             held_too.release()
     finally:
         held_elsewhere.release()
 
 
 def test_a_session_records_the_settings_its_turns_ran_with(tmp_path, real_engine):
-    controller = _controller(tmp_path, real_engine)
+    service = _service(tmp_path, real_engine)
     try:
-        created = controller.store.get(controller.chat.id).settings
+        created = service.store.get(service.open_sessions.page.id).settings
         assert created["policy"] == "infinigen" and created["budget"] == "0.15"
-        controller.apply_settings("h2o", 12, "0.3", 0.5, "", False, 0.0, 1.0, 0, 1.0, 4)
-        list(controller.send("Hello"))
-        stored = controller.store.get(controller.chat.id).settings
+        _settings(service, policy="h2o", alpha=12, budget="0.3", max_new_tokens=4)
+        list(service.page_turns.send("Hello"))
+        stored = service.store.get(service.open_sessions.page.id).settings
         assert stored["policy"] == "h2o" and stored["budget"] == "0.3" and stored["max_new_tokens"] == 4
         assert real_engine.config.policy == "h2o"
-        controller.apply_settings("h2o", 12, "0.3", 0.5, "", False, 0.7, 0.9, 0, 1.0, 3)  # sampling only
-        list(controller.send("Thanks"))
-        stored = controller.store.get(controller.chat.id).settings
+        _settings(service, policy="h2o", alpha=12, budget="0.3", temperature=0.7, top_p=0.9,
+                  max_new_tokens=3)  # sampling only
+        list(service.page_turns.send("Thanks"))
+        stored = service.store.get(service.open_sessions.page.id).settings
         assert stored["temperature"] == 0.7 and stored["max_new_tokens"] == 3 and stored["min_fetch_tokens"] == 256
         for bad_floor, message in ((-5, "min_fetch_tokens"), (2.5, "whole number")):
             with pytest.raises(UserError, match=message):
-                controller.apply_settings("infinigen", 12, "0.15", 0.5, "", False, 0.0, 1.0, 0, 1.0, 8, bad_floor)
-        assert controller.settings.min_fetch_tokens == 256  # the bad values changed nothing
+                _settings(service, max_new_tokens=8, min_fetch_tokens=bad_floor)
+        assert service.settings.current.min_fetch_tokens == 256  # the bad values changed nothing
     finally:
-        controller.chat.close()
+        service.open_sessions.page.close()
 
 
 def test_app_flags_default_to_a_private_local_server():
@@ -116,37 +122,37 @@ def test_an_exposed_app_without_an_api_key_refuses_to_start_and_says_why(tmp_pat
 
 
 def test_the_kv_storage_setting_applies_at_once_and_spares_the_open_session(tmp_path, real_engine):
-    controller = _controller(tmp_path, real_engine)
+    service = _service(tmp_path, real_engine)
     try:
-        controller.apply_settings("infinigen", 12, "0.15", 0.5, "", False, 0.0, 1.0, 0, 1.0, 4)  # short replies
-        list(controller.send("What is the capital of France?"))
-        first = controller.chat.id
-        controller.new_session()
-        list(controller.send("And of Italy?"))
+        _settings(service, max_new_tokens=4)  # short replies
+        list(service.page_turns.send("What is the capital of France?"))
+        first = service.open_sessions.page.id
+        service.pages.new_session()
+        list(service.page_turns.send("And of Italy?"))
         with pytest.raises(UserError, match="not a size"):
-            controller.apply_storage("int8", "a lot")
-        assert controller.store.storage == StorageConfig()  # the bad value changed nothing
-        message = controller.apply_storage("exact", "1KiB")  # smaller than any chat: all but the open one go
-        assert "dropped the KV cache of 1" in message and controller.store.storage.kv_format == "exact"
-        summaries = {s.id: s for s in controller.store.list()}
-        assert summaries[controller.chat.id].reopens_instantly and not summaries[first].reopens_instantly
+            apply_storage(service.store, "int8", "a lot")
+        assert service.store.storage == StorageConfig()  # the bad value changed nothing
+        message = apply_storage(service.store, "exact", "1KiB")  # smaller than any chat: all but the open one go
+        assert "dropped the KV cache of 1" in message and service.store.storage.kv_format == "exact"
+        summaries = {s.id: s for s in service.store.list()}
+        assert summaries[service.open_sessions.page.id].reopens_instantly and not summaries[first].reopens_instantly
         assert summaries[first].message_count == 2  # its text stays
     finally:
-        controller.chat.close()
+        service.open_sessions.page.close()
 
 
 def test_deleting_the_open_session_opens_the_latest_page_session_not_an_api_one(tmp_path, real_engine):
     store = SessionStore(tmp_path)
     kept = store.create("kept")
-    controller = _controller(tmp_path, real_engine)
+    service = _service(tmp_path, real_engine)
     try:
-        doomed = controller.new_session()
+        doomed = service.pages.new_session()
         store.create("an API conversation", origin="api")  # the most recent, but the API's
-        assert controller.chat.id == doomed
-        controller.delete_session()
-        assert controller.chat.id == kept and doomed not in [s.id for s in store.list()]
+        assert service.open_sessions.page.id == doomed
+        service.pages.delete_session()
+        assert service.open_sessions.page.id == kept and doomed not in [s.id for s in store.list()]
     finally:
-        controller.chat.close()
+        service.open_sessions.page.close()
 
 
 def test_the_page_shows_a_message_at_once_and_a_turn_that_fails_leaves_it_in_the_box(tmp_path, real_engine,
@@ -157,15 +163,18 @@ def test_the_page_shows_a_message_at_once_and_a_turn_that_fails_leaves_it_in_the
     from sessions.chat import ChatSession
     from ui.page_actions import EMPTY_BOX, PageActions
 
-    controller = _controller(tmp_path, real_engine)
-    actions = PageActions(controller, export_dir=None)
+    service = _service(tmp_path, real_engine)
+    actions = PageActions(service, export_dir=None)
     try:
-        controller.apply_settings("infinigen", 12, "0.15", 0.5, "", False, 0.0, 1.0, 0, 1.0, 3)
+        _settings(service, max_new_tokens=3)
         updates = actions.send("Hello")
-        history, box, note = next(updates)  # before the model has read it
+        history, box, note, _status, sessions = next(updates)  # before the model has read it
         assert history == [{"role": "user", "content": "Hello"}] and box == gr.skip() and note == gr.skip()
+        assert sessions == gr.skip()
         rest = list(updates)
         assert rest[0][1] == EMPTY_BOX  # emptied once the turn started
+        assert rest[0][4]["choices"][0][0].startswith("Hello · ")  # the session list shows its new title at once
+        assert any(status != gr.skip() and "Ready" not in status for *_, status, _ in rest)  # the turn's phase
         assert [m["role"] for m in rest[-1][0]] == ["user", "assistant"] and rest[-1][0][1]["content"]
 
         def refuse(*args, **kwargs):
@@ -174,10 +183,10 @@ def test_the_page_shows_a_message_at_once_and_a_turn_that_fails_leaves_it_in_the
         monkeypatch.setattr(ChatSession, "send", refuse)
         updates = actions.send("Again")
         assert next(updates)[0][-1] == {"role": "user", "content": "Again"}
-        history, box, _ = next(updates)  # the turn failed: the chat as stored, the box left as it was
+        history, box, *_ = next(updates)  # the turn failed: the chat as stored, the box left as it was
         assert history == rest[-1][0] and box == gr.skip()
         with pytest.raises(gr.Error, match="the disk is full"):
             next(updates)
-        assert len(controller.chat.messages) == 2
+        assert len(service.open_sessions.page.messages) == 2
     finally:
-        controller.chat.close()
+        service.open_sessions.page.close()

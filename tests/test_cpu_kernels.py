@@ -137,7 +137,7 @@ def test_a_build_that_fails_leaves_the_eager_path_with_a_reason(tmp_path, monkey
 def test_the_summary_and_the_options_say_whether_the_kernels_run(tiny_llama, kernels):
     from infinigen_core.cli import build_parser
     from ui.cli import parse_args
-    from ui.model_host import ModelHost
+    from chat_service.model_host import ModelHost
 
     model, skew = tiny_llama
     host = ModelHost()

@@ -78,40 +78,41 @@ def test_a_database_from_before_the_attachments_column_opens_and_gains_it(tmp_pa
 
 
 def page_controller(data_dir, engine):
-    from ui.controller import ChatController
+    from chat_service import ChatService
 
-    controller = ChatController(data_dir, loader=lambda *args, **kwargs: engine)
+    controller = ChatService(data_dir, loader=lambda *args, **kwargs: engine)
     controller.load(progress=lambda message: None)
-    assert controller.load_error is None, controller.load_error
+    assert controller.host.load_error is None, controller.host.load_error
     return controller
 
 
 def page_turn(controller, question, documents):
     """A new page session whose first message attaches `documents`; returns the tokens the model read."""
-    controller.new_session()
-    for _ in controller.send(question, documents):
+    controller.pages.new_session()
+    for _ in controller.page_turns.send(question, documents):
         pass
-    return controller.chat.last_read_tokens
+    return controller.open_sessions.page.last_read_tokens
 
 
 def test_a_document_is_read_once_for_any_new_chat_also_after_a_restart(tmp_path, real_engine):
     """Counted in tokens the model reads, not timed: the second chat about the same file (page or API), and one
     in a fresh controller (store, prefix finder, empty engine) on the same data dir, read only their question."""
-    from ui.api import ApiOptions, api_routes
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
+
+    from ui.api import ApiOptions, api_routes
 
     controller = page_controller(tmp_path, real_engine)
     doc = document()
     try:
         first = page_turn(controller, "How many ships?", [doc])
-        tokens = controller.store.messages(controller.chat.id)[0].attachments[0]["tokens"]
+        tokens = controller.store.messages(controller.open_sessions.page.id)[0].attachments[0]["tokens"]
         assert first > tokens  # the first chat reads the whole document
         second = page_turn(controller, "Which ship carried tea?", [doc])
         assert second < 40, f"the second chat read {second} tokens, not just its question"
-        assert controller.chat.messages[0].attachments[0]["sha256"] == doc.sha256
+        assert controller.open_sessions.page.messages[0].attachments[0]["sha256"] == doc.sha256
     finally:
-        for chat in {controller.chat, controller.api_chat} - {None}:
+        for chat in {controller.open_sessions.page, controller.open_sessions.api} - {None}:
             chat.close()
 
     real_engine.reset()
@@ -120,8 +121,8 @@ def test_a_document_is_read_once_for_any_new_chat_also_after_a_restart(tmp_path,
         third = page_turn(restarted, "Who logged the ships?", [doc])
         assert third < 40, f"after a restart the chat read {third} tokens"
         # the API starts a new conversation about the same file from the same stored prefix
-        from sessions.chat import conversation
         from infinigen_core import chat_token_ids
+        from sessions.chat import conversation
 
         content = message_with_attachments("How many passengers?", [doc])
         client = TestClient(FastAPI(routes=api_routes(restarted, ApiOptions())))
@@ -133,13 +134,13 @@ def test_a_document_is_read_once_for_any_new_chat_also_after_a_restart(tmp_path,
         prompt_tokens = len(chat_token_ids(real_engine.tokenizer, conversation("", [("user", content)]),
                                            add_generation_prompt=True))
         assert response.json()["usage"]["prompt_tokens"] == prompt_tokens
-        assert restarted.api_chat.last_read_tokens < 40
+        assert restarted.open_sessions.api.last_read_tokens < 40
         # the API's message keeps its attachment's record too: the page shows the card, not the document's text
-        stored = restarted.store.messages(restarted.api_chat.id)[0]
+        stored = restarted.store.messages(restarted.open_sessions.api.id)[0]
         assert [(r["name"], r["sha256"]) for r in stored.attachments] == [("harbour log.txt", doc.sha256)]
         assert stored.attachments[0]["tokens"] > 0
     finally:
-        for chat in {restarted.chat, restarted.api_chat} - {None}:
+        for chat in {restarted.open_sessions.page, restarted.open_sessions.api} - {None}:
             chat.close()
 
 
@@ -156,19 +157,19 @@ def test_the_page_attaches_files_refuses_bad_ones_and_starts_a_new_chat_about_th
         bad.write_bytes(b"%PDF-1.7 not really")
         preview = actions.preview({"text": "How many ships?", "files": [str(good)]})
         assert "harbour log.txt" in preview and "24 lines" in preview and "window" in preview
-        session, messages = controller.chat.id, len(controller.chat.messages)
+        session, messages = controller.open_sessions.page.id, len(controller.open_sessions.page.messages)
         with pytest.raises(gr.Error, match="broken.pdf"):
             list(actions.send({"text": "And this?", "files": [str(bad)]}))
-        assert controller.chat.id == session and len(controller.chat.messages) == messages  # nothing stored
-        *_, (history, box, _) = actions.send({"text": "How many ships?", "files": [str(good)]})
+        assert controller.open_sessions.page.id == session and len(controller.open_sessions.page.messages) == messages  # nothing stored
+        *_, (history, box, *_) = actions.send({"text": "How many ships?", "files": [str(good)]})
         assert history[0]["content"].startswith("📄 harbour log.txt · 24 lines ·") and box["files"] == []
         history, _, info = actions.file_chat()
-        assert controller.chat.id != session and history == [] and "Attached again" in info
+        assert controller.open_sessions.page.id != session and history == [] and "Attached again" in info
         list(actions.send({"text": "Which ship carried tea?", "files": []}))
-        assert controller.chat.last_read_tokens < 40  # the document came from the first chat's KV
-        assert controller.chat.messages[0].attachments[0]["sha256"] == document().sha256
+        assert controller.open_sessions.page.last_read_tokens < 40  # the document came from the first chat's KV
+        assert controller.open_sessions.page.messages[0].attachments[0]["sha256"] == document().sha256
     finally:
-        for chat in {controller.chat, controller.api_chat} - {None}:
+        for chat in {controller.open_sessions.page, controller.open_sessions.api} - {None}:
             chat.close()
 
 
@@ -183,8 +184,9 @@ def test_api_file_parts_are_converted_and_bad_ones_are_a_400_in_openais_shape():
                                          "file_data": "data:application/octet-stream;base64," + base64.b64encode(data).decode()}}
 
     parsed = request(file_part("harbour log.txt", DOCUMENT_BYTES), {"type": "text", "text": "How many ships?"})
-    assert parsed.turns == (("user", message_with_attachments("How many ships?", [document()])),)
-    assert [[d.sha256 for d in attached] for attached in parsed.documents] == [[document().sha256]]
+    assert parsed.conversation.turns == (("user", message_with_attachments("How many ships?", [document()])),)
+    assert [[d.sha256 for d in attached] for attached in parsed.conversation.documents] == [[document().sha256]]
+    assert parsed.conversation.questions == ("How many ships?",)  # the title comes from the question
     for parts, words in [((file_part("broken.pdf", b"%PDF-1.7 no"), ), "broken.pdf"),
                          (({"type": "image_url", "image_url": {"url": "x"}},), "file parts"),
                          (({"type": "file", "file": {"file_id": "file-1"}},), "file_id is not"),

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ui.engine_thread import EngineThread, model_thread
+from chat_service.engine_thread import EngineThread, model_thread
 
 WAIT_S = 10.0  # generous: a wrong implementation deadlocks, and these waits turn that into a failure
 

@@ -73,8 +73,8 @@ def test_switching_back_restores_each_models_own_cache(tmp_path, real_engine, ot
 
 def test_the_app_controller_switches_models_and_back(tmp_path, real_engine_shared):
     """The model picker's path: unload, load another, reopen the session under it; a bad choice goes back."""
+    from chat_service import ChatService, UserError
     from infinigen_core.loading import ModelLoadError
-    from ui.controller import ChatController, UserError
 
     real = real_engine_shared
     loaded = []
@@ -97,39 +97,39 @@ def test_the_app_controller_switches_models_and_back(tmp_path, real_engine_share
         loaded.append(model)
         return engine
 
-    controller = ChatController(tmp_path / "data", loader=loader)
-    controller.settings.sampling = SHORT
+    controller = ChatService(tmp_path / "data", loader=loader)
+    controller.settings.current.sampling = SHORT
     controller.load(progress=lambda message: None)
     try:
-        list(controller.send("What is the capital of France?"))
-        first_tokens = controller.engine.num_tokens
+        list(controller.page_turns.send("What is the capital of France?"))
+        first_tokens = controller.host.engine.num_tokens
 
         message = controller.switch_model("tiny-org/Tiny-Qwen3")
         assert message.startswith("Switched to tiny-org/Tiny-Qwen3 · Qwen3 · 4 global layers · float32 on cpu")
-        assert "another model" in controller.restore_message and "rebuilt it by re-reading" in controller.restore_message
-        assert len(controller.chat_history()) == 2 and controller.engine.num_tokens >= first_tokens
+        assert "another model" in controller.pages.restore_message and "rebuilt it by re-reading" in controller.pages.restore_message
+        assert len(controller.pages.chat_history()) == 2 and controller.host.engine.num_tokens >= first_tokens
 
-        controller.switch_model(controller.DEFAULT_CHOICE)
-        assert controller.restore_message.startswith(f"Restored {first_tokens} tokens")
-        assert controller.engine.model_name == "SmolLM2-135M-Instruct"
+        controller.switch_model(controller.host.DEFAULT_CHOICE)
+        assert controller.pages.restore_message.startswith(f"Restored {first_tokens} tokens")
+        assert controller.host.engine.model_name == "SmolLM2-135M-Instruct"
 
         with pytest.raises(UserError, match="Could not load /no/such/model.*Back on SmolLM2-135M-Instruct"):
             controller.switch_model("/no/such/model")
-        assert controller.engine.model_name == "SmolLM2-135M-Instruct" and len(controller.chat_history()) == 2
+        assert controller.host.engine.model_name == "SmolLM2-135M-Instruct" and len(controller.pages.chat_history()) == 2
         assert loaded == [None, "tiny-org/Tiny-Qwen3", None, None]  # the failed one, then the old one again
-        assert controller.model_choices()[0] == ("SmolLM2-135M-Instruct (default)", "default")
+        assert controller.host.model_choices()[0] == ("SmolLM2-135M-Instruct (default)", "default")
     finally:
-        if controller.chat is not None:
-            controller.chat.close()
-        controller.engine.close()
+        if controller.open_sessions.page is not None:
+            controller.open_sessions.page.close()
+        controller.host.engine.close()
 
     # a model that failed at start: the picker is the way out
-    stuck = ChatController(tmp_path / "data", model="/no/such/model", loader=loader)
+    stuck = ChatService(tmp_path / "data", model="/no/such/model", loader=loader)
     stuck.load(progress=lambda message: None)
-    assert stuck.engine is None and "does not exist" in stuck.load_error
+    assert stuck.host.engine is None and "does not exist" in stuck.host.load_error
     try:
-        assert stuck.switch_model(stuck.DEFAULT_CHOICE).startswith("Switched to SmolLM2-135M-Instruct")
-        assert stuck.load_error is None and len(stuck.chat_history()) == 2  # the latest session, reopened
+        assert stuck.switch_model(stuck.host.DEFAULT_CHOICE).startswith("Switched to SmolLM2-135M-Instruct")
+        assert stuck.host.load_error is None and len(stuck.pages.chat_history()) == 2  # the latest session, reopened
     finally:
-        stuck.chat.close()
-        stuck.engine.close()
+        stuck.open_sessions.page.close()
+        stuck.host.engine.close()

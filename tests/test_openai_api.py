@@ -10,10 +10,11 @@ import time
 
 import openai
 import pytest
-from app_server import running_app
 from openai import OpenAI
 
 from sessions import SessionStore
+
+from app_server import running_app
 
 KEY = "test-key-7f3a"
 SYSTEM = "You are a concise assistant. Answer in one sentence."

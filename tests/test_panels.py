@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from infinigen_core.stats import LayerStats, StepStats
-from ui import page_actions, panels
-from ui.page_actions import PANEL_OUTPUTS, TICK_SECONDS, TICK_SECONDS_WHILE_GENERATING, PageActions, TickState
+from ui import page_tick, panels
+from ui.page_tick import TICK_OUTPUTS, TICK_SECONDS, TICK_SECONDS_WHILE_GENERATING, PageTick, TickState, TickUpdate
 
 MiB = 2**20
 
@@ -105,73 +105,87 @@ def test_timing_table_splits_the_mean_step(data):
     assert caption == "12.5 tokens/s; context 42 / 8,192 tokens"
 
 
-def test_views_before_any_decode_step_are_empty_and_say_so():
+def test_views_before_any_decode_step_say_so_and_hold_no_missing_number():
     engine = FakeEngine()
     engine.history = engine.history[:1]
     views = panels.panel_views(panels.collect(engine))
-    assert views["fetch"][0].empty and views["timing"][0].empty
+    fetch, timing = views["fetch"][0], views["timing"][0]
+    # every layer and every part at 0: an empty table would make Vega label its axis and legend NaN, -Infinity
+    assert fetch["layer"].tolist() == [0, 1, 2] * 2 and set(fetch["fetched / context"]) == {0.0}
+    assert timing["part"].tolist() == ["speculate", "fetch wait", "attention", "rest of the model"]
+    assert set(timing["ms per decode step"]) == {0.0}
+    assert not fetch.isna().any().any() and not timing.isna().any().any()
     assert "<img" not in views["sparsity"][0] and "no decode step yet" in views["sparsity"][0]
     assert views["fetch"][1] == views["sparsity"][1] == "no decode step yet"
+    assert views["timing"][1].startswith("no decode step yet; context")
 
 
 # ------------------------------------------------------------------------------------ the tick
-class FakeController:
+class FakeService:
+    """The parts of the service the tick reads, over a fake engine."""
+
     def __init__(self, engine):
-        self.engine, self.chat, self.api_turns = engine, SimpleNamespace(id="s1"), 0
-        self.progress = SimpleNamespace(tokens_per_second=lambda: 9.0)
-        self.store = SimpleNamespace(list=lambda: [])
         self.busy = False  # no turn is running
-
-    def chat_history(self):
-        return []
-
-    def model_summary(self):
-        return "model"
+        self.host = SimpleNamespace(engine=engine, model_summary=lambda: "model")
+        self.open_sessions = SimpleNamespace(page=SimpleNamespace(id="s1"))
+        self.api = SimpleNamespace(turns_run=0)
+        self.turns = SimpleNamespace(progress=SimpleNamespace(tokens_per_second=lambda: 9.0), busy=lambda: self.busy)
+        self.store = SimpleNamespace(list=lambda: [])
+        self.pages = SimpleNamespace(chat_history=lambda: [])
 
 
 @pytest.fixture
 def ticking(monkeypatch):
-    monkeypatch.setattr(page_actions, "status_text", lambda controller: "**Ready.**")
-    monkeypatch.setattr(page_actions.inspector, "step_labels", lambda engine: ["1: a", "2: b"])
+    monkeypatch.setattr(page_tick, "status_text", lambda service: "**Ready.**")
+    monkeypatch.setattr(page_tick.inspector, "step_labels", lambda engine: ["1: a", "2: b"])
     memory = {"KV pool": 3.0, "process RSS": 500.0, "system available": 9000.0}
     monkeypatch.setattr(panels, "memory_figures", lambda engine: dict(memory))
     engine = FakeEngine()
-    return PageActions(FakeController(engine), export_dir=None), engine
+    return PageTick(FakeService(engine)), engine
 
 
-def plots(outputs):
-    return list(outputs[1:5])
+def tick(actions, state) -> TickUpdate:
+    """The tick's outputs by name, as ChatPage binds them."""
+    outputs = actions.tick(state)
+    assert len(outputs) == len(TICK_OUTPUTS)
+    return TickUpdate(*outputs)
 
 
-def sent(outputs):
-    return [panel for panel, output in zip(panels.PANELS, plots(outputs)) if output != gr.skip()]
+def sent(update: TickUpdate) -> list[str]:
+    return [panel for panel in panels.PANELS if getattr(update, f"{panel}_plot") != gr.skip()]
+
+
+SIDEBAR_AND_INSPECTOR = ("step_picker", "layer_picker", "chatbot", "session_picker", "session_info", "model_info")
+
+
+def skipped(update: TickUpdate, names) -> bool:
+    return all(getattr(update, name) == gr.skip() for name in names)
 
 
 def test_tick_sends_one_changed_panel_at_a_time_then_nothing(ticking):
     actions, engine = ticking
-    outputs = actions.tick(None)
-    assert len(outputs) == 3 + PANEL_OUTPUTS  # the status line, the panels and views, the timer, the state
-    assert outputs[-2] == gr.skip()  # the timer keeps its pace while no reply is generated
-    assert outputs[0] == "**Ready.**" and sent(outputs) == ["memory"]
-    update = plots(outputs)[0]
-    assert update["value"]["MiB"].tolist() == [3, 500] and update["caption"].startswith("system available")
-    state, order = outputs[-1], ["memory"]
+    update = tick(actions, None)
+    assert update.timer == gr.skip()  # the timer keeps its pace while no reply is generated
+    assert update.status == "**Ready.**" and sent(update) == ["memory"]
+    assert update.memory_plot["value"]["MiB"].tolist() == [3, 500]
+    assert update.memory_plot["caption"].startswith("system available")
+    state, order = update.last_seen, ["memory"]
     while state.panels_pending:  # the other panels follow, one per tick, with no new step
-        outputs = actions.tick(state)
-        state = outputs[-1]
-        order += sent(outputs)
-        assert outputs[0] == gr.skip()  # the status line did not change: not sent again
-        assert all(output == gr.skip() for output in outputs[5:-1])  # nor the sidebar or the inspector
+        update = tick(actions, state)
+        state = update.last_seen
+        order += sent(update)
+        assert update.status == gr.skip()  # the status line did not change: not sent again
+        assert skipped(update, SIDEBAR_AND_INSPECTOR)  # nor the sidebar or the inspector
     assert order == list(panels.PANELS)
-    outputs = actions.tick(state)  # nothing changed: everything skipped, nothing recomputed
-    assert all(output == gr.skip() for output in outputs[:-1])
+    update = tick(actions, state)  # nothing changed: everything skipped, nothing recomputed
+    assert skipped(update, TICK_OUTPUTS[:-1])
 
 
 def test_tick_sends_only_the_panels_whose_tables_changed(ticking):
     actions, engine = ticking
     state = TickState()
     for _ in panels.PANELS:
-        state = actions.tick(state)[-1]
+        state = tick(actions, state).last_seen
     assert not state.panels_pending
     # a new step that changes only the time split and the memory: the ratios are the same as before
     engine.history.append(StepStats(3, 42, 1, [layer(0, 42, 42), layer(1, 42, 42), layer(2, 42, 21, compute=99.0)],
@@ -180,9 +194,9 @@ def test_tick_sends_only_the_panels_whose_tables_changed(ticking):
     engine.steps_run += 1
     order = []
     while True:
-        outputs = actions.tick(state)
-        state = outputs[-1]
-        order += sent(outputs)
+        update = tick(actions, state)
+        state = update.last_seen
+        order += sent(update)
         if not state.panels_pending:
             break
     assert order == ["fetch", "sparsity", "timing"]  # memory's table did not change: skipped
@@ -192,30 +206,29 @@ def test_while_a_reply_is_generated_the_tick_sends_the_status_and_the_heat_map_a
     actions, engine = ticking
     state = TickState()
     for _ in panels.PANELS:
-        state = actions.tick(state)[-1]
-    actions.controller.busy = True
+        state = tick(actions, state).last_seen
+    actions.service.busy = True
     timers = []
     for step in range(2):  # the fetch table, the heat map and the time split all change at every step
         engine.history.append(StepStats(3 + step, 42, 1, [layer(0, 42, 42), layer(1, 42, 42), layer(2, 42, 4 + step)],
                                         total_ms=25.0 + step))
         engine.steps_run += 1
-        outputs = actions.tick(state)
-        assert sent(outputs) == ["sparsity"]  # the heat map alone: no Vega redraw while the model decodes
-        assert all(output == gr.skip() for output in outputs[5:-2])  # inspector steps, chat, sidebar: not now
-        timers.append(outputs[-2])
-        state = outputs[-1]
+        update = tick(actions, state)
+        assert sent(update) == ["sparsity"]  # the heat map alone: no Vega redraw while the model decodes
+        assert skipped(update, SIDEBAR_AND_INSPECTOR)  # inspector steps, chat, sidebar: not now
+        timers.append(update.timer)
+        state = update.last_seen
         assert state.panels_pending  # the plots wait for the turn's end
     # the timer slows down once, at the first tick of the turn
     assert timers[0]["value"] == TICK_SECONDS_WHILE_GENERATING > TICK_SECONDS and timers[1] == gr.skip()
-    actions.controller.busy = False  # the turn ended: the inspector's step list and the plots follow
-    outputs = actions.tick(state)
-    assert outputs[-2]["value"] == TICK_SECONDS  # and back to its pace
-    steps = outputs[5]
-    assert steps != gr.skip() and steps["choices"] == ["1: a", "2: b"]
-    after = sent(outputs)
-    state = outputs[-1]
+    actions.service.busy = False  # the turn ended: the inspector's step list and the plots follow
+    update = tick(actions, state)
+    assert update.timer["value"] == TICK_SECONDS  # and back to its pace
+    assert update.step_picker != gr.skip() and update.step_picker["choices"] == ["1: a", "2: b"]
+    after = sent(update)
+    state = update.last_seen
     while state.panels_pending:
-        outputs = actions.tick(state)
-        after += sent(outputs)
-        state = outputs[-1]
+        update = tick(actions, state)
+        after += sent(update)
+        state = update.last_seen
     assert {"fetch", "timing"} <= set(after) and "sparsity" not in after

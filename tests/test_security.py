@@ -13,10 +13,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from app_server import chromium_page, running_app
 from gradio_client import Client
 
 from ui.head_script import SLOW_STATUS_TRACKER_FRAMES
+
+from app_server import chromium_page, running_app
 
 KEY = "sec-key-51c9"
 
@@ -233,14 +234,15 @@ def test_a_disk_limit_below_the_open_session_is_recorded_logged_once_and_said(tm
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "3.0 MiB" in warnings[0] and "over its limit of 2.0 MiB" in warnings[0]
 
-        controller = SimpleNamespace(engine=object(), store=store, status="Ready", restore_message="",
-                                     progress=SimpleNamespace(phase="idle"))
-        line = status_text(controller)
+        service = SimpleNamespace(host=SimpleNamespace(engine=object(), status="Ready"), store=store,
+                                  pages=SimpleNamespace(restore_message=""),
+                                  turns=SimpleNamespace(progress=SimpleNamespace(phase="idle")))
+        line = status_text(service)
         assert line.startswith("**Ready.**") and "over its limit" in line
         assert "3.0 MiB used, limit 2.0 MiB" in line
 
         store.storage = type(store.storage)(kv_disk_limit=8 << 20)  # a limit that fits again: nothing said
         assert enforce_disk_limit(store) == [] and store.over_disk_limit is None
-        assert "limit" not in status_text(controller)
+        assert "limit" not in status_text(service)
     finally:
         held.release()

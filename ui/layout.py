@@ -1,27 +1,31 @@
 """The Gradio page: chat in the middle, sessions on the left, settings, live panels and the inspector.
 
-    demo = build_app(controller)          # ChatPage(controller).build()
+    demo = build_app(service)          # ChatPage(service).build()
 
 `ChatPage` builds its components in small methods and binds every event in `_bind`; the handlers are
-`PageActions` methods (ui/page_actions.py), thin calls of the controller whose `UserError`s are shown as
+`PageActions` methods (ui/page_actions.py), thin calls of the service's parts whose `UserError`s are shown as
 readable messages. `_then_refresh` refreshes the sidebar after an action.
 """
 
 from __future__ import annotations
 
+import inspect
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import gradio as gr
 
+from chat_service import ChatService
 from infinigen_core.config import POLICY_NAMES
 from sessions import format_size
 
-from .chat_view import ChatView
 from . import panels
-from .controller import ChatController
-from .page_actions import ATTACHABLE, TICK_SECONDS, PageActions
+from .chat_view import ChatView
+from .page_actions import ATTACHABLE, PageActions
 from .page_text import status_text
+from .page_tick import TICK_OUTPUTS, TICK_SECONDS, PageTick
 
 CSS = """
 .ig-hit { border-radius: 3px; }
@@ -41,21 +45,30 @@ footer { display: none !important; }
 """
 
 
-def build_app(controller: ChatController) -> gr.Blocks:
-    return ChatPage(controller).build()
+def build_app(service: ChatService) -> gr.Blocks:
+    return ChatPage(service).build()
+
+
+def in_parameter_order(handler, inputs: Mapping[str, gr.components.Component]) -> list[gr.components.Component]:
+    """`inputs` (by parameter name) as the list Gradio binds to `handler`'s parameters in order; a name that
+    is not a parameter, or a parameter without an input, fails here, when the page is built."""
+    names = list(inspect.signature(handler).parameters)
+    if sorted(names) != sorted(inputs):
+        raise TypeError(f"{handler.__name__} takes {names}; the page gives {sorted(inputs)}")
+    return [inputs[name] for name in names]
 
 
 class ChatPage:
-    def __init__(self, controller: ChatController) -> None:
-        self.controller = controller
+    def __init__(self, service: ChatService) -> None:
+        self.service = service
         self.export_dir = Path(tempfile.mkdtemp(prefix="infinigen-export-"))
-        self.actions = PageActions(controller, self.export_dir)
+        self.actions = PageActions(service, self.export_dir)
+        self.ticker = PageTick(service)
 
     def build(self) -> gr.Blocks:
         with gr.Blocks(title="InfiniGen Chat", analytics_enabled=False) as demo:
-            demo.export_dir = self.export_dir
             gr.Markdown("## InfiniGen Chat")
-            self.status = gr.Markdown(status_text(self.controller), elem_id="ig-status")
+            self.status = gr.Markdown(status_text(self.service), elem_id="ig-status")
             with gr.Row():
                 with gr.Column(scale=1, min_width=260):
                     self._model_box()
@@ -71,12 +84,12 @@ class ChatPage:
 
     # ---------------------------------------------------------------- components
     def _model_box(self) -> None:
-        controller = self.controller
+        host = self.service.host
         with gr.Accordion("Model", open=False):
-            self.model_info = gr.Markdown(controller.model_summary(), elem_id="ig-model-info")
+            self.model_info = gr.Markdown(host.model_summary(), elem_id="ig-model-info")
             self.model_picker = gr.Dropdown(label="Default or from the local Hugging Face cache",
-                                            choices=controller.model_choices(), allow_custom_value=True,
-                                            value=controller.model_path or controller.DEFAULT_CHOICE,
+                                            choices=host.model_choices(), allow_custom_value=True,
+                                            value=host.model_path or host.DEFAULT_CHOICE,
                                             elem_id="ig-model-picker")
             self.model_path = gr.Textbox(label="or a path or hub id", placeholder="~/models/Qwen3-8B, "
                                          "a .gguf file, or Qwen/Qwen3-8B", elem_id="ig-model-path")
@@ -112,13 +125,14 @@ class ChatPage:
             self.regenerate_button = gr.Button("Regenerate")
             self.edit_button = gr.Button("Replace last message with this text")
             self.drop_button = gr.Button("Drop oldest turns")
-            self.file_chat_button = gr.Button("New chat about this file", elem_id="ig-file-chat")
+            # shown once the open session holds a file (refresh_sessions)
+            self.file_chat_button = gr.Button("New chat about this file", elem_id="ig-file-chat", visible=False)
         with gr.Accordion("System prompt", open=False):
             self.system_box = gr.Textbox(label="System prompt", lines=2)
             self.system_button = gr.Button("Set system prompt")
 
     def _settings_box(self) -> None:
-        shown = self.controller.settings
+        shown = self.service.settings.current
         with gr.Accordion("Settings (apply from the next message)", open=False):
             with gr.Row():
                 policy = gr.Dropdown(list(POLICY_NAMES), value=shown.policy, label="KV policy")
@@ -137,12 +151,14 @@ class ChatPage:
                 max_new = gr.Number(value=256, precision=0, label="max new tokens")
             self.apply_button = gr.Button("Apply settings")
             self.settings_status = gr.Markdown()
-        # in the order of ChatController.apply_settings
-        self.settings_inputs = [policy, alpha, budget, partial_ratio, pool_limit, record, temperature, top_p,
-                                top_k, repetition, max_new, min_fetch]
+        # by the name of PageActions.apply_settings's parameter each one fills
+        self.settings_inputs = {"policy": policy, "alpha": alpha, "budget": budget, "partial_ratio": partial_ratio,
+                                "pool_limit": pool_limit, "inspect": record, "temperature": temperature,
+                                "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition,
+                                "max_new_tokens": max_new, "min_fetch_tokens": min_fetch}
 
     def _storage_box(self) -> None:
-        storage = self.controller.store.storage
+        storage = self.service.store.storage
         with gr.Accordion("KV cache on disk (all sessions)", open=False):
             with gr.Row():
                 self.kv_format = gr.Radio(["int8", "exact"], value=storage.kv_format,
@@ -178,7 +194,7 @@ class ChatPage:
         """Components that only scripts and tests use (named API endpoints), and the page's own state."""
         self.sessions_json = gr.JSON(visible=False)
         self.timer = gr.Timer(TICK_SECONDS)
-        self.last_seen = gr.State(None)  # what the page was last sent (PageActions.tick)
+        self.last_seen = gr.State(None)  # what the page was last sent (PageTick.tick)
         self.open_api = gr.Textbox(visible=False)
         # scripts send and edit plain text (the page's box takes files too): /send and /edit_last
         self.text_api = gr.Textbox(visible=False)
@@ -194,18 +210,20 @@ class ChatPage:
     def _then_refresh(self, event, **options):
         """After `event`, the sidebar shows the sessions as they are now, and the status line the app's state."""
         return event.then(self.actions.refresh_sessions, None, [self.session_picker, self.title_box,
-                                                                self.system_box, self.session_info, self.status],
-                          **options)
+                                                                self.system_box, self.session_info, self.status,
+                                                                self.file_chat_button], **options)
 
     def _bind(self, demo: gr.Blocks) -> None:
         # scripts and tests (gradio_client, logged in with the key when the app has one) may call the events
         # that have an api_name; the page's other events (and the destructive ones: delete, rename, model
         # switch, system prompt, disk storage, dropping turns) are the page's own and not an API
-        act, hidden, private = self.actions, {"api_name": False}, {"api_visibility": "private"}
-        chat_and_box = [self.chatbot, self.message, self.attachment_info]
+        act = self.actions
+        hidden: dict[str, Any] = {"api_name": False}
+        private: dict[str, Any] = {"api_visibility": "private"}
+        chat_and_box = [self.chatbot, self.message, self.attachment_info, self.status, self.session_picker]
         # every event that streams a reply: no progress animation over the chat, which would redraw the page at
         # every frame on the cores the model decodes on (the chat shows the turn, the status line the model)
-        replying = {"show_progress": "hidden"}
+        replying: dict[str, Any] = {"show_progress": "hidden"}
         quiet = {**hidden, **replying}
         self._then_refresh(self.send_button.click(act.send, self.message, chat_and_box, **quiet), **hidden)
         self._then_refresh(self.message.submit(act.send, self.message, chat_and_box, **quiet), **hidden)
@@ -214,8 +232,7 @@ class ChatPage:
                                                       **replying), **hidden)
         self._then_refresh(self.edit_api_button.click(act.edit_text, self.text_api, script_chat,
                                                       api_name="edit_last", **replying), **hidden)
-        self.message.change(act.preview, self.message, self.attachment_info, api_name=False,
-                            show_progress="hidden", trigger_mode="always_last")
+        self.message.change(act.preview, self.message, self.attachment_info, **quiet, trigger_mode="always_last")
         self._then_refresh(self.file_chat_button.click(act.file_chat, None, [self.chatbot, self.message,
                                                                              self.attachment_info],
                                                        api_name="new_chat_about_file"), **hidden)
@@ -242,16 +259,14 @@ class ChatPage:
         self.system_button.click(act.system_prompt, self.system_box, self.settings_status, **private)
         self._then_refresh(self.storage_button.click(act.storage, [self.kv_format, self.kv_limit],
                                                      self.storage_status, **private), **hidden)
-        self.apply_button.click(act.apply_settings, self.settings_inputs, self.settings_status,
-                                api_name="apply_settings")
+        self.apply_button.click(act.apply_settings, in_parameter_order(act.apply_settings, self.settings_inputs),
+                                self.settings_status, api_name="apply_settings")
         self.inspect_button.click(act.inspect, [self.step_picker, self.layer_picker], self.inspector_html, **hidden)
         self.inspect_api_button.click(act.inspect_index, [self.step_index_api, self.layer_api], self.inspector_html,
                                       api_name="inspect")
-        self.timer.tick(act.tick, self.last_seen, [self.status, self.memory_plot, self.fetch_plot, self.sparsity_plot,
-                                                   self.timing_plot, self.step_picker, self.layer_picker, self.chatbot,
-                                                   self.session_picker, self.session_info, self.model_info,
-                                                   self.timer, self.last_seen], api_name=False, show_progress="hidden",
-                         queue=False)  # a plain request: no queue, none of the queue's status messages to the page
+        # the tick's outputs are the components named by TickUpdate's fields, in their order
+        self.timer.tick(self.ticker.tick, self.last_seen, [getattr(self, name) for name in TICK_OUTPUTS], **quiet,
+                        queue=False)  # a plain request: none of the queue's status messages
         self.status_button.click(act.app_status, None, self.sessions_json, api_name="status")
         self.list_button.click(act.list_sessions, None, self.sessions_json, api_name="list_sessions")
         self._then_refresh(demo.load(act.history, None, self.chatbot, **hidden), **hidden)

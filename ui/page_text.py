@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import time
 
+from chat_service import ChatService
 from sessions import SessionSummary, format_size
-
-from .controller import ChatController
 
 
 def session_choices(summaries: list[SessionSummary]) -> list[tuple[str, str]]:
@@ -49,10 +48,13 @@ def _time_left(progress) -> str:
     return f", about {(progress.total - progress.done) * elapsed / progress.done:.0f} s left (Stop keeps what was read)"
 
 
-def status_text(controller: ChatController) -> str:
-    if controller.engine is None:
-        return f"**Starting:** {controller.status}"
-    progress = controller.progress
+def status_text(service: ChatService) -> str:
+    host = service.host
+    if host.engine is None:
+        waiting = service.page_turns.waiting_for_model
+        note = (" Your message waits for the model; it is sent as soon as the model is ready." if waiting else "")
+        return f"**Starting:** {host.status}{note}"
+    progress = service.turns.progress
     if progress.phase == "restore":
         return f"**Opening the session:** {progress.done:,} / {progress.total:,} tokens of KV cache..."
     if progress.phase == "prefill" and progress.total:
@@ -61,12 +63,12 @@ def status_text(controller: ChatController) -> str:
         return "**Reading your message...**"
     if progress.phase == "generating":
         return f"**Generating:** {progress.tokens} tokens, {progress.tokens_per_second():.1f} tokens/s"
-    return f"**{controller.status}.** {controller.restore_message}{disk_limit_note(controller)}"
+    return f"**{host.status}.** {service.pages.restore_message}{disk_limit_note(service)}"
 
 
-def disk_limit_note(controller: ChatController) -> str:
+def disk_limit_note(service: ChatService) -> str:
     """Said while the open sessions alone keep the saved KV caches over the disk limit (nothing else can go)."""
-    over = getattr(controller.store, "over_disk_limit", None)
+    over = getattr(service.store, "over_disk_limit", None)
     if over is None:
         return ""
     used, limit = over

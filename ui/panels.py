@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
-from PIL import Image
 import psutil
 import torch
+from PIL import Image
 
 MiB = 2**20
 
@@ -105,18 +105,24 @@ def memory_table(data: PanelData) -> Table:
 
 def fetch_table(data: PanelData) -> Table:
     """Per layer, the fetched share of the context at the latest decode step and its mean over the recent
-    steps: two series of one line plot, the layer's kind in the tooltip."""
+    steps: two series of one line plot, the layer's kind in the tooltip. Before the first decode step, every
+    layer at 0 (an empty table makes Vega write NaN and -Infinity on the axis and in the legend)."""
     layers = len(data.latest_ratio)
+    ratios = data.latest_ratio + data.mean_ratio
+    if not layers:
+        layers = len(data.layer_kinds)
+        ratios = [0.0] * (2 * layers)
     kinds = (data.layer_kinds or ["global"] * layers)[:layers]
     frame = pd.DataFrame({"layer": list(range(layers)) * 2,
-                          "fetched / context": [round(r, 4) for r in data.latest_ratio + data.mean_ratio],
+                          "fetched / context": [round(r, 4) for r in ratios],
                           "series": ["latest step"] * layers + ["running mean"] * layers,
                           "kind": kinds * 2})
     sliding = data.sliding_layers()
-    caption = f"policy {data.policy}" if layers else "no decode step yet"
-    if data.dense_reason and layers:  # the budget covers every token: nothing to select yet
+    stepped = bool(data.latest_ratio)
+    caption = f"policy {data.policy}" if stepped else "no decode step yet"
+    if data.dense_reason and stepped:  # the budget covers every token: nothing to select yet
         caption += f"; {data.dense_reason}"
-    if sliding and layers:  # their whole window is read; InfiniGen selects on the global layers only
+    if sliding and stepped:  # their whole window is read; InfiniGen selects on the global layers only
         caption += f"; sliding-window layers (whole window read): {', '.join(map(str, sliding))}"
     return frame, caption
 
@@ -168,13 +174,17 @@ def sparsity_view(data: PanelData) -> View:
 
 
 def timing_table(data: PanelData) -> Table:
-    """Where a decode step's time goes (mean ms of the recent steps); speed and context in the caption."""
+    """Where a decode step's time goes (mean ms of the recent steps); speed and context in the caption. Before
+    the first decode step, every part at 0 ms (an empty table makes Vega write NaN and -Infinity)."""
     split = data.time_split_ms
-    parts = {name: split[key] for name, key in SPLIT_PARTS.items()} if split else {}
     if split:
+        parts = {name: split[key] for name, key in SPLIT_PARTS.items()}
         parts[REST] = max(split["total"] - sum(parts.values()), 0.0)
+    else:
+        parts = dict.fromkeys([*SPLIT_PARTS, REST], 0.0)
     frame = pd.DataFrame({"part": list(parts), "ms per decode step": [round(v, 2) for v in parts.values()]})
-    caption = (f"{data.tokens_per_second:.1f} tokens/s; context {data.context:,} / {data.window:,} tokens")
+    speed = f"{data.tokens_per_second:.1f} tokens/s" if split else "no decode step yet"
+    caption = f"{speed}; context {data.context:,} / {data.window:,} tokens"
     return frame, caption
 
 

@@ -1,7 +1,9 @@
 """An OpenAI chat-completions request body, checked in one place and turned into what the app runs.
 
     request = parse_chat_request(body, model_id="SmolLM2-135M-Instruct", defaults=SamplingConfig())
-    request.system, request.turns, request.sampling, request.stream
+    request.conversation.system, request.conversation.turns, request.conversation.sampling, request.stream
+
+It converts attached files (PDF, DOCX...), which can take seconds: the route calls it off the event loop.
 
 Every problem raises `ApiError` with OpenAI's error fields (message, type, param, code) and an HTTP status;
 nothing is stored before a request has passed here.
@@ -14,6 +16,7 @@ import binascii
 import math
 from dataclasses import dataclass, replace
 
+from chat_service.api_turns import Conversation
 from documents import MAX_FILE_BYTES, Document, DocumentError, convert_bytes, message_with_attachments
 from infinigen_core import ConfigError, SamplingConfig
 
@@ -38,27 +41,31 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class ChatRequest:
-    system: str  # the leading system (or developer) messages, joined
-    turns: tuple[tuple[str, str], ...]  # (role, content) of the user and assistant messages, in order
-    sampling: SamplingConfig
+    conversation: Conversation  # the system prompt, the turns, their files, the sampling
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
-    documents: tuple[tuple[Document, ...], ...] = ()  # per turn, the files attached to it (their text is in it)
 
 
-def _bad(message: str, param: str, code: str | None = None) -> ApiError:
+@dataclass(frozen=True)
+class _Content:
+    text: str  # what the model reads: the attached files' text, then the question
+    question: str  # the message's own text
+    documents: tuple[Document, ...] = ()
+
+
+def _bad(message: str, param: str | None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param, code or "invalid_value")
 
 
-def _content(message: dict, index: int) -> tuple[str, tuple[Document, ...]]:
+def _content(message: dict, index: int) -> _Content:
     param = f"messages[{index}].content"
     content = message.get("content")
     if content is None:
         if message.get("tool_calls") or message.get("function_call"):
             raise _bad("tool calls are not supported: this server has no tools", param, "unsupported_value")
-        return "", ()
+        return _Content("", "")
     if isinstance(content, str):
-        return content, ()
+        return _Content(content, content)
     if isinstance(content, list):
         parts, documents = [], []
         for number, part in enumerate(content):
@@ -72,8 +79,8 @@ def _content(message: dict, index: int) -> tuple[str, tuple[Document, ...]]:
             parts.append(part["text"])
         # the documents go before the question, in one fixed format: the same file gives the same tokens in
         # any conversation, so a new one shares the stored KV of an earlier one (documents.prompt)
-        text = message_with_attachments("".join(parts).strip() if documents else "".join(parts), documents)
-        return text, tuple(documents)
+        question = "".join(parts).strip() if documents else "".join(parts)
+        return _Content(message_with_attachments(question, documents), question, tuple(documents))
     raise _bad("content must be a string or a list of text and file parts", param, "invalid_type")
 
 
@@ -81,7 +88,8 @@ def _file_part(part: dict, param: str) -> Document:
     """A file content part as OpenAI's API sends it, converted to a document; a bad one is a 400."""
     file = part.get("file")
     data_url = file.get("file_data") if isinstance(file, dict) else None
-    if not isinstance(data_url, str) or not data_url.startswith("data:") or ";base64," not in data_url:
+    if not isinstance(file, dict) or not isinstance(data_url, str) or not data_url.startswith("data:") \
+            or ";base64," not in data_url:
         raise _bad("a file part needs file.file_data as a data URL (\"data:<mime>;base64,...\"); file_id is not "
                    "supported (this server stores no uploaded files)", param, "unsupported_value")
     filename = file.get("filename")
@@ -101,10 +109,13 @@ def _file_part(part: dict, param: str) -> Document:
         raise _bad(str(error), param, "invalid_file") from None
 
 
-def _messages(value) -> tuple[str, tuple[tuple[str, str], ...], tuple[tuple[Document, ...], ...]]:
+def _messages(value, sampling: SamplingConfig) -> Conversation:
     if not isinstance(value, list) or not value:
         raise _bad("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects", "messages")
-    system, turns, documents = [], [], []
+    system: list[str] = []
+    turns: list[tuple[str, str]] = []
+    documents: list[tuple[Document, ...]] = []
+    questions: list[str] = []
     for index, message in enumerate(value):
         if not isinstance(message, dict):
             raise _bad("each message must be an object with a role and a content", f"messages[{index}]")
@@ -114,16 +125,17 @@ def _messages(value) -> tuple[str, tuple[tuple[str, str], ...], tuple[tuple[Docu
                        "unsupported_value")
         if role not in SYSTEM_ROLES + CHAT_ROLES:
             raise _bad(f"unknown role {role!r}: use system, user or assistant", f"messages[{index}].role")
-        content, attached = _content(message, index)
+        content = _content(message, index)
         if role in SYSTEM_ROLES:
             if turns:
                 raise _bad("system messages are accepted only at the start of the conversation",
                            f"messages[{index}].role", "unsupported_value")
-            system.append(content)
+            system.append(content.text)
         else:
-            turns.append((role, content))
-            documents.append(attached)
-    return "\n\n".join(system), tuple(turns), tuple(documents)
+            turns.append((role, content.text))
+            documents.append(content.documents)
+            questions.append(content.question)
+    return Conversation("\n\n".join(system), tuple(turns), sampling, tuple(documents), tuple(questions))
 
 
 def _number(body: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
@@ -184,7 +196,7 @@ def parse_chat_request(body, model_id: str, defaults: SamplingConfig) -> ChatReq
     if model is not None and model != model_id:
         raise ApiError(404, f"the model {model!r} is not served here; this server runs {model_id!r}", "model",
                        "model_not_found")
-    system, turns, documents = _messages(body.get("messages"))
+    conversation = _messages(body.get("messages"), defaults)
     _refuse_unsupported(body)
     stream = body.get("stream")
     if stream not in (None, True, False):
@@ -208,4 +220,4 @@ def parse_chat_request(body, model_id: str, defaults: SamplingConfig) -> ChatReq
         )
     except ConfigError as error:  # a combination the sampler refuses
         raise _bad(str(error), None) from None
-    return ChatRequest(system, turns, sampling, bool(stream), bool(options.get("include_usage")), documents)
+    return ChatRequest(replace(conversation, sampling=sampling), bool(stream), bool(options.get("include_usage")))

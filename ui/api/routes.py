@@ -1,24 +1,25 @@
 """The API's routes: GET /v1/models and POST /v1/chat/completions, to be handed to the Gradio app's FastAPI
 constructor (so they exist from the start).
 
-    demo.launch(app_kwargs={"routes": api_routes(controller, ApiOptions(key="secret"))})
+    demo.launch(app_kwargs={"routes": api_routes(service, ApiOptions(key="secret"))})
+
+Each route only connects: the request is checked (protocol.py, off the event loop: attached files are
+converted there), the turn runs in the service (serving.py), and the reply goes back in OpenAI's shapes.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.routing import BaseRoute
 
+from chat_service import ChatService
+
 from . import serving
 from .protocol import ApiError, parse_chat_request
-
-if TYPE_CHECKING:
-    from ..controller import ChatController
 
 
 @dataclass(frozen=True)
@@ -27,17 +28,17 @@ class ApiOptions:
     max_waiting: int = 4  # requests that may wait for their turn; one more gets 429
 
 
-def api_routes(controller: ChatController, options: ApiOptions) -> list[BaseRoute]:
+def api_routes(service: ChatService, options: ApiOptions) -> list[BaseRoute]:
     router = APIRouter()
 
     @router.get("/v1/models")
     async def list_models(request: Request):
         try:
             serving.check_key(request, options.key)
-            model_id = serving.served_model(controller)
+            model_id = serving.served_model(service)
         except ApiError as error:
             return serving.error_response(error)
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(controller.loaded_at),
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(service.host.loaded_at),
                                             "owned_by": "infinigen-chat"}]}
 
     @router.post("/v1/chat/completions")
@@ -45,12 +46,14 @@ def api_routes(controller: ChatController, options: ApiOptions) -> list[BaseRout
         try:
             serving.check_key(request, options.key)
             body = await serving.json_body(request)
-            model_id = serving.served_model(controller)
-            chat_request = parse_chat_request(body, model_id, controller.settings.sampling)
-            prompt_ids = await asyncio.to_thread(serving.checked_prompt_ids, controller, chat_request)
+            model_id = serving.served_model(service)
+            # converting an attached PDF or DOCX takes seconds: never on the event loop, which serves the page too
+            chat_request = await asyncio.to_thread(parse_chat_request, body, model_id,
+                                                   service.settings.current.sampling)
+            prompt_ids = await asyncio.to_thread(serving.checked_prompt_ids, service, chat_request)
         except ApiError as error:
             return serving.error_response(error)
-        job = serving.Generation(controller, chat_request, prompt_ids, options.max_waiting)
+        job = serving.Generation(service, chat_request, prompt_ids, options.max_waiting)
         try:
             first = await job.next_item_while_connected(request)
         except ApiError as error:

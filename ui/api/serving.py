@@ -14,21 +14,17 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from chat_service import Abandoned, ChatService, QueueFull, UserError
+from chat_service.api_turns import ApiTurn
 from infinigen_core import GenerationEvent
 from sessions import ContextWindowError
 from sessions.chat import conversation, reply_prompt_ids
 
-from ..errors import Abandoned, QueueFull, UserError
-from .conversations import ApiTurn
 from .protocol import ApiError, ChatRequest
-
-if TYPE_CHECKING:
-    from ..controller import ChatController
 
 LOADING_RETRY_S = 5
 BUSY_RETRY_S = 2
@@ -51,14 +47,15 @@ def check_key(request: Request, key: str | None) -> None:
         raise ApiError(401, "incorrect API key", None, "invalid_api_key")
 
 
-def served_model(controller: ChatController) -> str:
-    if not controller.ready.is_set():
-        raise ApiError(503, f"the model is still loading ({controller.status}); retry shortly", None,
+def served_model(service: ChatService) -> str:
+    host = service.host
+    if not host.ready.is_set():
+        raise ApiError(503, f"the model is still loading ({host.status}); retry shortly", None,
                        "model_loading", "server_error", retry_after=LOADING_RETRY_S)
-    if controller.engine is None:
-        raise ApiError(503, controller.load_error or "the model is not loaded", None, "model_not_loaded",
+    if host.engine is None:
+        raise ApiError(503, host.load_error or "the model is not loaded", None, "model_not_loaded",
                        "server_error")
-    return controller.engine.model_name
+    return host.engine.model_name
 
 
 def _too_large(size: str) -> ApiError:
@@ -84,15 +81,16 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
 async def json_body(request: Request):
     body = await read_body(request)
     try:
-        return json.loads(body)
+        return await asyncio.to_thread(json.loads, body)  # 32 MiB of JSON takes a while: off the event loop
     except ValueError as error:
         raise ApiError(400, f"the request body is not valid JSON ({error})", None, "invalid_json") from None
 
 
-def checked_prompt_ids(controller: ChatController, chat_request: ChatRequest) -> list[int]:
-    """The templated conversation, checked against the model's window before anything is stored."""
-    engine = controller.engine
-    characters = len(chat_request.system) + sum(len(content) for _, content in chat_request.turns)
+def checked_prompt_ids(service: ChatService, chat_request: ChatRequest) -> list[int]:
+    """The templated conversation, checked against the model's window (the page's rule and wording) before
+    anything is stored."""
+    engine, asked = service.host.require_engine_loaded(), chat_request.conversation
+    characters = len(asked.system) + sum(len(content) for _, content in asked.turns)
     most = engine.max_context * longest_token_characters(engine.tokenizer)
     if characters > most:  # refused before the tokenizer spends seconds on it
         raise ApiError(400, f"the conversation is {characters:,} characters long: with the model's window of "
@@ -100,12 +98,10 @@ def checked_prompt_ids(controller: ChatController, chat_request: ChatRequest) ->
                             f"{most // engine.max_context} characters, at most {most:,} can ever fit",
                        "messages", "context_length_exceeded")
     try:
-        return reply_prompt_ids(engine.tokenizer, conversation(chat_request.system, list(chat_request.turns)),
-                                engine.max_context)
+        return reply_prompt_ids(engine.tokenizer, conversation(asked.system, list(asked.turns)), engine.max_context)
     except ContextWindowError as error:
-        raise ApiError(400, f"the conversation is {error.check.needed_tokens - 1} tokens long, and the model's "
-                            f"window is {error.check.window} (including the reply): leave out older messages",
-                       "messages", "context_length_exceeded") from None
+        attached = bool(asked.documents and asked.documents[-1])
+        raise ApiError(400, error.check.explain(attached), "messages", "context_length_exceeded") from None
 
 
 _longest_token: dict[int, tuple[object, int]] = {}
@@ -130,24 +126,25 @@ def error_response(error: ApiError) -> JSONResponse:
 
 # ---------------------------------------------------------------------- the turn, in a worker thread
 class Generation:
-    """Runs the controller's API turn in a thread and hands its events to the event loop, in order."""
+    """Runs the service's API turn in a thread and hands its events to the event loop, in order."""
 
-    def __init__(self, controller: ChatController, chat_request: ChatRequest, prompt_ids: list[int],
+    def __init__(self, service: ChatService, chat_request: ChatRequest, prompt_ids: list[int],
                  max_waiting: int) -> None:
         self.cancel = threading.Event()
         self.turn = ApiTurn()
         self._loop = asyncio.get_running_loop()
         self._items: asyncio.Queue = asyncio.Queue()
-        args = (chat_request.system, list(chat_request.turns), prompt_ids, chat_request.sampling,
-                self.cancel, self.turn, max_waiting, chat_request.documents)
-        self._thread = threading.Thread(target=self._run, args=(controller, args), daemon=True,
+        args = (chat_request.conversation, prompt_ids, self.cancel, self.turn, max_waiting)
+        self._thread = threading.Thread(target=self._run, args=(service, args), daemon=True,
                                         name="api-generation")
         self._thread.start()
 
-    def _run(self, controller: ChatController, args: tuple) -> None:
-        put = lambda item: self._loop.call_soon_threadsafe(self._items.put_nowait, item)  # noqa: E731
+    def _run(self, service: ChatService, args: tuple) -> None:
+        def put(item: object) -> None:
+            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+
         try:
-            for event in controller.answer_api(*args):
+            for event in service.api.answer(*args):
                 put(event)
             put(None)
         except QueueFull as error:
@@ -181,7 +178,8 @@ class Reply:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_id, self.prompt_tokens, self.turn = model_id, prompt_tokens, turn
-        self.text, self.completion_tokens, self.finish_reason = "", 0, None
+        self.text, self.completion_tokens = "", 0
+        self.finish_reason: str | None = None
 
     def add(self, event: GenerationEvent) -> str:
         if event.token_id is not None:

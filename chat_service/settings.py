@@ -2,8 +2,8 @@
 the KV storage settings, applied at once.
 
     keeper = SettingsKeeper()
-    keeper.apply(engine, "h2o", 12, "0.3", 0.5, "", False, 0.0, 1.0, 0, 1.0, 256)   # UserError if bad
-    keeper.apply_pending(engine, store, session_id)                                 # before the next turn
+    keeper.apply(engine, SettingsForm(policy="h2o", alpha=12, budget="0.3"))   # UserError if bad
+    keeper.apply_pending(engine, store, session_id)                            # before the next turn
 """
 
 from __future__ import annotations
@@ -32,6 +32,25 @@ class Settings:
     min_fetch_tokens: int = EngineConfig.min_fetch_tokens
 
 
+@dataclass(frozen=True)
+class SettingsForm:
+    """The settings as the page's named inputs (or a script) give them, not yet checked: numbers may be floats
+    where whole numbers are wanted, a budget is text. `SettingsKeeper.apply` checks them in one place."""
+
+    policy: str = EngineConfig.policy
+    alpha: float = EngineConfig.alpha
+    budget: str = str(EngineConfig.budget)  # a fraction of the context or a number of tokens
+    partial_ratio: float = EngineConfig.partial_ratio
+    pool_limit: str = ""  # tokens or a size such as 64MiB; empty: no limit
+    inspect: bool = False  # record the true attention for the inspector
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: float = 0
+    repetition_penalty: float = 1.0
+    max_new_tokens: float = 256
+    min_fetch_tokens: float = EngineConfig.min_fetch_tokens
+
+
 def engine_config(settings: Settings, engine=None) -> EngineConfig:
     """The EngineConfig of `settings` (a pool limit in bytes is counted in `engine`'s bytes per token)."""
     budget, is_tokens = parse_budget(settings.budget)
@@ -52,16 +71,15 @@ class SettingsKeeper:
         self.current = Settings()
         self._pending: EngineConfig | None = None
 
-    def apply(self, engine, policy: str, alpha, budget, partial_ratio, pool_limit: str, inspect: bool,
-              temperature, top_p, top_k, repetition_penalty, max_new_tokens,
-              min_fetch_tokens=EngineConfig.min_fetch_tokens) -> str:
+    def apply(self, engine, form: SettingsForm) -> str:
         """Validate and store new settings; they take effect on the next turn. Raises UserError."""
         try:
-            sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                                      repetition_penalty=float(repetition_penalty),
-                                      max_new_tokens=int(max_new_tokens))
-            candidate = Settings(policy, float(alpha), str(budget).strip(), float(partial_ratio),
-                                 str(pool_limit or ""), bool(inspect), sampling, float(min_fetch_tokens))
+            sampling = SamplingConfig(temperature=float(form.temperature), top_p=float(form.top_p),
+                                      top_k=int(form.top_k), repetition_penalty=float(form.repetition_penalty),
+                                      max_new_tokens=int(form.max_new_tokens))
+            candidate = Settings(form.policy, float(form.alpha), str(form.budget).strip(), float(form.partial_ratio),
+                                 str(form.pool_limit or ""), bool(form.inspect), sampling,
+                                 float(form.min_fetch_tokens))  # type: ignore[arg-type]  # checked just below
             config = engine_config(candidate, engine)  # validates every engine setting, the floor included
             candidate.min_fetch_tokens = config.min_fetch_tokens
         except (ConfigError, ValueError, TypeError) as error:

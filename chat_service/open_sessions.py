@@ -31,7 +31,7 @@ class OpenSessions:
         same system prompt), so the model reads only the rest. Shares whole chunks (the same files, no copy)
         and reads the rows of a partly matching one. `chat` must hold no tokens yet and be the engine's
         holder. Returns the tokens taken."""
-        engine = self.host.engine
+        engine = self.host.require_engine_loaded()
         if engine.num_tokens or self.store.chunks(chat.id):
             return 0
         match = self.prefixes.longest(engine.kv_signature(), prompt_ids)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from documents import displayed_message
-from sessions import RestoreReport, SessionError, SessionStore
+from sessions import ChatSession, RestoreReport, SessionError, SessionStore
 
 from .errors import UserError
 from .model_host import ModelHost
@@ -38,10 +38,12 @@ class PageSessions:
         self.store, self.host, self.settings, self.turns, self.open = store, host, settings, turns, open_sessions
         self.restore_message = ""
 
-    def require_chat(self) -> None:
+    def require_chat(self) -> ChatSession:
+        """The page's session (UserError while starting, or when none is open)."""
         self.host.require_engine_loaded()
         if self.open.page is None:
             raise UserError("no session is open")
+        return self.open.page
 
     def chat_history(self) -> list[dict]:
         if self.open.page is None:
@@ -97,16 +99,16 @@ class PageSessions:
         return self.restore_message
 
     def rename_session(self, title: str) -> None:
-        self.require_chat()
+        chat = self.require_chat()
         try:
-            self.store.rename(self.open.page.id, title)
+            self.store.rename(chat.id, title)
         except ValueError as error:
             raise UserError(str(error)) from None
 
     def delete_session(self) -> None:
-        self.require_chat()
+        doomed = self.require_chat()
         with self.turns.exclusive():
-            doomed, self.open.page = self.open.page, None
+            self.open.page = None
             if self.open.api is doomed:
                 self.open.api = None
             self.open.release(doomed)
@@ -114,8 +116,7 @@ class PageSessions:
         self.open_latest_free()
 
     def export_session(self, folder: Path) -> Path:
-        self.require_chat()
-        chat_id = self.open.page.id
+        chat_id = self.require_chat().id
         title = "".join(c if c.isalnum() else "-" for c in self.store.get(chat_id).title)[:40] or "chat"
         return self.store.export(chat_id, Path(folder) / f"{title}.igchat")
 
@@ -129,16 +130,16 @@ class PageSessions:
         return session_id
 
     def branch_from(self, message_index: int) -> str:
-        self.require_chat()
-        messages = self.open.page.messages
+        chat = self.require_chat()
+        messages = chat.messages
         if not 0 <= message_index < len(messages):
             raise UserError(f"there is no message {message_index + 1} to branch from")
         self.turns.refuse_while_generating()
-        branch_id = self.store.branch(self.open.page.id, messages[message_index].id)
+        branch_id = self.store.branch(chat.id, messages[message_index].id)
         self.open_session(branch_id)
         return branch_id
 
     def set_system_prompt(self, text: str) -> None:
-        self.require_chat()
-        if text != self.open.page.system_prompt:
-            self.open.page.set_system_prompt(text)
+        chat = self.require_chat()
+        if text != chat.system_prompt:
+            chat.set_system_prompt(text)

@@ -1,13 +1,12 @@
 """One generation at a time, for the page and the API alike: the lock, the API's bounded queue, Stop, progress,
-and the one thread the model runs in (engine_thread.py).
+the one thread the model runs in (engine_thread.py), and the one turn runner both faces use.
 
-    turns = TurnRunner()
+    turns = TurnRunner(settings, store, host)
     with turns.exclusive():                      # the page: UserError(BUSY) when a reply is being generated
-        on_prefill = turns.start("prefill")
-        for event in turns.track(generate(...)): ...
+        for events in turns.run(session_of_turn, generate, interval_s=0.5, stop=turns.stop): ...
     with turns.queued(client_gone, max_waiting): # the API: waits its turn, QueueFull past the bound
-        ...
-    turns.model_thread.call(restore, ...)         # model work runs in that thread, started under the lock
+        for events in turns.run(session_of_turn, generate, interval_s=0, stop=client_gone.set): ...
+    turns.model_thread.call(restore, ...)         # other model work runs in that thread, under the lock
 """
 
 from __future__ import annotations
@@ -18,12 +17,19 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from infinigen_core import GenerationEvent
+from infinigen_core import ConfigError, ContextOverflowError, GenerationEvent
+from sessions import ChatSession, SessionError, SessionStore
 
 from .engine_thread import model_thread
 from .errors import BUSY, Abandoned, QueueFull, UserError
+from .model_host import ModelHost
+from .settings import SettingsKeeper
 
 WAIT_POLL_S = 0.2  # how often a waiting API request looks whether its client went away
+Progress = Callable[[int, int], None]
+# what a face's turn does in the model's thread: pick its session (its KV in the engine), then generate in it
+SessionOfTurn = Callable[[], ChatSession]
+Generate = Callable[[ChatSession, Progress], Iterable[GenerationEvent]]
 
 
 @dataclass
@@ -56,7 +62,8 @@ class EitherSet:
 class TurnRunner:
     """The engine runs one turn at a time; the page is refused while one runs, API requests queue up to a bound."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: SettingsKeeper, store: SessionStore, host: ModelHost) -> None:
+        self.settings, self.store, self.host = settings, store, host
         self.cancel = threading.Event()  # the page's Stop button
         self.progress = TurnProgress()
         self._lock = threading.Lock()
@@ -129,3 +136,26 @@ class TurnRunner:
 
     def idle(self) -> None:
         self.progress.phase = "idle"
+
+    def run(self, session_of_turn: SessionOfTurn, generate: Generate, interval_s: float,
+            stop: Callable[[], None]) -> Iterator[list[GenerationEvent]]:
+        """The one turn runner of both faces, called under `exclusive()` or `queued()`: in the model's thread
+        (engine_thread.py), pick the turn's session, apply the settings saved since the last turn, and generate;
+        the caller gets the events that arrived since it last looked, at most once per `interval_s` (0: as they
+        come). A caller that stops iterating calls `stop`, which must end the turn soon. A failure the user
+        can act on is raised as UserError; whatever happens, the progress goes back to idle."""
+        self.cancel.clear()  # a Stop pressed before this turn is not meant for it
+
+        def in_model_thread() -> Iterator[GenerationEvent]:
+            chat = session_of_turn()
+            self.settings.apply_pending(self.host.engine, self.store, chat.id)
+            yield from self.track(generate(chat, self.start("prefill")))
+
+        try:
+            updates = self.model_thread.paced(in_model_thread(), interval_s, stop)
+            with contextlib.closing(updates):  # a face that goes away stops the turn and waits for it
+                yield from updates
+        except (SessionError, ContextOverflowError, ConfigError) as error:
+            raise UserError(str(error)) from None
+        finally:
+            self.idle()

@@ -11,10 +11,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from infinigen_core import EngineConfig
 
 from .errors import UserError
+
+if TYPE_CHECKING:
+    from infinigen_core import InfiniGenEngine
 
 Report = Callable[[str], None]
 
@@ -40,7 +44,7 @@ class ModelHost:
         self.weights = weights  # auto | fp32 | int8 | int4 | None (load_engine's default: auto on the CPU)
         self.compile_decode = compile_decode  # None: load_engine's default (compiled on the CPU)
         self.cpu_kernels: bool | None = None  # None: load_engine's default (built on the CPU)
-        self.engine = None
+        self.engine: InfiniGenEngine | None = None
         self.status = "Starting..."
         self.load_error: str | None = None
         self.ready = threading.Event()
@@ -59,7 +63,7 @@ class ModelHost:
 
         loader = self._loader or load_engine
         # test loaders need not know these options
-        kwargs = {"weights": self.weights} if self.weights else {}
+        kwargs: dict[str, Any] = {"weights": self.weights} if self.weights else {}
         if self.compile_decode is not None:
             kwargs["compile_decode"] = self.compile_decode
         if self.cpu_kernels is not None:
@@ -84,15 +88,17 @@ class ModelHost:
         finally:
             self.ready.set()
 
-    def require_engine(self) -> None:
+    def require_engine(self) -> InfiniGenEngine:
+        """The engine, once start-up is over (UserError while starting or after a failed load)."""
         if not self.ready.is_set():
             raise UserError(f"Still starting: {self.status}")
-        if self.engine is None:
-            raise UserError(self.load_error or "the model is not loaded")
+        return self.require_engine_loaded()
 
-    def require_engine_loaded(self) -> None:
+    def require_engine_loaded(self) -> InfiniGenEngine:
+        """The engine as soon as it is loaded (start-up may still be opening the latest session)."""
         if self.engine is None:
             raise UserError(self.load_error or f"Still starting: {self.status}")
+        return self.engine
 
     # ------------------------------------------------------------------ switching
     def wanted(self, choice: str | None) -> str | None:
@@ -152,12 +158,13 @@ class ModelHost:
         kinds = f"{adapter.num_layers - sliding} global" + (f", {sliding} sliding-window" if sliding else "")
         kinds += f" ({nope} without RoPE)" if nope and adapter.family.rope else ""
         dtype = str(engine.dtype).replace("torch.", "")
-        weights = getattr(engine, "weights", f"{dtype} weights")
-        decode = engine.decode_step.label if hasattr(engine, "decode_step") else "eager decode"
-        if getattr(engine, "kernels", None) is not None:
+        weights = engine.weights
+        decode = engine.decode_step.label
+        if engine.kernels is not None:
             decode += f" · {engine.kernels.label}"
         return (f"{engine.model_name} · {adapter.family.label} · {kinds} layers · {dtype} on {engine.device} · "
                 f"{weights} · {decode}")
 
     def ready_line(self) -> str:
-        return f"Ready: {self.engine.model_name} on {self.engine.device}"
+        engine = self.require_engine_loaded()
+        return f"Ready: {engine.model_name} on {engine.device}"

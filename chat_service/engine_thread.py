@@ -34,7 +34,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -108,7 +108,8 @@ class EngineThread:
             return function(*args)
         return self.submit(function, *args).result()
 
-    def paced(self, items: Iterable[T], interval_s: float, stop: Callable[[], None]) -> Iterator[list[T]]:
+    def paced(self, items: Iterable[T], interval_s: float,
+              stop: Callable[[], None]) -> Generator[list[T], None, None]:
         """Iterate `items` here and yield, in the caller's thread, the items that arrived since the last yield
         (a non-empty list, in order): the first at once, the others at most once per `interval_s` (0: as they
         come), the last ones as soon as `items` ends. Its exception is raised after the items before it.
@@ -155,5 +156,5 @@ class EngineThread:
 
 @functools.cache
 def model_thread() -> EngineThread:
-    """The process's one model thread (OpenMP's teams are the process's, so there is one for all controllers)."""
+    """The process's one model thread (OpenMP's teams are the process's, so there is one for all services)."""
     return EngineThread("model")

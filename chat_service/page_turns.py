@@ -1,0 +1,116 @@
+"""The page's turns: send, regenerate, replace the last message, drop the oldest turns. Each streams the
+conversation as the chat display shows it; one runs at a time (another gets UserError(BUSY)).
+
+    for history in page_turns.send("Hello"): show(history)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from documents import Document, attachment_record, displayed_message, message_with_attachments
+from infinigen_core import GenerationEvent
+from sessions import ChatSession, SessionError
+
+from .errors import UserError
+from .page_sessions import PageSessions
+from .titles import session_title
+from .turns import Progress
+
+# how often the chat display takes the reply's new text while a turn runs: every update is post-processed and
+# sent by the server and redrawn by the browser, on the cores the model decodes on. `python -m bench page` on
+# the 2-core VM, 300-token replies: updates every 0.25 s let the page decode at 0.70-0.82x the API's rate,
+# every 0.5 s at 0.84-0.91x
+PAGE_UPDATE_SECONDS = 0.5
+
+Generate = Callable[[ChatSession, Progress], Iterator[GenerationEvent]]
+
+
+class PageTurns:
+    def __init__(self, pages: PageSessions) -> None:
+        self.pages = pages
+        self.turns, self.open, self.store, self.settings = pages.turns, pages.open, pages.store, pages.settings
+        self.waiting_for_model = 0  # messages sent while the model loads, sent once it is ready
+
+    def send(self, text: str, attachments: Sequence[Document] = ()) -> Iterator[list[dict]]:
+        """Send `text` after the attached documents' text. A new session's first message starts from the
+        longest token prefix another session stored (a document read before is not read again). A message sent
+        while the model loads is shown at once and sent when the model is ready."""
+        text = text or ""
+        if not text.strip() and not attachments:
+            raise UserError("The message is empty: type something first.")
+        shown_while_waiting = not self.pages.host.ready.is_set()
+        if shown_while_waiting:
+            yield self._shown_waiting(text, attachments)
+            self._wait_for_model()
+        chat = self.pages.require_chat()
+        content, records = chat.user_message(text, tuple(attachments))
+        check = chat.check_window(content)
+        if not check.fits:
+            raise UserError(check.explain(attached=bool(attachments)))
+        if not chat.messages and self.store.get(chat.id).title == "New chat":
+            self.store.rename(chat.id, session_title(text, attachments))  # a title worth listing
+
+        def generate(chat: ChatSession, progress: Progress) -> Iterator[GenerationEvent]:
+            if not chat.messages:
+                self.open.start_from_stored_prefix(chat, chat.prompt_ids(content))
+            return chat.send(text, self._sampling(), self.turns.cancel, progress, attachments=tuple(attachments))
+
+        # the message shows at once, before the model has read it (a long document takes a while)
+        shown = self.pages.chat_history() + [{"role": "user", "content": displayed_message(content, records)}]
+        yield from self._run(generate, None if shown_while_waiting else shown)
+
+    @staticmethod
+    def _shown_waiting(text: str, attachments: Sequence[Document]) -> list[dict]:
+        """The message as shown while it waits for the model (which opens the latest session once loaded)."""
+        records = [attachment_record(document) for document in attachments]
+        return [{"role": "user", "content": displayed_message(message_with_attachments(text.strip(), attachments),
+                                                              records)}]
+
+    def _wait_for_model(self) -> None:
+        self.waiting_for_model += 1  # the status line says so
+        try:
+            self.pages.host.ready.wait()
+        finally:
+            self.waiting_for_model -= 1
+
+    def regenerate(self) -> Iterator[list[dict]]:
+        self.pages.require_chat()
+        yield from self._run(lambda chat, progress: chat.regenerate(self._sampling(), self.turns.cancel, progress))
+
+    def edit_last(self, text: str) -> Iterator[list[dict]]:
+        if not text or not text.strip():
+            raise UserError("The edited message is empty: type something first.")
+        self.pages.require_chat()
+        yield from self._run(lambda chat, progress: chat.edit_last_user(text, self._sampling(), self.turns.cancel,
+                                                                        progress))
+
+    def drop_oldest_turns(self, text: str) -> str:
+        chat = self.pages.require_chat()
+        with self.turns.exclusive():
+            try:
+                dropped = chat.drop_oldest_turns(text or "")
+            except SessionError as error:
+                raise UserError(str(error)) from None
+        return f"Dropped the {dropped} oldest turn(s); the system prompt was kept."
+
+    def _sampling(self):
+        return self.settings.current.sampling
+
+    def _held_page_session(self) -> ChatSession:
+        """In the model's thread: the page's session, its KV read back if the API used the engine since."""
+        chat = self.pages.require_chat()
+        self.open.hold(chat, self.turns.start("restore"))
+        return chat
+
+    def _run(self, generate: Generate, shown_first: list[dict] | None = None) -> Iterator[list[dict]]:
+        with self.turns.exclusive():
+            self.pages.restore_message = ""  # said once, after opening the session
+            if shown_first is not None:
+                yield shown_first
+            history = None
+            for events in self.turns.run(self._held_page_session, generate, PAGE_UPDATE_SECONDS, self.turns.stop):
+                if history is None:  # the turn's first step stores or removes messages: read them after it
+                    history = self.pages.chat_history()
+                yield history + [{"role": "assistant", "content": events[-1].full_text}]
+        yield self.pages.chat_history()

@@ -1,0 +1,89 @@
+"""Which of a session's KV chunks a restore reads back, and why the conversation must be re-read anyway.
+
+ChatSession._restore (chat.py) reads the chunks this chooses, then re-reads what they do not hold:
+
+    choice = which_chunks(store, session_id, engine)     # this model's own chunks, legacy ones re-signed
+    rows, end, problem = read_chunks(store, choice, engine.kv_signature(), progress)
+    problem = problem or missing_cache(store, session_id, restored, choice)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .snapshots import ChunkError, ChunkRecord, read_chunk, resign_chunk
+from .store import SessionStore
+
+Progress = Callable[[int, int], None]
+FOREIGN_CACHE = ("the conversation was last read by another model or precision (its KV cache is kept for when "
+                 "you switch back), so this model reads it anew")
+
+
+@dataclass(frozen=True)
+class ChunkChoice:
+    """The chunks a restore reads, and why the conversation is re-read whatever they hold ("" when it is not)."""
+
+    records: list[ChunkRecord]
+    problem: str
+    unparked: bool  # this model's own chunks from an earlier visit, brought back
+
+
+def which_chunks(store: SessionStore, session_id: str, engine) -> ChunkChoice:
+    """The session's chunks that `engine`'s model can read: its own (an earlier version's re-signed), or its own
+    from an earlier visit brought back; another model's are set aside for when it comes back, never dropped."""
+    signature = engine.kv_signature()
+    stored = store.kv_signature(session_id)
+    if stored in engine.legacy_kv_signatures():
+        _take_over_legacy_chunks(store, session_id, stored, signature)
+        stored = signature
+    problem = ""
+    if store.chunks(session_id) and stored != signature:
+        store.park_chunks(session_id)
+        problem = FOREIGN_CACHE
+    unparked = not store.chunks(session_id) and store.unpark_chunks(session_id, signature) > 0
+    if unparked:
+        problem = ""  # this model's own cache from an earlier visit
+    return ChunkChoice(store.chunks(session_id), problem, unparked)
+
+
+def read_chunks(store: SessionStore, choice: ChunkChoice, signature: dict[str, str],
+                progress: Progress | None) -> tuple[list, int, str]:
+    """The chosen chunks' rows in order, up to the first missing or unusable one: (rows, the token where they
+    end, why the rest could not be read or else the choice's own problem)."""
+    tensors, expected_start, problem = [], 0, choice.problem
+    for record in choice.records:
+        try:
+            if record.start != expected_start:
+                raise ChunkError(f"chunk {expected_start}-{record.start} is missing")
+            tensors.append(read_chunk(store.data_dir, record, signature))
+        except ChunkError as error:
+            problem = str(error)
+            break
+        expected_start = record.end
+        if progress is not None:
+            progress(expected_start, choice.records[-1].end)
+    return tensors, expected_start, problem
+
+
+def missing_cache(store: SessionStore, session_id: str, restored: int, choice: ChunkChoice) -> str:
+    """Why the conversation must be re-read although every chosen chunk read well: its cache was not all on
+    disk. (A cache brought back from an earlier visit is measured against the conversation itself, by the
+    caller, not against the token count that the other model wrote.)"""
+    summary = store.get(session_id)
+    if choice.unparked or not summary.message_count or restored >= max(summary.token_count, 1):
+        return ""
+    return ("its KV cache was dropped to stay within the disk limit" if summary.kv_dropped
+            else "its KV cache was not on disk")
+
+
+def _take_over_legacy_chunks(store: SessionStore, session_id: str, old: dict[str, str], new: dict[str, str]) -> None:
+    """Chunks an earlier version saved for this same model under its older fingerprint: each is checked and
+    rewritten under the current signature, so the session restores instead of being re-read."""
+    written: list[ChunkRecord] = []
+    for record in store.chunks(session_id):
+        try:
+            written.append(resign_chunk(store.data_dir, session_id, record, old, new))
+        except ChunkError:  # damaged or missing: keep the intact chunks before it; the rest is re-read
+            break
+    store.replace_chunks(session_id, written, new)
