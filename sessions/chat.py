@@ -6,9 +6,12 @@
         print(event.text, end="")
     chat.close()
 
-Durability: the user's message is committed before generation starts; the reply and the new KV rows are
-committed when it ends, is stopped, or fails. A crash mid-turn therefore loses at most the reply in
-flight. Chunk files are made durable before the database rows that name them.
+Durability: the user's message is committed before generation starts. Once the prompt has been read (the
+first token came) its KV rows are written as their own chunk and the reply is stored, then updated as it
+streams (at most every REPLY_SAVE_SECONDS); the rest of the reply's rows and its final text are committed
+when it ends, is stopped, or fails. A crash mid-turn therefore loses only the reply's last second and its
+KV rows: the next turn reads the stored partial reply and the new message, not the prompt. Chunk files
+are made durable before the database rows that name them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ Progress = Callable[[int, int], None]
 # room the next reply needs at least: the one reserve of the one window rule (WindowCheck.of), which the page
 # and the API both apply, so a message near the window's edge gets the same answer from both
 REPLY_RESERVE_TOKENS = 64
+REPLY_SAVE_SECONDS = 1.0  # a streaming reply's text is stored at most this often (a crash loses less)
 
 
 @dataclass(frozen=True)
@@ -324,22 +328,35 @@ class ChatSession:
     def _reply(self, prompt_ids: list[int], sampling: SamplingConfig, cancel, on_prefill_progress: Progress | None,
                replaces_from: int | None = None) -> Iterator[GenerationEvent]:
         """Stream a reply and store it. A reply exists once a token came (or the model ended at once); then,
-        and not before, messages from `replaces_from` on (an old reply) are deleted."""
-        text, produced = "", False
+        and not before, messages from `replaces_from` on (an old reply) are deleted, the prompt's KV rows are
+        saved and the reply is stored, its text updated as it streams."""
+        text, reply_id, saved_at = "", None, 0.0
         cached = common_prefix_length(self.engine.token_ids, prompt_ids)
         self.last_read_tokens = len(prompt_ids) - min(cached, max(len(prompt_ids) - 1, 0))
         try:
             for event in generate(self.engine, prompt_ids, sampling, cancel, on_prefill_progress):
-                if not produced and (event.token_id is not None or event.finish_reason == "eos"):
-                    produced = True
-                    if replaces_from is not None:
-                        self.store.delete_messages_from(self.id, replaces_from)
                 text = event.full_text
+                if reply_id is None and (event.token_id is not None or event.finish_reason == "eos"):
+                    reply_id, saved_at = self._start_reply(prompt_ids, text, replaces_from), time.monotonic()
+                elif reply_id is not None and time.monotonic() - saved_at >= REPLY_SAVE_SECONDS:
+                    # throttled: a commit waits for the disk, and the decode loop must not wait on it per token
+                    self.store.update_message(reply_id, text, self.engine.num_tokens)
+                    saved_at = time.monotonic()
                 yield event
         finally:  # also when the consumer stops early or generation fails: keep what was generated
-            if produced:
-                self.store.add_message(self.id, "assistant", text, len(prompt_ids), self.engine.num_tokens)
+            if reply_id is not None:
+                self.store.update_message(reply_id, text, self.engine.num_tokens)
             self._persist_new_rows(boundary=len(prompt_ids))
+
+    def _start_reply(self, prompt_ids: list[int], text: str, replaces_from: int | None) -> int:
+        """The first token came: drop the reply it replaces, store the reply begun, and save the prompt's KV
+        rows (the engine holds just those now, so they become their own chunk); returns the reply's id."""
+        if replaces_from is not None:
+            self.store.delete_messages_from(self.id, replaces_from)
+        self.store.add_message(self.id, "assistant", text, len(prompt_ids), self.engine.num_tokens)
+        reply_id = self.store.messages(self.id)[-1].id
+        self._persist_new_rows(boundary=len(prompt_ids))
+        return reply_id
 
     # ------------------------------------------------------------------ snapshots
     def _persist_new_rows(self, boundary: int | None = None) -> None:

@@ -298,6 +298,12 @@ class SessionStore:
             self.db["sessions"].update(session_id, {"updated": now})
 
     @_locked
+    def update_message(self, message_id: int, content: str, token_end: int) -> None:
+        """Set a message's text and where its span ends (a reply stored while it streams)."""
+        with self.db.atomic():
+            self.db["messages"].update(message_id, {"content": content, "token_end": token_end})
+
+    @_locked
     def delete_messages_from(self, session_id: str, position: int) -> None:
         with self.db.atomic():
             self.db.execute("DELETE FROM messages WHERE session_id = ? AND position >= ?", [session_id, position])

@@ -1,9 +1,9 @@
 """Run by test_sessions.py in a real subprocess that the test kills with SIGKILL mid-turn.
 
-usage: python tests/session_worker.py DATA_DIR SESSION_ID [generation|snapshot]
-Completes one turn and prints TURN1 DONE <tokens>. Then, in `generation` mode (default), starts a long
-second turn printing TOKEN per token; in `snapshot` mode, answers a short second turn and halts inside
+usage: python tests/session_worker.py DATA_DIR SESSION_ID snapshot
+Completes one turn and prints TURN1 DONE <tokens>, then answers a short second turn and halts inside
 the chunk write (temporary file written, before fsync and rename), printing SNAPSHOT WRITING.
+(A kill mid-reply is tests/crash_worker.py's.)
 """
 
 import os
@@ -16,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from infinigen_core import SamplingConfig, load_engine  # noqa: E402
 from sessions import ChatSession, SessionStore  # noqa: E402
 
-mode = sys.argv[3] if len(sys.argv) > 3 else "generation"
 store = SessionStore(sys.argv[1])
 engine = load_engine(device="cpu", progress=lambda message: None)
 chat = ChatSession.open(store, engine, sys.argv[2])
@@ -24,15 +23,13 @@ for _ in chat.send("What is the capital of France?", SamplingConfig(max_new_toke
     pass
 print("TURN1 DONE", engine.num_tokens, flush=True)
 
-if mode == "snapshot":
-    def halt_before_sync(fd: int) -> None:  # the next fsync is the chunk's: wait there to be killed
-        print("SNAPSHOT WRITING", flush=True)
-        time.sleep(600)
 
-    os.fsync = halt_before_sync
-    for _ in chat.send("And of Italy?", SamplingConfig(max_new_tokens=6)):
-        pass
-else:
-    for _ in chat.send("Write a very long story about a lighthouse.", SamplingConfig(max_new_tokens=400)):
-        print("TOKEN", flush=True)
+def halt_before_sync(fd: int) -> None:  # the next fsync is the chunk's: wait there to be killed
+    print("SNAPSHOT WRITING", flush=True)
+    time.sleep(600)
+
+
+os.fsync = halt_before_sync
+for _ in chat.send("And of Italy?", SamplingConfig(max_new_tokens=6)):
+    pass
 print("FINISHED", flush=True)
