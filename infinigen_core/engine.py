@@ -243,11 +243,17 @@ class InfiniGenEngine:
         return torch.stack([self.decode(token) for token in token_ids])
 
     @torch.inference_mode()
-    def truncate(self, n_tokens: int) -> None:
-        """Keep the first n_tokens of the conversation (edit, regenerate)."""
-        self.fetcher.flush()
+    def truncate(self, n_tokens: int, upcoming: int = 0) -> None:
+        """Keep the first n_tokens of the conversation (edit, regenerate); `upcoming`: tokens about to follow.
+
+        Memory goes back when what is left (with `upcoming`) fills under a quarter of the pool (see
+        KVPool.release_spare), so a long import or prompt does not pin its size after the session shrank.
+        """
+        self.fetcher.flush()  # no write in flight into storage that is compacted or given back
         moved = self.pool.truncate(n_tokens)
         del self.token_ids[n_tokens:]
+        if self.pool.release_spare(upcoming):
+            self.policy.release_capacity(self.pool.capacity)
         if moved:  # eviction had reordered the slots: per-slot state follows the compacted pool
             self.policy.rebuild()
 
@@ -264,7 +270,7 @@ class InfiniGenEngine:
         """
         common = common_prefix_length(self.token_ids, token_ids)
         if common < len(self.token_ids):
-            self.truncate(common)
+            self.truncate(common, upcoming=len(token_ids) - common)
         if common == len(token_ids):
             return None
         return self.prefill(token_ids[common:], progress)

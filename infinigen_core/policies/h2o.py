@@ -31,6 +31,9 @@ class H2OPolicy(KVPolicy):
                     bigger[:, : scores.shape[1]] = scores
                 self.scores[layer] = bigger
 
+    def release_capacity(self, capacity: int) -> None:
+        self.scores = [None if scores is None else scores[:, :capacity].clone() for scores in self.scores]
+
     def on_write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         self.scores[layer].index_fill_(1, slots, 0.0)  # a reused slot starts afresh
 
