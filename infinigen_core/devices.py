@@ -15,8 +15,8 @@ computed from) and the mode refuses, with the op's name:
 
 - an op that mixes host-tagged and compute-tagged tensors outside `crossing()` (the transfer layer's
   copies are the only crossing; an explicit `.to(device)` is a copy too and allowed);
-- a host read of a compute tensor inside `decode_step()` (the engine's one-token forward), unless the
-  code declares it with `host_read_allowed()`.
+- a host read of a compute tensor inside `decode_step()` (the engine's one-token forward): no exemption,
+  so a decode step that passes under the mode makes no host wait on a GPU.
 
 Tensors made outside the mode or on the plain CPU carry no tag and mix with either side.
 
@@ -127,11 +127,6 @@ def decode_step(on: bool = True) -> AbstractContextManager[None]:
     return _flag("decode", on)
 
 
-def host_read_allowed() -> AbstractContextManager[None]:
-    """Inside: a host read the code means to make in the decode step (it costs a wait on a GPU)."""
-    return _flag("read_allowed")
-
-
 def _side_of_device(device) -> str | None:
     if device is None:
         return None
@@ -180,8 +175,7 @@ def _refuse_read_in_decode_step(what) -> None:
 
 
 def _reading_forbidden() -> bool:
-    return (getattr(_local, "decode", False) and not getattr(_local, "crossing", False)
-            and not getattr(_local, "read_allowed", False))
+    return getattr(_local, "decode", False) and not getattr(_local, "crossing", False)
 
 
 class SeparateDevicesMode:

@@ -62,6 +62,8 @@ class _Step:
     dense_reason: str | None = None
     prefetched: dict[int, tuple[PendingFetch, Selection | None]] = field(default_factory=dict)
     device_values: list[tuple[LayerStats, torch.Tensor]] = field(default_factory=list)  # sent to the host once
+    # after eviction, the slots each sparse layer selected, turned into positions once the step has run
+    selected_slots: list[tuple[LayerStats, int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -251,11 +253,17 @@ class InfiniGenEngine:
         return torch.stack([self.decode(token) for token in token_ids])
 
     @torch.inference_mode()
-    def truncate(self, n_tokens: int) -> None:
-        """Keep the first n_tokens of the conversation (edit, regenerate)."""
-        self.fetcher.flush()
+    def truncate(self, n_tokens: int, upcoming: int = 0) -> None:
+        """Keep the first n_tokens of the conversation (edit, regenerate); `upcoming`: tokens about to follow.
+
+        Memory goes back when what is left (with `upcoming`) fills under a quarter of the pool (see
+        KVPool.release_spare), so a long import or prompt does not pin its size after the session shrank.
+        """
+        self.fetcher.flush()  # no write in flight into storage that is compacted or given back
         moved = self.pool.truncate(n_tokens)
         del self.token_ids[n_tokens:]
+        if self.pool.release_spare(upcoming):
+            self.policy.release_capacity(self.pool.capacity)
         if moved:  # eviction had reordered the slots: per-slot state follows the compacted pool
             self.policy.rebuild()
 
@@ -272,7 +280,7 @@ class InfiniGenEngine:
         """
         common = common_prefix_length(self.token_ids, token_ids)
         if common < len(self.token_ids):
-            self.truncate(common)
+            self.truncate(common, upcoming=len(token_ids) - common)
         if common == len(token_ids):
             return None
         return self.prefill(token_ids[common:], progress)
@@ -370,6 +378,7 @@ class InfiniGenEngine:
                 self.policy.rebuild()
             raise
         self.policy.finish_step(completed=True)
+        self._record_selected_positions(step)
         self.token_ids.extend(token_ids)
         self.steps_run += 1
         stats.total_ms = (time.perf_counter() - started) * 1e3
@@ -411,6 +420,16 @@ class InfiniGenEngine:
         if self._ones is None or self._ones.shape[0] < n:
             self._ones = torch.ones(max(n, self.config.prefill_chunk), dtype=torch.long, device=self.device)
         return self._ones[:n].unsqueeze(0)
+
+    def _record_selected_positions(self, step: "_Step") -> None:
+        """After eviction, the positions of the slots each sparse layer selected: one copy to the host for the
+        whole step, after its forward (the logits are read there anyway), instead of a wait in every layer.
+        Before the next reserve, which may give those slots to new tokens."""
+        if not step.selected_slots:
+            return
+        slots = torch.stack([layer_slots for _, _, layer_slots in step.selected_slots]).to(self.pool.device)
+        for (stats, layer, _), layer_slots in zip(step.selected_slots, slots):
+            stats.selected_positions = self.pool.positions(layer)[layer_slots]
 
     def _send_device_values_to_host(self, step: "_Step") -> None:
         """One stacked, non-blocking copy per step of what the layers left on the device (alpha counts)."""
@@ -484,9 +503,8 @@ class InfiniGenEngine:
         stats.speculate_ms = selection.speculate_ms
         if self.pool.slots_are_positions:
             stats.selected_positions = selection.slots
-        else:  # a host read per layer on a GPU (after eviction only): known, left for a device mirror
-            with devices.host_read_allowed():
-                stats.selected_positions = self.pool.positions(layer)[selection.slots.to(self.pool.device)]
+        else:  # the slot-to-position map lives on the host: looked up once the step has run, for all layers
+            step.selected_slots.append((stats, layer, selection.slots))
         stats.selected_scores = selection.scores
         if selection.alpha_total is not None:
             stats.deferred_from = step.stats

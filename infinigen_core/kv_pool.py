@@ -10,7 +10,9 @@ Built for a decode loop that never waits: capacity grows in large steps (`ensure
 a reply starts, so no allocation of pinned memory happens inside a token), every layer holds the same
 number of slots, and without a limit the slots of a new token are known on the host (the next free one),
 so reserving them is one write for all layers. Fetches are counted only when a limit makes eviction
-read the counts.
+read the counts. Capacity also shrinks, between steps only: `release_spare` gives memory back when a
+truncate or reset leaves the pool far below it (with hysteresis, so edits near a conversation's end never
+reallocate).
 
 >>> pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
 >>> slots = pool.reserve(3)
@@ -35,6 +37,10 @@ class _LayerStore:
         # [kv_heads * capacity, head_dim] views, made once: a gather is then one index_select per tensor
         self.flat_keys = self.keys.view(-1, self.keys.shape[-1])
         self.flat_values = self.values.view(-1, self.values.shape[-1])
+
+
+# release_spare shrinks a pool whose capacity exceeds this many times what it holds (see there)
+SHRINK_WHEN_USED_BELOW = 4
 
 
 class PoolCapacityError(RuntimeError):
@@ -135,6 +141,29 @@ class KVPool:
         if self.limit_tokens is not None:
             capacity = min(capacity, self.limit_tokens)
         self._allocate(capacity)
+
+    @torch.inference_mode()
+    def release_spare(self, upcoming: int = 0) -> bool:
+        """Give memory back when the rows in use (plus `upcoming` tokens about to be added) fill less than a
+        quarter of the capacity, shrinking to twice that, rounded up to a growth step (never below one step).
+
+        The factor-4 trigger and the factor-2 target are the hysteresis: after a shrink the pool must double
+        before it grows again and fall to a quarter before it shrinks again, so a conversation whose turns
+        are regenerated or edited near its end never reallocates (a truncate there keeps most rows). Returns
+        whether the storage changed: per-slot state sized by the capacity (the policies') must follow.
+        Call it between steps, with no write in flight (the engine flushes its fetch worker first).
+        """
+        needed = self._size + upcoming
+        if self.limit_tokens is not None:
+            needed = min(needed, self.limit_tokens)
+        if self.capacity <= SHRINK_WHEN_USED_BELOW * max(needed, self.growth_tokens):
+            return False
+        capacity = max(self.growth_tokens, -(-2 * needed // self.growth_tokens) * self.growth_tokens)
+        if self.limit_tokens is not None:
+            capacity = min(capacity, self.limit_tokens)
+        self._allocate(capacity)
+        _empty_host_cache_if(self.pin_memory)
+        return True
 
     def _grow_for(self, tokens: int) -> None:
         """Room for `tokens` inside a step nothing prepared for: at least double, so a long decode without
@@ -402,6 +431,11 @@ def release_pinned_memory(pool: KVPool) -> None:
     """Give a discarded pinned pool's memory back to the system (PyTorch's host allocator keeps it cached)."""
     if pool.pin_memory:
         pool._layers = []
-        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
-        if empty_host_cache is not None:
-            empty_host_cache()
+        _empty_host_cache_if(True)
+
+
+def _empty_host_cache_if(pinned: bool) -> None:
+    """Hand cached pinned blocks back to the system: PyTorch's host allocator keeps freed ones otherwise."""
+    empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+    if pinned and empty_host_cache is not None:
+        empty_host_cache()

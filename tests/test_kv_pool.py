@@ -89,6 +89,49 @@ def test_growth_inside_decoding_stays_geometric():
     assert pool.capacity == 512
 
 
+def grown_pool(tokens):
+    pool = KVPool(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, initial_capacity=4, growth_tokens=64)
+    pool.ensure_capacity(tokens)
+    for _ in range(tokens):
+        append_token_to(pool, heads=1, dim=2)
+    return pool
+
+
+def test_a_pool_left_far_below_its_capacity_gives_memory_back_and_keeps_its_rows():
+    pool = grown_pool(1000)
+    assert pool.capacity == 1024
+    before = pool.bytes_allocated()
+    pool.truncate(40)
+    assert pool.release_spare() is True
+    assert pool.capacity == 128  # twice the 40 rows kept, rounded up to the growth step
+    assert pool.bytes_allocated() * 8 == before  # every tensor of the pool shrank with it
+    assert pool._layers[1].keys.untyped_storage().nbytes() == 128 * 2 * 4  # new storage, not a view of the old
+    assert pool.keys(1)[0, :, 0].tolist() == [float(p) for p in range(40)]
+    assert pool.positions(0).tolist() == list(range(40))
+    append_token_to(pool, heads=1, dim=2)
+    assert pool.positions(1).tolist() == list(range(41))
+
+
+def test_releasing_has_hysteresis():
+    """A truncate that keeps a quarter or more of the capacity (a regenerated reply) keeps the storage, and
+    after a shrink the pool must double before it grows again."""
+    pool = grown_pool(1000)
+    keys = pool._layers[0].keys
+    pool.truncate(300)
+    assert pool.release_spare() is False and pool._layers[0].keys is keys
+    pool.truncate(200)
+    assert pool.release_spare(upcoming=100) is False  # 300 tokens are about to come back
+    assert pool.release_spare() is True and pool.capacity == 448  # 2 x 200 rounded up to 64
+    keys = pool._layers[0].keys
+    for _ in range(200):
+        append_token_to(pool, heads=1, dim=2)
+    pool.truncate(120)
+    assert pool.release_spare() is False and pool._layers[0].keys is keys  # 120 x 4 > 448: kept
+    pool.truncate(0)
+    assert pool.release_spare() is True and pool.capacity == 64  # never below one growth step
+    assert pool.release_spare() is False
+
+
 def test_truncate_without_eviction_moves_nothing():
     pool = filled_pool(12)
     assert pool.truncate(5) is False and pool.slots_are_positions

@@ -55,8 +55,6 @@ def test_a_host_read_of_a_compute_tensor_in_the_decode_step_is_refused(read):
         read(compute)
     with devices.decode_step():
         read(torch.arange(4.0, device=EMULATED_HOST))  # host values are the host's to read
-        with devices.host_read_allowed():
-            read(compute)
 
 
 def mix():
@@ -162,6 +160,38 @@ def test_a_truncate_that_moves_rows(tiny_llama, monkeypatch):
     reference, logits = both(monkeypatch, tiny_llama, conversation, policy="infinigen", budget=0.3,
                              pool_limit_tokens=80, recent_window=16)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["infinigen", "h2o"])
+def test_eviction_decodes_without_a_host_wait_per_layer(tiny_llama, monkeypatch, policy):
+    """With eviction the slots are not positions: the selected slots' positions are looked up once the step
+    has run (not in each layer), and H2O selects from its own copy of the positions on the compute device.
+    The mode grants no exemption in the decode step, so a lookup per layer would be refused here."""
+    recorded = {}
+
+    def conversation(engine):
+        logits = prefill_then_decode(engine, steps=6)
+        assert engine.pool.evicted_tokens > 0
+        last = engine.history[-1]
+        recorded[engine.device] = [layer.selected_positions for layer in last.layers if layer.sparse]
+        for layer in last.layers:
+            if layer.sparse:  # selected past tokens the pool still holds in that layer
+                held = set(engine.pool.positions(layer.layer).tolist())
+                assert set(layer.selected_positions.flatten().tolist()) <= held
+                assert layer.selected_positions.max() < last.position
+        if policy == "h2o":
+            mirror = engine.policy.positions[:, : engine.pool.size()]
+            for layer in range(engine.pool.num_layers):
+                assert mirror[layer].tolist() == engine.pool.positions(layer).tolist()
+        return logits
+
+    reference, logits = both(monkeypatch, tiny_llama, conversation, policy=policy, budget=0.3,
+                             pool_limit_tokens=80, recent_window=16)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+    plain_positions, separated_positions = recorded.values()
+    assert len(plain_positions) > 0
+    for expected, got in zip(plain_positions, separated_positions):
+        assert got.tolist() == expected.tolist()
 
 
 def test_streaming_selects_in_host_memory(tiny_llama, monkeypatch):

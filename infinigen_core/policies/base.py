@@ -86,6 +86,9 @@ class KVPolicy:
     def ensure_capacity(self, capacity: int) -> None:
         """The pool holds up to `capacity` slots per layer now: grow per-slot state to match (before a step)."""
 
+    def release_capacity(self, capacity: int) -> None:
+        """The pool shrank to `capacity` slots per layer (none in use past it): drop per-slot state past it."""
+
     def device_bytes(self) -> int:
         """Bytes this policy keeps on the compute device besides the pool."""
         return 0

@@ -83,6 +83,16 @@ class InfiniGenPolicy(KVPolicy):
             heads = self.ctx.adapter.num_heads
             self._rank_thresholds = (torch.arange(-1, capacity, device=self.ctx.compute_device) * heads).view(1, -1)
 
+    def release_capacity(self, capacity: int) -> None:
+        """Copies of the slots kept (a slice would hold on to the whole old cache)."""
+        cache = self._partial_all
+        if cache is not None and cache.shape[3] > capacity:
+            self._partial_all = cache[..., :capacity].clone()
+            for index, layer in enumerate(self.sparse_layers):
+                self.partial_keys_t[layer] = self._partial_all[index]
+        if self._rank_thresholds.shape[1] > capacity + 1:
+            self._rank_thresholds = self._rank_thresholds[:, : capacity + 1].clone()
+
     def rebuild(self) -> None:
         """Every slot's partial key again, from the pool's keys (a restore, a truncate that moved rows, a
         policy built over a pool that holds tokens). Written at once, never left for `finish_step`, which
