@@ -15,11 +15,12 @@ import transformers
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import random_tokens
 from infinigen_core.calibration import calibrate
 from infinigen_core.compiled import compile_decode
 from infinigen_core.config import EngineConfig
 from infinigen_core.engine import InfiniGenEngine
+
+from conftest import random_tokens
 
 VOCAB = 3001  # no other size of the model shares it, so a vocabulary-sized tensor is known by its shape
 WINDOW = 16

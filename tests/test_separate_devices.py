@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import infinigen_core.engine as engine_module
-from conftest import make_tiny_engine, random_tokens
 from infinigen_core import devices
 from infinigen_core.devices import EMULATED_COMPUTE, EMULATED_HOST, SEPARATE_DEVICES_ENV, SeparateDevicesError
 from infinigen_core.fetch import StreamFetcher, make_fetcher
 from infinigen_core.transfer import ThreadedCpuOps, Worker
+
+from conftest import make_tiny_engine, random_tokens
 
 
 # ------------------------------------------------------------------ the mode itself
