@@ -40,12 +40,19 @@ def main(argv: list[str] | None = None) -> int:
     demo = page.build()
     from starlette.middleware import Middleware
 
-    from ui.guard import PageGuard, login_with_key
+    from sessions.archive import remove_stale_staging
+    from ui.guard import PageGuard, filter_cors_of, login_with_key
     from ui.head_script import HeadScript
+    from ui.request_limits import MAX_UPLOAD_BYTES
+    from ui.site_checks import HostPolicy
+
+    remove_stale_staging(service.store.data_dir)  # an import killed mid-way left chunks no session names
 
     # the key guards the page (Gradio's login: any user name, the key as password), Gradio's routes and /v1;
     # the page's HTML gets a script that runs before Gradio's (head_script.py)
-    app_kwargs: dict[str, list] = {"middleware": [Middleware(PageGuard, key=args.api_key), Middleware(HeadScript)]}
+    app_kwargs: dict[str, list] = {"middleware": [
+        Middleware(PageGuard, key=args.api_key, hosts=HostPolicy.listening_on(args.host, any_host=args.share)),
+        Middleware(HeadScript)]}
     auth = login_with_key(args.api_key) if args.api_key else None
     if args.api:  # routes given to the app's constructor exist before the server takes its first request
         from ui.api import ApiOptions, api_routes
@@ -54,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         demo.queue(default_concurrency_limit=1).launch(
             server_name=args.host, server_port=args.port, share=args.share, ssr_mode=False, css=CSS,
-            allowed_paths=[str(page.export_dir)], show_error=True, quiet=True, prevent_thread_lock=True,
+            allowed_paths=[str(page.export_dir)], max_file_size=MAX_UPLOAD_BYTES, show_error=True, quiet=True, prevent_thread_lock=True,
             app_kwargs=app_kwargs, auth=auth, auth_message="Log in with the app's key as the password "
                                                            "(any user name).",
         )
+        filter_cors_of(demo.app)  # Gradio's own CORS layer sits outside the middleware given to launch()
         print(f"InfiniGen Chat on http://{args.host}:{args.port} (sessions in {service.store.data_dir})"
               f"{'; log in with the key (any user name)' if auth else ''}", flush=True)
         if args.api:

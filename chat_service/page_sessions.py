@@ -10,6 +10,7 @@ from pathlib import Path
 
 from documents import displayed_message
 from sessions import ChatSession, RestoreReport, SessionError, SessionStore
+from sessions.archive import ImportLimits
 
 from .errors import UserError
 from .model_host import ModelHost
@@ -123,7 +124,8 @@ class PageSessions:
     def import_session(self, path: str | Path) -> str:
         self.turns.refuse_while_generating()
         try:
-            session_id = self.store.import_file(path)
+            window = self.host.engine.max_context if self.host.engine is not None else None
+            session_id = self.store.import_file(path, ImportLimits(window=window))
         except SessionError as error:
             raise UserError(str(error)) from None
         self.open_session(session_id)

@@ -29,6 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sqlite_utils
 
@@ -38,6 +39,9 @@ from .paths import default_data_dir
 from .search import ProgressCallback, SearchHit, build_search_index, index_table_names, search_sessions
 from .snapshots import ChunkRecord
 from .storage import StorageConfig
+
+if TYPE_CHECKING:
+    from .archive import ImportLimits
 
 DB_NAME = "sessions.db"
 
@@ -466,11 +470,11 @@ class SessionStore:
 
         return export_session(self, session_id, Path(path))
 
-    def import_file(self, path: Path | str) -> str:
-        from .archive import import_session
+    def import_file(self, path: Path | str, limits: ImportLimits | None = None) -> str:
+        from .archive import ImportLimits, import_session
         from .budget import enforce_disk_limit
 
-        session_id = import_session(self, Path(path))
+        session_id = import_session(self, Path(path), limits or ImportLimits())
         enforce_disk_limit(self)
         return session_id
 

@@ -10,9 +10,7 @@ readable messages. `_then_refresh` refreshes the sidebar after an action.
 from __future__ import annotations
 
 import inspect
-import tempfile
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -26,6 +24,8 @@ from .chat_view import ChatView
 from .page_actions import ATTACHABLE, PageActions
 from .page_text import status_text
 from .page_tick import TICK_OUTPUTS, TICK_SECONDS, PageTick
+from .request_limits import UPLOAD_CACHE_CLEANUP
+from .temp_folders import fresh_export_folder
 
 CSS = """
 .ig-hit { border-radius: 3px; }
@@ -61,12 +61,12 @@ def in_parameter_order(handler, inputs: Mapping[str, gr.components.Component]) -
 class ChatPage:
     def __init__(self, service: ChatService) -> None:
         self.service = service
-        self.export_dir = Path(tempfile.mkdtemp(prefix="infinigen-export-"))
+        self.export_dir = fresh_export_folder()
         self.actions = PageActions(service, self.export_dir)
         self.ticker = PageTick(service)
 
     def build(self) -> gr.Blocks:
-        with gr.Blocks(title="InfiniGen Chat", analytics_enabled=False) as demo:
+        with gr.Blocks(title="InfiniGen Chat", analytics_enabled=False, delete_cache=UPLOAD_CACHE_CLEANUP) as demo:
             gr.Markdown("## InfiniGen Chat")
             self.status = gr.Markdown(status_text(self.service), elem_id="ig-status")
             with gr.Row():

@@ -4,7 +4,6 @@ shown as an error toast by `shows_errors`, written once here."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -15,9 +14,11 @@ import gradio as gr
 from chat_service import ChatService, UserError
 from chat_service.settings import SettingsForm, apply_storage
 from documents import Document, DocumentError, convert_file, documents_of
+from documents.convert import attachment_digest
 
 from . import inspector
 from .page_text import find, session_choices, session_details, status_text
+from .temp_folders import remove_upload
 
 ERROR_SECONDS = 12
 # what the message box's attach button offers (any other name is still checked by its content when dropped)
@@ -62,7 +63,7 @@ class PageActions:
         for item in (value or {}).get("files") or []:
             path = Path(item if isinstance(item, str) else item.get("path", ""))
             try:
-                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                digest = attachment_digest(path)  # its size checked before it is read
                 name = path.name if isinstance(item, str) else (item.get("orig_name") or path.name)
                 document = self._converted.get(digest)
                 if document is None or document.name != name:
@@ -240,7 +241,10 @@ class PageActions:
     @shows_errors
     def import_(self, path) -> list[dict]:
         if path:
-            self.service.pages.import_session(path)
+            try:
+                self.service.pages.import_session(path)
+            finally:
+                remove_upload(path)  # the staged copy is in the data directory now, or refused
         return self.history()
 
     @shows_errors

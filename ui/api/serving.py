@@ -24,6 +24,7 @@ from infinigen_core import GenerationEvent
 from sessions import ContextWindowError
 from sessions.chat import conversation, reply_prompt_ids
 
+from ..request_limits import JsonTooDeep, check_json_nesting
 from .protocol import ApiError, ChatRequest
 
 LOADING_RETRY_S = 5
@@ -81,7 +82,9 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
 async def json_body(request: Request):
     body = await read_body(request)
     try:
-        return await asyncio.to_thread(json.loads, body)  # 32 MiB of JSON takes a while: off the event loop
+        return await asyncio.to_thread(lambda: json.loads(check_json_nesting(body)))  # 32 MiB of JSON: off the loop
+    except JsonTooDeep as error:
+        raise ApiError(400, f"the request body is nested too deeply: {error}", None, "invalid_json") from None
     except ValueError as error:
         raise ApiError(400, f"the request body is not valid JSON ({error})", None, "invalid_json") from None
 
