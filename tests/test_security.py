@@ -90,6 +90,14 @@ def test_api_bounds_are_400s_in_openai_shape(app):
     assert "characters" in json.loads(body)["error"]["message"]
 
 
+
+def test_json_nested_too_deep_is_a_400_in_openai_shape(app):
+    """A body nested 100,000 deep made json.loads raise RecursionError: a bare 500 (issue 34)."""
+    status, _, body = api_post(app, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert status == 400
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_json" and "nested too deeply" in error["message"]
+
 def test_other_sites_are_refused_by_the_running_app(app):
     """Issue 34's requests against the real app: a cross-site POST (with the key even) and a rebinding read."""
     cross_site = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
