@@ -97,6 +97,10 @@ class ChatPage:
 
     def _session_box(self) -> None:
         gr.Markdown("### Sessions")
+        self.search_box = gr.Textbox(label="Search chats", placeholder="Search chats", elem_id="ig-search")
+        self.search_hits = gr.Dropdown(label="Matching chats (newest first)", choices=[], visible=False,
+                                       interactive=True, elem_id="ig-search-hits")
+        self.search_snippets = gr.HTML(elem_id="ig-search-snippets")
         self.session_picker = gr.Dropdown(label="Saved sessions", choices=[], interactive=True, elem_id="ig-sessions")
         self.session_info = gr.Markdown(elem_id="ig-session-info")
         self.new_button = gr.Button("New session", elem_id="ig-new")
@@ -205,6 +209,7 @@ class ChatPage:
         self.inspect_api_button = gr.Button(visible=False)
         self.status_button = gr.Button(visible=False)
         self.list_button = gr.Button(visible=False)
+        self.search_api, self.search_api_button = gr.Textbox(visible=False), gr.Button(visible=False)
 
     # ---------------------------------------------------------------- events
     def _then_refresh(self, event, **options):
@@ -245,6 +250,9 @@ class ChatPage:
         opened = [self.chatbot, self.status]
         self._then_refresh(self.session_picker.input(act.open, self.session_picker, opened, **hidden), **hidden)
         self.open_api.change(act.open, self.open_api, opened, api_name="open_session")
+        self.search_box.change(act.search_page, self.search_box, [self.search_hits, self.search_snippets], **quiet,
+                               trigger_mode="always_last")
+        self._then_refresh(self.search_hits.input(act.open, self.search_hits, opened, **hidden), **hidden)
         self._then_refresh(self.new_button.click(act.new, None, self.chatbot, api_name="new_session"), **hidden)
         self._then_refresh(self.rename_button.click(act.rename, self.title_box, None, **private), **hidden)
         self._then_refresh(self.delete_button.click(act.delete, None, self.chatbot, **private), **hidden)
@@ -269,4 +277,5 @@ class ChatPage:
                         queue=False)  # a plain request: none of the queue's status messages
         self.status_button.click(act.app_status, None, self.sessions_json, api_name="status")
         self.list_button.click(act.list_sessions, None, self.sessions_json, api_name="list_sessions")
+        self.search_api_button.click(act.search, self.search_api, self.sessions_json, api_name="search")
         self._then_refresh(demo.load(act.history, None, self.chatbot, **hidden), **hidden)

@@ -17,7 +17,7 @@ from documents import Document, DocumentError, convert_file, documents_of
 from documents.convert import attachment_digest
 
 from . import inspector
-from .page_text import find, session_choices, session_details, status_text
+from .page_text import find, search_snippets, session_choices, session_details, status_text
 from .temp_folders import remove_upload
 
 ERROR_SECONDS = 12
@@ -298,6 +298,17 @@ class PageActions:
 
     def list_sessions(self) -> list[dict]:
         return [{**s.__dict__, "reopens_instantly": s.reopens_instantly} for s in self.service.store.list()]
+
+    def search(self, text) -> list[dict]:
+        """Saved chats holding every word of `text`, newest first: {session_id, title, snippet (HTML, the
+        matching words in <mark>), message_index (None: the title matched), updated} (the /search endpoint)."""
+        return [hit.as_dict() for hit in self.service.store.search(text or "")]
+
+    def search_page(self, text):
+        """The sidebar's search: the matching chats to pick from, and their snippets."""
+        hits = self.service.store.search(text) if (text or "").strip() else []
+        choices = [(hit.title, hit.session_id) for hit in hits]
+        return gr.update(choices=choices, value=None, visible=bool(hits)), search_snippets(hits, text or "")
 
     def app_status(self) -> dict:
         host, chat = self.service.host, self.service.open_sessions.page

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import time
 
 from chat_service import ChatService
@@ -74,3 +75,14 @@ def disk_limit_note(service: ChatService) -> str:
     used, limit = over
     return (f" **KV cache on disk over its limit:** {format_size(used)} used, limit {format_size(limit)}; "
             f"the open session's KV is kept while it is open.")
+
+
+def search_snippets(hits, text: str) -> str:
+    """HTML for the sidebar's search results: each chat's title and the matching message's snippet (the store
+    escapes it and marks the words), or a line saying that nothing matched."""
+    if not text.strip():
+        return ""
+    if not hits:
+        return f"<p>No saved chat holds “{html.escape(text.strip())}”.</p>"
+    rows = "".join(f"<li><b>{html.escape(hit.title)}</b><br>{hit.snippet}</li>" for hit in hits)
+    return f"<ul class='ig-search-hits'>{rows}</ul>"

@@ -1,0 +1,52 @@
+"""Searching saved chats in the running app: the /search endpoint for scripts and the sidebar's box in
+Chromium, over a store of 300 sessions written beside the app (issue 32)."""
+
+from __future__ import annotations
+
+import pytest
+from gradio_client import Client
+
+from sessions import SessionStore
+
+from app_server import chromium_page, running_app
+
+SESSIONS = 300
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("search-data")
+    store = SessionStore(data_dir)
+    for n in range(SESSIONS):
+        session_id = store.create(f"Chat {n}")
+        store.add_messages(session_id, [("user", f"question {n} about the weather", 0, 0),
+                                        ("assistant", f"answer {n}: it may rain", 0, 0)])
+    target = store.create("Trip planning")
+    store.add_messages(target, [("user", "Where did I leave the zeppelin tickets?", 0, 0),
+                                ("assistant", "In the blue folder.", 0, 0)])
+    del store  # the app opens the database itself
+    with running_app(data_dir) as running:
+        yield running, target
+
+
+def test_search_endpoint_finds_one_session_among_hundreds_and_survives_query_syntax(app):
+    app, target = app
+    client = Client(app.url, verbose=False, auth=app.auth)
+    hits = client.predict("zeppelin", api_name="/search")
+    assert [hit["session_id"] for hit in hits] == [target]
+    assert hits[0]["title"] == "Trip planning" and hits[0]["message_index"] == 0
+    assert "<mark>zeppelin</mark>" in hits[0]["snippet"]
+    for hostile in ('"', "zeppelin AND", "NEAR(", "*", "tickets) OR ("):
+        assert isinstance(client.predict(hostile, api_name="/search"), list), hostile  # never an error
+
+
+def test_the_sidebar_search_opens_the_matching_chat(app):
+    app, _ = app
+    with chromium_page(app.url) as page:
+        page.locator("#ig-search textarea, #ig-search input").first.fill("zeppel")  # an unfinished last word
+        snippets = page.locator("#ig-search-snippets")
+        snippets.locator("mark").first.wait_for(timeout=60_000)
+        assert "Trip planning" in snippets.inner_text()
+        page.locator("#ig-search-hits input").first.click()
+        page.get_by_role("option", name="Trip planning").click()
+        page.locator("#ig-chat").get_by_text("In the blue folder.").wait_for(timeout=60_000)
