@@ -49,6 +49,14 @@ def stored(app, session_id: str):
         store.db.conn.close()
 
 
+def stored_chunks(app, session_id: str):
+    store = SessionStore(app.data_dir)
+    try:
+        return store.chunks(session_id)
+    finally:
+        store.db.conn.close()
+
+
 def ask(client, model_id, messages, **options):
     """A non-streamed completion and the session it was stored in."""
     raw = client.chat.completions.with_raw_response.create(model=model_id, messages=messages, **options)
@@ -198,7 +206,9 @@ def test_a_client_that_goes_away_stops_the_generation_and_keeps_what_came(app, c
     deadline = time.time() + 120
     while time.time() < deadline:
         summary, messages = stored(app, session_id)
-        if len(messages) == 2:
+        # the reply is stored (and updated) while it streams; the turn has ended once the reply's KV chunk is
+        # written beside the prompt's
+        if len(messages) == 2 and len(stored_chunks(app, session_id)) == 2:
             break
         time.sleep(0.5)
     assert [m.role for m in messages] == ["user", "assistant"]
