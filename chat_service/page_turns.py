@@ -12,6 +12,7 @@ from documents import Document, attachment_record, displayed_message, message_wi
 from infinigen_core import GenerationEvent
 from sessions import ChatSession, SessionError
 
+from .document_reading import DocumentReader
 from .errors import UserError
 from .page_sessions import PageSessions
 from .titles import session_title
@@ -27,15 +28,16 @@ Generate = Callable[[ChatSession, Progress], Iterator[GenerationEvent]]
 
 
 class PageTurns:
-    def __init__(self, pages: PageSessions) -> None:
-        self.pages = pages
+    def __init__(self, pages: PageSessions, documents: DocumentReader) -> None:
+        self.pages, self.documents = pages, documents
         self.turns, self.open, self.store, self.settings = pages.turns, pages.open, pages.store, pages.settings
         self.waiting_for_model = 0  # messages sent while the model loads, sent once it is ready
 
     def send(self, text: str, attachments: Sequence[Document] = ()) -> Iterator[list[dict]]:
-        """Send `text` after the attached documents' text. A new session's first message starts from the
-        longest token prefix another session stored (a document read before is not read again). A message sent
-        while the model loads is shown at once and sent when the model is ready."""
+        """Send `text` after the attached documents' text (a document that does not fit the window: the passages
+        read for `text`). A new session's first message starts from the longest token prefix another session
+        stored (a document read before is not read again). A message sent while the model loads is shown at
+        once and sent when the model is ready."""
         text = text or ""
         if not text.strip() and not attachments:
             raise UserError("The message is empty: type something first.")
@@ -44,7 +46,8 @@ class PageTurns:
             yield self._shown_waiting(text, attachments)
             self._wait_for_model()
         chat = self.pages.require_chat()
-        content, records = chat.user_message(text, tuple(attachments))
+        attachments = self.documents.for_page(chat, text, attachments)
+        content, records = chat.user_message(text, attachments)
         check = chat.check_window(content)
         if not check.fits:
             raise UserError(check.explain(attached=bool(attachments)))

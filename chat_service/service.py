@@ -27,6 +27,7 @@ from sessions import SessionStore, StorageConfig
 from sessions.budget import enforce_disk_limit
 
 from .api_turns import ApiTurns
+from .document_reading import DocumentReader
 from .errors import UserError
 from .model_host import ModelHost
 from .open_sessions import OpenSessions
@@ -47,7 +48,8 @@ class ChatService:
         self.open_sessions = OpenSessions(self.store, self.host)
         parts = (self.store, self.host, self.settings, self.turns, self.open_sessions)
         self.pages = PageSessions(*parts)
-        self.page_turns = PageTurns(self.pages)
+        self.documents = DocumentReader(self.store.data_dir / "passages")
+        self.page_turns = PageTurns(self.pages, self.documents)
         self.api = ApiTurns(*parts)
 
     def _engine_config(self) -> EngineConfig:

@@ -33,7 +33,10 @@ class Document:
     """An attached file, converted once: `text` is what the model reads (see `documents.prompt`).
 
     `pages` is known for PDFs (always) and DOCX files (when the saving program recorded it);
-    `lines` counts the lines of `text` for every kind.
+    `lines` counts the lines of `text` for every kind. `page_starts` says where each page begins in `text`
+    (found by the converter, for a PDF or a DOCX with recorded page breaks), so passages can name their page.
+    `read` is set on a document read by passages (documents.reading): what of it `text` holds,
+    'report.pdf: pages 1, 36-38'; None: `text` is the whole document.
     """
 
     name: str
@@ -42,6 +45,9 @@ class Document:
     sha256: str  # of the original file's bytes, so the same file is recognised whatever its text
     size_bytes: int
     pages: int | None = None
+    # found again from the file's bytes only, so a document rebuilt from a stored message has none: not compared
+    page_starts: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    read: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name or _CONTROL_CHARACTERS.search(self.name) or '"' in self.name:
@@ -56,6 +62,12 @@ class Document:
             raise ValueError(f"size_bytes must be positive, got {self.size_bytes}")
         if self.pages is not None and self.pages < 1:
             raise ValueError(f"pages must be None or positive, got {self.pages}")
+        starts = self.page_starts
+        if starts is not None and (not starts or starts[0] != 0 or list(starts) != sorted(starts)
+                                   or starts[-1] > len(self.text)):
+            raise ValueError("page_starts must begin at 0 and rise within the text")
+        if self.read is not None and (not self.read or _CONTROL_CHARACTERS.search(self.read)):
+            raise ValueError(f"read must be one line saying what was read, got {self.read!r}")
 
     @property
     def lines(self) -> int:

@@ -19,6 +19,7 @@ import zipfile
 from documents.document import Document, DocumentError
 from documents.html_text import TextTooLong, html_to_text
 from documents.limits import ConversionLimits
+from documents.page_starts import docx_page_starts, pdf_page_starts
 from documents.sniff import detect_kind
 
 _LINE_BREAKS = re.compile(r"\r\n?|[\f\v\x85\u2028\u2029]")
@@ -34,10 +35,14 @@ def extract_document(name: str, data: bytes, limits: ConversionLimits) -> Docume
     """`name` is already a display name (convert.attachment_name) and `data` within `limits.file_bytes`."""
     kind = detect_kind(name, data, limits.unzipped_bytes)
     pages: int | None = None
+    starts: list[int] | None = None
     if kind == "pdf":
-        text, pages = _pdf_text(name, data, limits)
+        page_texts = _pdf_page_texts(name, data, limits)
+        text, pages = _collapse_blank_lines("\n\n".join(page_texts)), len(page_texts)
+        starts = pdf_page_starts(text, page_texts)
     elif kind == "docx":
         text, pages = _docx_text(name, data, limits)
+        starts = docx_page_starts(text, data)
     elif kind == "html":
         text = _collapse_blank_lines(_clean(_html_text(name, _decode_text(data), limits)))
     else:
@@ -48,7 +53,7 @@ def extract_document(name: str, data: bytes, limits: ConversionLimits) -> Docume
         raise DocumentError(f"{name} contains no text. Attach a file with text in it.")
     check_text_length(name, len(text), limits)
     return Document(name=name, kind=kind, text=text, sha256=hashlib.sha256(data).hexdigest(),
-                    size_bytes=len(data), pages=pages)
+                    size_bytes=len(data), pages=pages, page_starts=tuple(starts) if starts else None)
 
 
 def check_text_length(name: str, chars: int, limits: ConversionLimits) -> None:
@@ -68,7 +73,7 @@ def _html_text(name: str, html: str, limits: ConversionLimits) -> str:
         raise too_much_text(name, limits) from None
 
 
-def _pdf_text(name: str, data: bytes, limits: ConversionLimits) -> tuple[str, int]:
+def _pdf_page_texts(name: str, data: bytes, limits: ConversionLimits) -> list[str]:
     import pypdfium2
 
     try:
@@ -98,7 +103,7 @@ def _pdf_text(name: str, data: bytes, limits: ConversionLimits) -> tuple[str, in
             f"{name}: this PDF has no text layer (scanned pages?); OCR it first (for example with "
             f"ocrmypdf) and attach the result."
         )
-    return _collapse_blank_lines("\n\n".join(page_texts)), page_count
+    return page_texts
 
 
 def _page_text(name: str, pdf, index: int, chars_left: int, limits: ConversionLimits) -> str:

@@ -1,12 +1,14 @@
 """A full-text (FTS5, BM25) index of one document's passages, in a SQLite file named by the file's SHA-256.
 
-    index = PassageIndex.open(data_dir / "passages", document, passage_tokens=200, data=pdf_bytes)
+    index = PassageIndex.open(data_dir / "passages", document, passage_tokens=200)
     index.best("What is the harbour master's cat named?", count=8)   # passage numbers, best first
     index.passages()[0].location                                      # 'page 1'
 
 The same file attached in another chat (same SHA-256) finds its index already built and reads nothing
 again. A file is built under a temporary name and renamed into place, so a crash leaves no half index; a
-damaged or foreign file in its place is rebuilt.
+damaged or foreign file in its place is rebuilt. The folder is bounded: once its indexes pass
+`FOLDER_LIMIT_BYTES`, those used longest ago are removed (a later question about that file builds its index
+again, from the text the stored message or the new attachment has).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 from documents.document import Document
-from documents.page_starts import page_starts
 from documents.passages import Passage, split_passages
 
 # questions are matched on word stems ("named" finds "name"), accents and case ignored
@@ -26,6 +27,9 @@ _TOKENIZER = "porter unicode61 remove_diacritics 2"
 _WORD = re.compile(r"[^\W_]+")
 _FORMAT = "infinigen-passages/1"
 MAX_QUESTION_WORDS = 64
+# an index takes about twice its document's text (the passages and the FTS5 tables); 2,000,000 characters of
+# text, the most a file may give, makes about 4 MiB, so the folder keeps some 60 of the largest files
+FOLDER_LIMIT_BYTES = 256 * 2**20
 
 
 class PassageIndex:
@@ -34,18 +38,19 @@ class PassageIndex:
 
     @classmethod
     def open(cls, folder: Path | str, document: Document, passage_tokens: int = 200,
-             data: bytes | None = None) -> PassageIndex:
-        """The document's index, built on first use. `data`: the original file's bytes, for a PDF's or DOCX's
-        page numbers."""
+             folder_limit_bytes: int = FOLDER_LIMIT_BYTES) -> PassageIndex:
+        """The document's index, built on first use (its passages name pages where the converter found them:
+        `document.page_starts`)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{document.sha256}-{passage_tokens}.sqlite"
         if path.exists():
             connection = _opened_if_valid(path, document, passage_tokens)
             if connection is not None:
+                os.utime(path)  # used now: the folder's bound removes the indexes used longest ago
                 return cls(connection, path)
-        starts = page_starts(document, data)
-        _build(path, document, split_passages(document, passage_tokens, starts), passage_tokens)
+        _build(path, document, split_passages(document, passage_tokens, document.page_starts), passage_tokens)
+        prune_folder(folder, folder_limit_bytes, keep=path)
         return cls(sqlite3.connect(path, check_same_thread=False), path)
 
     def passages(self) -> list[Passage]:
@@ -64,6 +69,27 @@ class PassageIndex:
 
     def close(self) -> None:
         self._connection.close()
+
+
+def prune_folder(folder: Path, limit_bytes: int, keep: Path) -> list[Path]:
+    """Remove the indexes used longest ago until the folder's indexes take at most `limit_bytes` (never `keep`,
+    the one just built, nor a temporary file being built); returns those removed. An index open elsewhere
+    stays readable through its open handle until that closes."""
+    indexes = []
+    for path in folder.glob("*.sqlite"):
+        try:
+            indexes.append((path.stat().st_mtime_ns, path.stat().st_size, path))
+        except FileNotFoundError:  # removed by another process meanwhile
+            continue
+    total, removed = sum(size for _, size, _ in indexes), []
+    for _, size, path in sorted(indexes):
+        if total <= limit_bytes:
+            break
+        if path != keep:
+            path.unlink(missing_ok=True)
+            total -= size
+            removed.append(path)
+    return removed
 
 
 def _opened_if_valid(path: Path, document: Document, passage_tokens: int) -> sqlite3.Connection | None:

@@ -46,22 +46,30 @@ def message_with_attachments(question: str, documents: Sequence[Document]) -> st
 def attachment_record(document: Document, tokens: int | None = None) -> dict:
     """What a stored message keeps of an attachment: facts for its card, never the file's bytes (its text is in
     the message's content). `chars` is the length of its `attachment_text`, so the question can be cut from the
-    content exactly (`question_of`); `tokens` counts that text with the model's tokenizer where known."""
-    return {"name": document.name, "kind": document.kind, "pages": document.pages, "lines": document.lines,
-            "tokens": tokens, "sha256": document.sha256, "size_bytes": document.size_bytes,
-            "chars": len(attachment_text(document))}
+    content exactly (`question_of`); `tokens` counts that text with the model's tokenizer where known. A
+    document read by passages also keeps `read`, what of it was read ('report.pdf: pages 1, 36-38')."""
+    record = {"name": document.name, "kind": document.kind, "pages": document.pages, "lines": document.lines,
+              "tokens": tokens, "sha256": document.sha256, "size_bytes": document.size_bytes,
+              "chars": len(attachment_text(document))}
+    if document.read is not None:
+        record["read"] = document.read
+    return record
 
 
 def attachment_card(record: dict) -> str:
-    """One line for a stored attachment: '📄 report.pdf · 12 pages · 6,031 tokens'."""
+    """One line for a stored attachment: '📄 report.pdf · 12 pages · 6,031 tokens', or for one read by passages
+    '📄 report.pdf · 120 pages · read: pages 1, 36-38 · 93 tokens' (its lines are the passages', not shown)."""
     def plural(count: int, noun: str) -> str:
         return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
     parts = [f"📄 {record.get('name', 'attachment')}"]
+    read = record.get("read")
     if record.get("pages"):
         parts.append(plural(int(record["pages"]), "page"))
-    elif record.get("lines"):
+    elif record.get("lines") and not read:
         parts.append(plural(int(record["lines"]), "line"))
+    if isinstance(read, str):
+        parts.append("read: " + read.split(": ", 1)[-1])
     if record.get("tokens") is not None:
         parts.append(plural(int(record["tokens"]), "token"))
     return " · ".join(parts)
@@ -96,5 +104,6 @@ def documents_of(content: str, records: Sequence[dict]) -> list[Document]:
         offset += int(record["chars"]) + len(ATTACHMENT_SEPARATOR)
         body = piece.split("\n", 1)[1].rsplit("\n</document>", 1)[0]
         found.append(Document(name=record["name"], kind=record["kind"], text=body, sha256=record["sha256"],
-                              size_bytes=int(record["size_bytes"]), pages=record.get("pages")))
+                              size_bytes=int(record["size_bytes"]), pages=record.get("pages"),
+                              read=record.get("read")))
     return found

@@ -53,7 +53,7 @@ def default_reading(max_context: int, parameters: int | None = None) -> ReadingC
 
 @dataclass(frozen=True)
 class Reading:
-    document: Document  # the original with `text` replaced by the passages read
+    document: Document  # the original with `text` the passages read and `read` the description
     passages: tuple[Passage, ...]  # in document order
     description: str  # 'report.pdf: pages 1, 36-38'
     tokens: int  # of the passages' text as read (headers included)
@@ -95,4 +95,6 @@ def read_for_question(index: PassageIndex, document: Document, question: str, co
         used = count_tokens(passage_block(passages[order[0]]))
     read = tuple(chosen[n] for n in sorted(chosen))
     text = PASSAGE_SEPARATOR.join(passage_block(p) for p in read)
-    return Reading(dataclasses.replace(document, text=text), read, describe_read(document.name, read), used)
+    description = describe_read(document.name, read)
+    return Reading(dataclasses.replace(document, text=text, page_starts=None, read=description), read, description,
+                   used)

@@ -72,7 +72,7 @@ def test_a_40k_token_pdf_reads_the_planted_page_and_names_it(tmp_path):
     document = convert_bytes("report.pdf", data)
     assert document.pages == 80 and approx_tokens(document.text) > 40_000
     config = ReadingConfig(passage_tokens=200, budget_tokens=600)
-    index = PassageIndex.open(tmp_path, document, config.passage_tokens, data=data)
+    index = PassageIndex.open(tmp_path, document, config.passage_tokens)
     passages = index.passages()
     assert [p.page for p in passages] == sorted(p.page for p in passages) and passages[-1].page == 80
     assert all("Biscuit" not in p.text for p in passages if p.page != 57)
@@ -92,7 +92,7 @@ def test_a_docx_keeps_the_pages_word_recorded(tmp_path):
                    for number, page in enumerate(pages) for row, text in enumerate(page))
     data = docx_bytes(body, pages=12)
     document = convert_bytes("minutes.docx", data)
-    index = PassageIndex.open(tmp_path, document, 40, data=data)
+    index = PassageIndex.open(tmp_path, document, 40)
     passages = index.passages()
     assert {p.page for p in passages} == set(range(1, 13))
     assert all(p.text.split("\n")[0] in "\n".join(pages[p.page - 1]) for p in passages)  # each on its page
@@ -101,17 +101,17 @@ def test_a_docx_keeps_the_pages_word_recorded(tmp_path):
     assert "Biscuit" in reading.document.text and reading.description.startswith("minutes.docx: pages 1, ")
     assert "9" in reading.description.split(": pages ")[1].replace("-", ", ").split(", ")
     without_breaks = docx_bytes("".join(paragraph(t) for page in pages for t in page), pages=12)
-    assert {p.page for p in PassageIndex.open(tmp_path / "plain", convert_bytes("plain.docx", without_breaks), 40,
-                                              data=without_breaks).passages()} == {None}  # lines, not guessed pages
+    assert {p.page for p in PassageIndex.open(tmp_path / "plain", convert_bytes("plain.docx", without_breaks),
+                                              40).passages()} == {None}  # lines, not guessed pages
 
 
 def test_the_index_is_built_once_per_file_and_rebuilt_when_damaged(tmp_path):
     document = text_document(long_text(300, fact_line=250))
     first = PassageIndex.open(tmp_path, document, 100)
-    built = first.path.stat().st_mtime_ns
+    built = first.path.stat().st_ino  # a rebuild renames a new file into place
     first.close()
     again = PassageIndex.open(tmp_path, document, 100)  # a second chat about the same file
-    assert again.path == first.path and again.path.stat().st_mtime_ns == built
+    assert again.path == first.path and again.path.stat().st_ino == built
     assert again.best(QUESTION, 1) and FACT in again.passages()[again.best(QUESTION, 1)[0]].text
     again.close()
     again.path.write_bytes(b"not a database" * 100)

@@ -15,6 +15,7 @@ from chat_service import ChatService, UserError
 from chat_service.settings import SettingsForm, apply_storage
 from documents import Document, DocumentError, convert_file, documents_of
 from documents.convert import attachment_digest
+from documents.reading import window_note
 
 from . import inspector
 from .page_text import find, search_snippets, session_choices, session_details, status_text
@@ -79,20 +80,31 @@ class PageActions:
         return found
 
     def describe_attachments(self, documents: list[Document], text: str) -> str:
-        """Each attachment's card and how much of the model's window the message would take."""
+        """Each attachment's card and how much of the model's window the message would take; a document too long
+        to read whole says so, and which passages the question typed so far would read."""
         chat = self.service.open_sessions.page
         if not documents or self.service.host.engine is None or chat is None:
             return ""
-        content, records = chat.user_message(text or "", documents)
+        read = self.service.documents.for_page(chat, text or "", documents)
+        content, _ = chat.user_message(text or "", read)
         check = chat.check_window(content)
-        cards = "  \n".join(f"📄 **{r['name']}** · {d.extent()} · {r['tokens']:,} tokens"
-                            for d, r in zip(documents, records))
+        _, records = chat.user_message("", documents)  # each one whole, for its size
+        cards = "  \n".join(self._card(d, r, fitted, check.window) for d, r, fitted in zip(documents, records, read))
         share = f"This message would take {check.needed_tokens:,} of the model's {check.window:,}-token window" \
                 f" ({100 * check.needed_tokens / check.window:.0f}%)."
         if not check.fits:
             share += (f" **It does not fit: {check.needed_tokens - check.window:,} tokens too many.** Attach a "
                       f"smaller part, or load a model with a longer window.")
         return f"{cards}  \n{share}"
+
+    @staticmethod
+    def _card(document: Document, record: dict, fitted: Document, window: int) -> str:
+        card = f"📄 **{record['name']}** · {document.extent()} · "
+        if fitted.read is None:
+            return card + f"{record['tokens']:,} tokens"
+        # room 0: it was not read whole because it does not fit
+        note = window_note(int(record["tokens"]), room=0, window=window)
+        return card + f"{note} (for this question: {fitted.read.split(': ', 1)[-1]})"
 
     @shows_errors
     def preview(self, value) -> str:

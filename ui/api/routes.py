@@ -50,6 +50,8 @@ def api_routes(service: ChatService, options: ApiOptions) -> list[BaseRoute]:
             # converting an attached PDF or DOCX takes seconds: never on the event loop, which serves the page too
             chat_request = await asyncio.to_thread(parse_chat_request, body, model_id,
                                                    service.settings.current.sampling)
+            # a file longer than the window is read by passages (indexed once per file: seconds, off the loop too)
+            chat_request, documents = await asyncio.to_thread(serving.with_documents_read, service, chat_request)
             prompt_ids = await asyncio.to_thread(serving.checked_prompt_ids, service, chat_request)
         except ApiError as error:
             return serving.error_response(error)
@@ -58,7 +60,7 @@ def api_routes(service: ChatService, options: ApiOptions) -> list[BaseRoute]:
             first = await job.next_item_while_connected(request)
         except ApiError as error:
             return serving.error_response(error)
-        reply = serving.Reply(model_id, len(prompt_ids), job.turn)
+        reply = serving.Reply(model_id, len(prompt_ids), job.turn, documents)
         if chat_request.stream:
             return StreamingResponse(reply.stream(job, first, chat_request.include_usage),
                                      media_type="text/event-stream", headers=reply.headers())

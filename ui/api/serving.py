@@ -12,14 +12,18 @@ import hmac
 import json
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from chat_service import Abandoned, ChatService, QueueFull, UserError
 from chat_service.api_turns import ApiTurn
+from documents import attachment_text
+from documents.fitting import reading_summary
 from infinigen_core import GenerationEvent
 from sessions import ContextWindowError
 from sessions.chat import conversation, reply_prompt_ids
@@ -87,6 +91,37 @@ async def json_body(request: Request):
         raise ApiError(400, f"the request body is nested too deeply: {error}", None, "invalid_json") from None
     except ValueError as error:
         raise ApiError(400, f"the request body is not valid JSON ({error})", None, "invalid_json") from None
+
+
+@dataclass(frozen=True)
+class DocumentsRead:
+    """What the model reads of a request's files: per file 'report.pdf: pages 1, 36-38' (read by passages) or
+    'notes.txt: whole', and their tokens as placed in the prompt."""
+
+    descriptions: tuple[str, ...] = ()
+    tokens: int = 0
+
+    def header(self) -> str:
+        """The files' descriptions joined by '; ', each percent-encoded past printable ASCII (a header is
+        latin-1) and where it holds ';' or '%', so a client splits and decodes it without guessing."""
+        return "; ".join(urllib.parse.quote(text, safe=_HEADER_SAFE) for text in self.descriptions)
+
+
+# printable ASCII but the two characters the header's own format uses
+_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) not in ";%")
+
+
+def with_documents_read(service: ChatService, chat_request: ChatRequest) -> tuple[ChatRequest, DocumentsRead]:
+    """The request with each file that does not fit the window read by passages for its turn's question (the
+    page's rule: chat_service.document_reading), and what is read of every file."""
+    asked = chat_request.conversation
+    if not any(asked.documents):
+        return chat_request, DocumentsRead()
+    engine = service.host.require_engine_loaded()
+    asked = service.documents.for_api(asked, engine)
+    files = [document for turn in asked.documents for document in turn]
+    tokens = sum(len(engine.tokenizer.encode(attachment_text(d), add_special_tokens=False)) for d in files)
+    return replace(chat_request, conversation=asked), DocumentsRead(tuple(reading_summary(files)), tokens)
 
 
 def checked_prompt_ids(service: ChatService, chat_request: ChatRequest) -> list[int]:
@@ -177,10 +212,11 @@ class Generation:
 
 # ---------------------------------------------------------------------- the reply, in OpenAI's shapes
 class Reply:
-    def __init__(self, model_id: str, prompt_tokens: int, turn: ApiTurn) -> None:
+    def __init__(self, model_id: str, prompt_tokens: int, turn: ApiTurn,
+                 documents: DocumentsRead = DocumentsRead()) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.model_id, self.prompt_tokens, self.turn = model_id, prompt_tokens, turn
+        self.model_id, self.prompt_tokens, self.turn, self.documents = model_id, prompt_tokens, turn, documents
         self.text, self.completion_tokens = "", 0
         self.finish_reason: str | None = None
 
@@ -194,14 +230,21 @@ class Reply:
 
     def usage(self) -> dict:
         cached = max(self.prompt_tokens - self.turn.prefilled_tokens, 0)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.documents.descriptions:  # of the prompt tokens, those of the files (what was read of them)
+            usage["document_tokens_read"] = self.documents.tokens
+        return usage
 
     def headers(self) -> dict:
-        """Known before the first token: the session answered in and whether it continued a stored one."""
-        return {"x-infinigen-session": self.turn.session_id,
-                "x-infinigen-continued": "true" if self.turn.continued else "false"}
+        """Known before the first token: the session answered in, whether it continued a stored one, and what
+        was read of the request's files."""
+        headers = {"x-infinigen-session": self.turn.session_id,
+                   "x-infinigen-continued": "true" if self.turn.continued else "false"}
+        if self.documents.descriptions:
+            headers["x-infinigen-document-read"] = self.documents.header()
+        return headers
 
     def completion(self) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_id,
