@@ -116,9 +116,18 @@ def separate_devices(monkeypatch):
         yield
 
 
+def _whole_run_separated() -> bool:
+    """`INFINIGEN_SEPARATE_DEVICES=1 python -m pytest tests/test_x.py`: every test of the run under the mode,
+    not only the files above (how a file is checked before it joins them)."""
+    from infinigen_core.devices import separate_devices_requested
+
+    return separate_devices_requested()
+
+
 def pytest_collection_modifyitems(config, items):
+    whole_run = _whole_run_separated()
     for item in items:
         # the real engine is shared by the whole run and built once, on the plain CPU: it keeps it
-        if item.path.name in SEPARATE_DEVICES_TEST_FILES and "separate_devices" not in item.fixturenames \
-                and "real_engine" not in item.fixturenames:
+        if (whole_run or item.path.name in SEPARATE_DEVICES_TEST_FILES) and "separate_devices" not in item.fixturenames \
+                and not {"real_engine", "real_engine_shared"} & set(item.fixturenames):
             item.fixturenames.insert(0, "separate_devices")

@@ -206,7 +206,7 @@ def test_engine_eviction_removes_rows_from_the_pool_and_the_partial_keys(tiny_ll
             assert pool.size(layer) == 64 and positions.unique().numel() == 64
             assert set(range(4)) <= set(positions.tolist()) and set(range(92, 108)) <= set(positions.tolist())
             if engine.policy.is_sparse(layer):
-                expected = pool.keys(layer).float() @ engine.policy.projections[layer]
+                expected = pool.keys(layer).to(engine.device).float() @ engine.policy.projections[layer]
                 torch.testing.assert_close(engine.policy.partial_keys(layer), expected)
         assert all(layer.fetched <= 64 for step in engine.history for layer in step.layers)
     finally:
