@@ -7,15 +7,19 @@
     chat.close()
 
 Durability: the user's message is committed before generation starts. Once the prompt has been read (the
-first token came) its KV rows are written as their own chunk and the reply is stored, then updated as it
-streams (at most every REPLY_SAVE_SECONDS); the rest of the reply's rows and its final text are committed
-when it ends, is stopped, or fails. A crash mid-turn therefore loses only the reply's last second and its
-KV rows: the next turn reads the stored partial reply and the new message, not the prompt. Chunk files
-are made durable before the database rows that name them.
+first token came) the reply is stored, then updated as it streams (at most every REPLY_SAVE_SECONDS), and
+the prompt's KV rows are copied out of the engine and written as their own chunk on a background thread,
+so the first token does not wait for their int8 encoding and the disk. The rest of the reply's rows and
+its final text are committed when it ends, is stopped, or fails; that write, a reload and `close` first
+wait for the background one. A crash mid-turn therefore loses only the reply's last second and its KV
+rows (and the prompt's, in the moment before their chunk is on disk): the next turn reads the stored
+partial reply and the new message, not the prompt. Chunk files are made durable before the database rows
+that name them.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +28,7 @@ from documents import Document, attachment_record, attachment_text, message_with
 from infinigen_core import GenerationEvent, SamplingConfig, chat_token_ids, generate
 from infinigen_core.prefix import common_prefix_length
 
+from .background import BackgroundWrite
 from .budget import enforce_disk_limit
 from .errors import ContextWindowError, SessionError
 from .lock import SessionLock, session_lock
@@ -36,6 +41,7 @@ Progress = Callable[[int, int], None]
 # and the API both apply, so a message near the window's edge gets the same answer from both
 REPLY_RESERVE_TOKENS = 64
 REPLY_SAVE_SECONDS = 1.0  # a streaming reply's text is stored at most this often (a crash loses less)
+log = logging.getLogger("infinigen.sessions")
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class ChatSession:
         self._recent_ids: dict[tuple, list[int]] = {}  # conversation -> its token ids, newest first
         self.restore = RestoreReport(0, 0, 0.0, False, "")
         self.last_read_tokens = 0  # tokens of the last turn's prompt that the model read (the rest was cached)
+        self._pending_write: BackgroundWrite | None = None  # the prompt's chunk, written while the reply streams
 
     # ------------------------------------------------------------------ open / close
     @classmethod
@@ -130,7 +137,10 @@ class ChatSession:
         return session
 
     def close(self) -> None:
-        self._lock.release()
+        try:
+            self.wait_for_writes()
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> "ChatSession":
         return self
@@ -162,6 +172,7 @@ class ChatSession:
     def _restore(self, progress: Progress | None) -> RestoreReport:
         """Read back the chunks this model can use, then re-read what they do not hold."""
         started = time.perf_counter()
+        self.wait_for_writes()  # what is read back must include the chunk still being written
         engine, signature = self.engine, self.engine.kv_signature()
         engine.reset()
         self.store.remove_leftovers(self.id)
@@ -355,14 +366,33 @@ class ChatSession:
             self.store.delete_messages_from(self.id, replaces_from)
         self.store.add_message(self.id, "assistant", text, len(prompt_ids), self.engine.num_tokens)
         reply_id = self.store.messages(self.id)[-1].id
-        self._persist_new_rows(boundary=len(prompt_ids))
+        self._persist_new_rows(boundary=len(prompt_ids), background=True)
         return reply_id
 
     # ------------------------------------------------------------------ snapshots
-    def _persist_new_rows(self, boundary: int | None = None) -> None:
+    def wait_for_writes(self) -> None:
+        """Wait for the chunk being written in the background. If it failed, its rows count as unsaved again
+        (the next persist writes them); the turn it belongs to has already gone on, so the error is logged."""
+        pending, self._pending_write = self._pending_write, None
+        if pending is None:
+            return
+        error = pending.wait()
+        if error is not None:
+            log.warning("a KV chunk of session %s could not be written (%s): its rows are written again with the "
+                        "next chunk", self.id, error)
+            self._forget_unsaved_rows()
+
+    def _forget_unsaved_rows(self) -> None:
+        """Make `_saved_ids` what the store's chunks hold (after a write that did not complete)."""
+        chunks = self.store.chunks(self.id)
+        self._saved_ids = self._saved_ids[: chunks[-1].end if chunks else 0]
+
+    def _persist_new_rows(self, boundary: int | None = None, background: bool = False) -> None:
         """Append a chunk with the tokens the disk does not hold yet, split in two at `boundary` (where a
         turn's prompt ends and its reply begins, so a branch or another reply to the same prompt can share
-        the prompt's chunk); drop chunks the cache no longer has."""
+        the prompt's chunk); drop chunks the cache no longer has. The rows are copied out of the engine here;
+        with `background` their encoding and writing run on another thread (`wait_for_writes`)."""
+        self.wait_for_writes()  # chunks are added in order, one writer at a time
         engine = self.engine
         ids = engine.token_ids
         common = common_prefix_length(self._saved_ids, ids)
@@ -371,14 +401,28 @@ class ChatSession:
             chunks = self.store.chunks(self.id)
             self._saved_ids = self._saved_ids[: chunks[-1].end if chunks else 0]
         start = len(self._saved_ids)
-        if start < len(ids):
-            signature = engine.kv_signature()
-            ends = [boundary] if boundary is not None and start < boundary < len(ids) else []
-            for end in ends + [len(ids)]:
-                record = write_chunk(self.store.data_dir, self.id, engine.export_rows(start, end), signature, start,
-                                     self.store.storage.kv_format)
-                self.store.add_chunk(self.id, record, signature, end)
-                self._saved_ids, start = list(ids[:end]), end
-            enforce_disk_limit(self.store)  # this session holds its lock, so only other sessions' chunks can go
-        else:
+        if start >= len(ids):
             self.store.update(self.id, token_count=len(ids))
+            return
+        ends = [boundary] if boundary is not None and start < boundary < len(ids) else []
+        pieces = []
+        for end in ends + [len(ids)]:
+            pieces.append((start, end, engine.export_rows(start, end)))
+            start = end
+        signature, self._saved_ids = engine.kv_signature(), list(ids)
+        write = lambda: self._write_chunks(pieces, signature)
+        if background:
+            self._pending_write = BackgroundWrite(write)
+            return
+        try:
+            write()
+        except BaseException:
+            self._forget_unsaved_rows()
+            raise
+
+    def _write_chunks(self, pieces: list[tuple[int, int, dict]], signature: dict[str, str]) -> None:
+        """Encode and write exported rows as chunks, in order, each registered once its file is durable."""
+        for start, end, rows in pieces:
+            record = write_chunk(self.store.data_dir, self.id, rows, signature, start, self.store.storage.kv_format)
+            self.store.add_chunk(self.id, record, signature, end)
+        enforce_disk_limit(self.store)  # this session holds its lock, so only other sessions' chunks can go

@@ -2,8 +2,9 @@
 
 usage: python tests/crash_worker.py DATA_DIR SESSION_ID
 Sends one long-ish message and prints PROMPT <tokens>. While the reply streams it watches the database; once
-the stored reply has been updated after its first save (so it is stored as it streams, not only once),
-it prints PARTIAL <the stored text as JSON> and waits, inside the turn, to be killed.
+the stored reply has been updated after its first save (so it is stored as it streams, not only once) and the
+prompt's chunk, written in the background, is registered, it prints PARTIAL <the stored text as JSON> and
+waits, inside the turn, to be killed.
 """
 
 import json
@@ -32,7 +33,7 @@ for event in chat.send(MESSAGE, SamplingConfig(max_new_tokens=400)):
         continue
     if first_saved is None:
         first_saved = last.content
-    elif last.content != first_saved:
+    elif last.content != first_saved and store.chunks(session_id):
         print("PARTIAL", json.dumps(last.content), flush=True)
         time.sleep(600)  # mid-reply, the generator suspended: the test kills us here
 print("FINISHED", flush=True)
