@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     from ui.cli import parse_args
 
     args = parse_args(argv)
-    if not names_a_hub_model(args.model):
+    if not names_a_hub_model(args.model) or args.backend is not None:
         # Nothing to fetch, so nothing is fetched: set before transformers or huggingface_hub read it. A hub
         # id on the command line may download (unless the user set HF_HUB_OFFLINE=1 themselves).
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         service = ChatService(args.data_dir, args.model, args.device, quantize=args.quantize,
-                              storage=args.storage)
+                              storage=args.storage, backend=args.backend_config)
     except (OSError, SessionError) as error:
         print(f"error: cannot use the data directory: {error}", file=sys.stderr)
         return 2

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 
 from documents import Document
 from infinigen_core import GenerationEvent, SamplingConfig
-from sessions import ChatSession, SessionLockedError, SessionStore
+from sessions import SessionLockedError, SessionStore
 
+from .backend_client import TurnFigures
+from .errors import UserError
 from .model_host import ModelHost
 from .open_sessions import OpenSessions
+from .remote_chat import OpenChat
 from .settings import SettingsKeeper
 from .titles import session_title
 from .turns import EitherSet, Progress, TurnRunner
@@ -45,6 +48,7 @@ class ApiTurn:
     continued: bool = False  # True: it extended a stored API conversation; False: a new session
     prefilled_tokens: int = 0  # tokens of the prompt that the model actually read (re-read on reopening too)
     reread_tokens: int = 0  # of those, what reopening the session re-read (its KV chunks were not on disk)
+    figures: TurnFigures | None = None  # what a remote server told about the reply (its usage)
 
 
 class ApiTurns:
@@ -59,16 +63,16 @@ class ApiTurns:
         It extends the stored API conversation it continues, or starts a new API session that shares the
         longest stored token prefix's chunks. Raises QueueFull when `max_waiting` requests already wait,
         Abandoned when `cancel` is set before the turn comes, UserError when the turn fails."""
-        self.host.require_engine()
+        self.host.require_ready()
         turns = list(asked.turns)
         new_turns: Turns = []
 
-        def session_of_turn() -> ChatSession:
+        def session_of_turn() -> OpenChat:
             chat, rest = self._session(asked, turns, prompt_ids, turn)
             new_turns.extend(rest)
             return chat
 
-        def generate(chat: ChatSession, progress: Progress) -> Iterator[GenerationEvent]:
+        def generate(chat: OpenChat, progress: Progress) -> Iterator[GenerationEvent]:
             def on_prefill(done: int, total: int) -> None:
                 progress(done, total)
                 turn.prefilled_tokens = turn.reread_tokens + total
@@ -81,11 +85,25 @@ class ApiTurns:
             try:
                 for events in self.turns.run(session_of_turn, generate, 0, cancel.set):
                     yield from events
+                turn.figures = self.host.turn_figures()
+            except UserError:
+                self._forget_if_empty(turn)
+                raise
             finally:
                 self.turns_run += 1
 
+    def _forget_if_empty(self, turn: ApiTurn) -> None:
+        """A new session whose first turn failed before anything was stored (a remote server refused it) is not
+        left empty in the sidebar."""
+        chat = self.open.api
+        if turn.continued or chat is None or chat.id != turn.session_id or chat is self.open.page or chat.messages:
+            return
+        self.open.api = None
+        self.open.release(chat)
+        self.store.delete(chat.id)
+
     def _session(self, asked: Conversation, turns: Turns, prompt_ids: list[int],
-                 turn: ApiTurn) -> tuple[ChatSession, Turns]:
+                 turn: ApiTurn) -> tuple[OpenChat, Turns]:
         """The session to answer in (its KV in the engine) and the turns it does not hold yet."""
         for summary in self.store.list():  # most recent first
             if summary.origin != "api" or summary.system_prompt != asked.system or summary.message_count > len(turns):
@@ -107,11 +125,12 @@ class ApiTurns:
         turn.session_id, turn.continued = chat.id, False
         return chat, turns
 
-    def _new_session(self, asked: Conversation, prompt_ids: list[int]) -> ChatSession:
+    def _new_session(self, asked: Conversation, prompt_ids: list[int]) -> OpenChat:
         """A new API session that starts from the longest stored token prefix's chunks, when worth reading."""
-        engine = self.host.require_engine_loaded()
+        self.host.require_loaded()
         title = self._title(asked)
-        session_id = self.store.create(title, asked.system, self.settings.record(), engine.fingerprint, origin="api")
+        session_id = self.store.create(title, asked.system, self.settings.record(), self.host.fingerprint(),
+                                       origin="api")
         try:
             chat = self.open.for_api(session_id)
         except BaseException:

@@ -24,6 +24,7 @@ from sessions import ChatSession, ContextWindowError
 from sessions.chat import conversation, reply_prompt_ids
 
 from .api_turns import Conversation
+from .remote_chat import OpenChat
 
 
 class DocumentReader:
@@ -47,8 +48,11 @@ class DocumentReader:
         finally:
             index.close()
 
-    def for_page(self, chat: ChatSession, text: str, documents: Sequence[Document]) -> tuple[Document, ...]:
-        """The page's message `text` with `documents`: those that do not fit the open session read by passages."""
+    def for_page(self, chat: OpenChat, text: str, documents: Sequence[Document]) -> tuple[Document, ...]:
+        """The page's message `text` with `documents`: those that do not fit the open session read by passages.
+        A session on a remote server is sent whole: the app has no tokenizer for it, the server checks its window."""
+        if not isinstance(chat, ChatSession):
+            return tuple(documents)
         question = text.strip()
         return fit_message(question, documents, lambda content: chat.check_window(content).fits,
                            lambda document: self.read(chat.engine, document, question))

@@ -14,11 +14,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from infinigen_core import EngineConfig
+from sessions import ChatSession, SessionStore
 
 from .errors import UserError
 
 if TYPE_CHECKING:
     from infinigen_core import InfiniGenEngine
+
+    from .backend_client import TurnFigures
 
 Report = Callable[[str], None]
 
@@ -35,7 +38,10 @@ def _free_memory() -> None:
 
 
 class ModelHost:
+    """The local engine. RemoteHost (remote_host.py) stands in for it when replies come from a remote server."""
+
     DEFAULT_CHOICE = "default"
+    remote = False
 
     def __init__(self, model: str | None = None, device: str = "auto", quantize: str | None = None,
                  loader: Callable | None = None, weights: str | None = None,
@@ -99,6 +105,28 @@ class ModelHost:
         if self.engine is None:
             raise UserError(self.load_error or f"Still starting: {self.status}")
         return self.engine
+
+    def require_ready(self) -> None:
+        """UserError unless start-up is over and replies can be generated."""
+        self.require_engine()
+
+    def require_loaded(self) -> None:
+        """UserError until a session can be opened (start-up may still be opening the latest one)."""
+        self.require_engine_loaded()
+
+    def is_ready(self) -> bool:
+        return self.engine is not None and self.ready.is_set()
+
+    def fingerprint(self) -> str:
+        return self.engine.fingerprint if self.engine is not None else ""
+
+    def open_chat(self, store: SessionStore, session_id: str, progress: Callable[[int, int], None] | None = None):
+        """A stored session bound to what generates its replies (here: the engine, its KV restored into it)."""
+        return ChatSession.open(store, self.engine, session_id, progress)
+
+    def turn_figures(self) -> TurnFigures | None:
+        """What a remote engine told about the latest reply (None: the local engine's panels say it)."""
+        return None
 
     # ------------------------------------------------------------------ switching
     def wanted(self, choice: str | None) -> str | None:

@@ -13,6 +13,7 @@ from sessions import ChatSession, SessionStore
 from sessions.prefix import PrefixFinder
 
 from .model_host import ModelHost
+from .remote_chat import OpenChat
 
 Progress = Callable[[int, int], None]
 
@@ -20,18 +21,20 @@ Progress = Callable[[int, int], None]
 class OpenSessions:
     def __init__(self, store: SessionStore, host: ModelHost) -> None:
         self.store, self.host = store, host
-        self.page: ChatSession | None = None  # the session the page shows
-        self.api: ChatSession | None = None  # the API's latest conversation, kept open for the next request
-        self.holder: ChatSession | None = None  # the session whose KV the engine holds now
+        self.page: OpenChat | None = None  # the session the page shows
+        self.api: OpenChat | None = None  # the API's latest conversation, kept open for the next request
+        self.holder: OpenChat | None = None  # the session whose KV the engine holds now
         self.prefixes = PrefixFinder(store)
 
-    def start_from_stored_prefix(self, chat: ChatSession, prompt_ids: list[int]) -> int:
+    def start_from_stored_prefix(self, chat: OpenChat, prompt_ids: list[int]) -> int:
         """Before a new session's first turn (the page's or the API's): take the longest stored token prefix
         of `prompt_ids` that another session's chunks hold (an attached document read in an earlier chat, the
         same system prompt), so the model reads only the rest. Shares whole chunks (the same files, no copy)
         and reads the rows of a partly matching one. `chat` must hold no tokens yet and be the engine's
         holder. Returns the tokens taken."""
-        engine = self.host.require_engine_loaded()
+        engine = self.host.engine
+        if not isinstance(chat, ChatSession) or engine is None:  # a remote server generates, and holds the KV
+            return 0
         if engine.num_tokens or self.store.chunks(chat.id):
             return 0
         match = self.prefixes.longest(engine.kv_signature(), prompt_ids)
@@ -46,28 +49,28 @@ class OpenSessions:
             shared += chat.import_prefix(rest[0], match.tokens)
         return shared
 
-    def open(self, session_id: str, progress: Progress | None = None) -> ChatSession:
+    def open(self, session_id: str, progress: Progress | None = None) -> OpenChat:
         """Open a session, which restores its KV into the engine (whatever the engine held is gone)."""
         self.holder = None
-        chat = ChatSession.open(self.store, self.host.engine, session_id, progress)
+        chat = self.host.open_chat(self.store, session_id, progress)
         self.holder = chat
         return chat
 
-    def hold(self, chat: ChatSession, progress: Progress | None = None) -> None:
+    def hold(self, chat: OpenChat, progress: Progress | None = None) -> None:
         """Make the engine hold `chat`'s KV: read it back from disk if another session used the engine since."""
         if self.holder is not chat:
             self.holder = None
             chat.reload(progress)
             self.holder = chat
 
-    def release(self, chat: ChatSession | None) -> None:
+    def release(self, chat: OpenChat | None) -> None:
         """Close a session that neither the page nor the API has open any more."""
         if chat is not None and chat is not self.page and chat is not self.api:
             if self.holder is chat:
                 self.holder = None
             chat.close()
 
-    def for_api(self, session_id: str) -> ChatSession:
+    def for_api(self, session_id: str) -> OpenChat:
         """`session_id` open for the API (shared with the page when it has it open), its KV in the engine."""
         for chat in (self.api, self.page):
             if chat is not None and chat.id == session_id:

@@ -9,12 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from documents import displayed_message
-from sessions import ChatSession, RestoreReport, SessionError, SessionStore
+from sessions import RestoreReport, SessionError, SessionStore
 from sessions.archive import ImportLimits
 
 from .errors import UserError
 from .model_host import ModelHost
 from .open_sessions import OpenSessions
+from .remote_chat import OpenChat
 from .settings import SettingsKeeper
 from .turns import TurnRunner
 
@@ -39,9 +40,9 @@ class PageSessions:
         self.store, self.host, self.settings, self.turns, self.open = store, host, settings, turns, open_sessions
         self.restore_message = ""
 
-    def require_chat(self) -> ChatSession:
+    def require_chat(self) -> OpenChat:
         """The page's session (UserError while starting, or when none is open)."""
-        self.host.require_engine_loaded()
+        self.host.require_loaded()
         if self.open.page is None:
             raise UserError("no session is open")
         return self.open.page
@@ -67,14 +68,13 @@ class PageSessions:
         self.new_session()
 
     def new_session(self, system_prompt: str = "") -> str:
-        fingerprint = self.host.engine.fingerprint if self.host.engine is not None else ""
-        session_id = self.store.create("New chat", system_prompt, self.settings.record(), fingerprint)
-        if self.host.engine is not None:
+        session_id = self.store.create("New chat", system_prompt, self.settings.record(), self.host.fingerprint())
+        if self.host.engine is not None or self.host.remote:
             self.open_session(session_id)
         return session_id
 
     def open_session(self, session_id: str) -> str:
-        self.host.require_engine_loaded()
+        self.host.require_loaded()
         with self.turns.exclusive():
             return self.turns.model_thread.call(self._open, session_id)  # restoring runs the model's kernels
 

@@ -10,11 +10,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 from documents import Document, attachment_record, displayed_message, message_with_attachments
 from infinigen_core import GenerationEvent
-from sessions import ChatSession, SessionError
+from sessions import SessionError
 
 from .document_reading import DocumentReader
 from .errors import UserError
 from .page_sessions import PageSessions
+from .remote_chat import OpenChat
 from .titles import session_title
 from .turns import Progress
 
@@ -24,7 +25,7 @@ from .turns import Progress
 # every 0.5 s at 0.84-0.91x
 PAGE_UPDATE_SECONDS = 0.5
 
-Generate = Callable[[ChatSession, Progress], Iterator[GenerationEvent]]
+Generate = Callable[[OpenChat, Progress], Iterator[GenerationEvent]]
 
 
 class PageTurns:
@@ -54,7 +55,7 @@ class PageTurns:
         if not chat.messages and self.store.get(chat.id).title == "New chat":
             self.store.rename(chat.id, session_title(text, attachments))  # a title worth listing
 
-        def generate(chat: ChatSession, progress: Progress) -> Iterator[GenerationEvent]:
+        def generate(chat: OpenChat, progress: Progress) -> Iterator[GenerationEvent]:
             if not chat.messages:
                 self.open.start_from_stored_prefix(chat, chat.prompt_ids(content))
             return chat.send(text, self._sampling(), self.turns.cancel, progress, attachments=tuple(attachments))
@@ -100,7 +101,7 @@ class PageTurns:
     def _sampling(self):
         return self.settings.current.sampling
 
-    def _held_page_session(self) -> ChatSession:
+    def _held_page_session(self) -> OpenChat:
         """In the model's thread: the page's session, its KV read back if the API used the engine since."""
         chat = self.pages.require_chat()
         self.open.hold(chat, self.turns.start("restore"))

@@ -27,12 +27,14 @@ from sessions import SessionStore, StorageConfig
 from sessions.budget import enforce_disk_limit
 
 from .api_turns import ApiTurns
+from .backend_client import BackendConfig
 from .document_reading import DocumentReader
 from .errors import UserError
 from .model_host import ModelHost
 from .open_sessions import OpenSessions
 from .page_sessions import PageSessions
 from .page_turns import PageTurns
+from .remote_host import RemoteHost
 from .settings import SettingsKeeper, engine_config
 from .turns import TurnRunner
 
@@ -40,9 +42,10 @@ from .turns import TurnRunner
 class ChatService:
     def __init__(self, data_dir: Path | str | None = None, model: str | None = None, device: str = "auto",
                  loader: Callable | None = None, quantize: str | None = None,
-                 storage: StorageConfig | None = None) -> None:
+                 storage: StorageConfig | None = None, backend: BackendConfig | None = None) -> None:
         self.store = SessionStore(data_dir, storage)
-        self.host = ModelHost(model, device, quantize, loader)
+        # the one place local and remote generation part: the host opens each session for one or the other
+        self.host = RemoteHost(backend) if backend is not None else ModelHost(model, device, quantize, loader)
         self.settings = SettingsKeeper()
         self.turns = TurnRunner(self.settings, self.store, self.host)
         self.open_sessions = OpenSessions(self.store, self.host)
@@ -76,6 +79,9 @@ class ChatService:
         from disk. Raises UserError."""
         host = self.host
         wanted = host.wanted(choice)
+        if host.remote:
+            raise UserError("The model is the backend's: to use another, start the server with it (or point "
+                            "--backend-model at another model it serves).")
         if not host.ready.is_set():
             raise UserError(f"Still starting: {host.status}")
         if host.engine is not None and wanted == host.model_path:

@@ -94,7 +94,7 @@ class SettingsKeeper:
         """Before a turn: configure the engine with settings applied since the last one, and record them."""
         if self._pending is None:
             return
-        if self._pending != engine.config:
+        if engine is not None and self._pending != engine.config:  # None: a remote server generates
             engine.configure(self._pending)
         store.update(session_id, settings=self.record())  # sampling-only changes count too
         self._pending = None

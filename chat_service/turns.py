@@ -18,18 +18,19 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from infinigen_core import ConfigError, ContextOverflowError, GenerationEvent
-from sessions import ChatSession, SessionError, SessionStore
+from sessions import SessionError, SessionStore
 
 from .engine_thread import model_thread
 from .errors import BUSY, Abandoned, QueueFull, UserError
 from .model_host import ModelHost
+from .remote_chat import OpenChat
 from .settings import SettingsKeeper
 
 WAIT_POLL_S = 0.2  # how often a waiting API request looks whether its client went away
 Progress = Callable[[int, int], None]
 # what a face's turn does in the model's thread: pick its session (its KV in the engine), then generate in it
-SessionOfTurn = Callable[[], ChatSession]
-Generate = Callable[[ChatSession, Progress], Iterable[GenerationEvent]]
+SessionOfTurn = Callable[[], OpenChat]
+Generate = Callable[[OpenChat, Progress], Iterable[GenerationEvent]]
 
 
 @dataclass

@@ -12,6 +12,7 @@ from infinigen_core.cpu_kernels import CPU_KERNELS_HELP
 from infinigen_core.weights import WEIGHT_CHOICES, WEIGHTS_HELP
 
 API_KEY_VARIABLE = "INFINIGEN_API_KEY"
+BACKEND_KEY_VARIABLE = "INFINIGEN_BACKEND_KEY"
 
 
 def is_loopback(host: str) -> bool:
@@ -52,6 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "used sessions' KV is dropped (their text stays). Default: a quarter of the free space")
     parser.add_argument("--kv-format", choices=("int8", "exact"), default="int8",
                         help="how KV caches are saved: int8 (default, 4x smaller) or exact (bit for bit)")
+    parser.add_argument("--backend", metavar="URL", default=None,
+                        help="generate replies on an OpenAI-compatible server (vLLM, llama.cpp's server, another "
+                             "instance of this app) at its base URL, e.g. http://gpu-box:8000/v1; sessions, documents, "
+                             "search, the page and this app's own /v1 stay here. No model is loaded here")
+    parser.add_argument("--backend-key", default=os.environ.get(BACKEND_KEY_VARIABLE) or None,
+                        help=f"the key the backend wants as 'Authorization: Bearer KEY' (default: ${BACKEND_KEY_VARIABLE})")
+    parser.add_argument("--backend-model", default=None,
+                        help="the backend's model to ask for (default: the first one its /v1/models lists)")
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be between 1 and 65535, got {args.port}")
@@ -73,4 +82,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(f"--kv-disk-limit: {error}")
     args.storage = StorageConfig(kv_format=args.kv_format, kv_disk_limit=limit)
+    args.backend_config = _backend_config(parser, args)
     return args
+
+
+def _backend_config(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The remote backend's settings, checked (None without --backend)."""
+    if args.backend is None:
+        if args.backend_model is not None:
+            parser.error("--backend-model needs --backend URL")
+        return None
+    if args.model is not None:
+        parser.error("--model and --backend exclude each other: the backend serves its own model "
+                     "(pick one of its models with --backend-model)")
+    from chat_service.backend_client import BackendConfig
+
+    try:
+        return BackendConfig(args.backend, args.backend_key, args.backend_model)
+    except ValueError as error:
+        parser.error(f"--backend: {error}")

@@ -324,7 +324,7 @@ class PageActions:
 
     def app_status(self) -> dict:
         host, chat = self.service.host, self.service.open_sessions.page
-        return {"ready": host.engine is not None and host.ready.is_set(),
+        return {"ready": host.is_ready(),
                 "status": host.status, "error": host.load_error,
                 "restore": self.service.pages.restore_message, "session": chat.id if chat else None,
                 "last_read_tokens": chat.last_read_tokens if chat else None}

@@ -51,7 +51,7 @@ def _time_left(progress) -> str:
 
 def status_text(service: ChatService) -> str:
     host = service.host
-    if host.engine is None:
+    if not host.is_ready() and host.engine is None:
         waiting = service.page_turns.waiting_for_model
         note = (" Your message waits for the model; it is sent as soon as the model is ready." if waiting else "")
         return f"**Starting:** {host.status}{note}"
@@ -61,7 +61,7 @@ def status_text(service: ChatService) -> str:
     if progress.phase == "prefill" and progress.total:
         return f"**Reading your message:** {progress.done:,} / {progress.total:,} tokens{_time_left(progress)}..."
     if progress.phase == "prefill":
-        return "**Reading your message...**"
+        return "**Waiting for the backend...**" if host.remote else "**Reading your message...**"
     if progress.phase == "generating":
         return f"**Generating:** {progress.tokens} tokens, {progress.tokens_per_second():.1f} tokens/s"
     return f"**{host.status}.** {service.pages.restore_message}{disk_limit_note(service)}"

@@ -35,18 +35,21 @@ def api_routes(service: ChatService, options: ApiOptions) -> list[BaseRoute]:
     async def list_models(request: Request):
         try:
             serving.check_key(request, options.key)
-            model_id = serving.served_model(service)
+            model_id = await asyncio.to_thread(serving.served_model, service)  # a remote one may be asked
         except ApiError as error:
             return serving.error_response(error)
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(service.host.loaded_at),
-                                            "owned_by": "infinigen-chat"}]}
+        entry = {"id": model_id, "object": "model", "created": int(service.host.loaded_at), "owned_by": "infinigen-chat"}
+        window = serving.served_window(service)
+        if window:  # as vLLM says it: a front app in remote mode reads it (chat_service/backend_client.py)
+            entry["max_model_len"] = window
+        return {"object": "list", "data": [entry]}
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         try:
             serving.check_key(request, options.key)
             body = await serving.json_body(request)
-            model_id = serving.served_model(service)
+            model_id = await asyncio.to_thread(serving.served_model, service)  # a remote one may be asked
             # converting an attached PDF or DOCX takes seconds: never on the event loop, which serves the page too
             chat_request = await asyncio.to_thread(parse_chat_request, body, model_id,
                                                    service.settings.current.sampling)

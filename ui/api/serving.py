@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse
 
 from chat_service import Abandoned, ChatService, QueueFull, UserError
 from chat_service.api_turns import ApiTurn
+from chat_service.backend_client import BackendError, TurnFigures
+from chat_service.remote_host import RemoteHost
 from documents import attachment_text
 from documents.fitting import reading_summary
 from infinigen_core import GenerationEvent
@@ -54,6 +56,11 @@ def check_key(request: Request, key: str | None) -> None:
 
 def served_model(service: ChatService) -> str:
     host = service.host
+    if isinstance(host, RemoteHost) and host.connected:
+        try:
+            return host.served_model()
+        except BackendError as error:
+            raise ApiError(error.status, str(error), None, error.code, "server_error", error.retry_after) from None
     if not host.ready.is_set():
         raise ApiError(503, f"the model is still loading ({host.status}); retry shortly", None,
                        "model_loading", "server_error", retry_after=LOADING_RETRY_S)
@@ -61,6 +68,14 @@ def served_model(service: ChatService) -> str:
         raise ApiError(503, host.load_error or "the model is not loaded", None, "model_not_loaded",
                        "server_error")
     return host.engine.model_name
+
+
+def served_window(service: ChatService) -> int | None:
+    """The served model's window in tokens, where known."""
+    host = service.host
+    if isinstance(host, RemoteHost):
+        return host.window()
+    return host.engine.max_context if host.engine is not None else None
 
 
 def _too_large(size: str) -> ApiError:
@@ -115,7 +130,7 @@ def with_documents_read(service: ChatService, chat_request: ChatRequest) -> tupl
     """The request with each file that does not fit the window read by passages for its turn's question (the
     page's rule: chat_service.document_reading), and what is read of every file."""
     asked = chat_request.conversation
-    if not any(asked.documents):
+    if not any(asked.documents) or service.host.remote:  # a remote server checks its own window
         return chat_request, DocumentsRead()
     engine = service.host.require_engine_loaded()
     asked = service.documents.for_api(asked, engine)
@@ -126,7 +141,9 @@ def with_documents_read(service: ChatService, chat_request: ChatRequest) -> tupl
 
 def checked_prompt_ids(service: ChatService, chat_request: ChatRequest) -> list[int]:
     """The templated conversation, checked against the model's window (the page's rule and wording) before
-    anything is stored."""
+    anything is stored. With a remote backend the app has no tokenizer: the server checks its own window."""
+    if service.host.remote:
+        return []
     engine, asked = service.host.require_engine_loaded(), chat_request.conversation
     characters = len(asked.system) + sum(len(content) for _, content in asked.turns)
     most = engine.max_context * longest_token_characters(engine.tokenizer)
@@ -189,6 +206,9 @@ class Generation:
             put(ApiError(429, str(error), None, "rate_limit_exceeded", "rate_limit_error", BUSY_RETRY_S))
         except Abandoned as error:
             put(ApiError(499, str(error), None, "client_closed_request"))
+        except BackendError as error:  # the remote server's refusal or failure, said for the client
+            kind = "invalid_request_error" if error.status == 400 else "server_error"
+            put(ApiError(error.status, str(error), None, error.code, kind, error.retry_after))
         except UserError as error:
             put(ApiError(500, str(error), None, "generation_failed", "server_error"))
         except Exception as error:  # noqa: BLE001  the client gets a message instead of a dropped connection
@@ -211,6 +231,16 @@ class Generation:
 
 
 # ---------------------------------------------------------------------- the reply, in OpenAI's shapes
+def remote_usage(figures: TurnFigures) -> dict:
+    """The usage a remote server reported (its streamed pieces stand in for a completion count it did not send)."""
+    prompt = figures.prompt_tokens or 0
+    completion = figures.completion_tokens if figures.completion_tokens is not None else figures.pieces
+    usage: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if figures.cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": figures.cached_tokens}
+    return usage
+
+
 class Reply:
     def __init__(self, model_id: str, prompt_tokens: int, turn: ApiTurn,
                  documents: DocumentsRead = DocumentsRead()) -> None:
@@ -229,6 +259,9 @@ class Reply:
         return event.text
 
     def usage(self) -> dict:
+        figures = self.turn.figures
+        if figures is not None:  # a remote server generated: its own counts, where it sent them
+            return remote_usage(figures)
         cached = max(self.prompt_tokens - self.turn.prefilled_tokens, 0)
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                  "total_tokens": self.prompt_tokens + self.completion_tokens,

@@ -1,0 +1,167 @@
+"""A stored session whose replies come from a remote OpenAI-compatible server (backend_client.py): the same
+conversation actions as ChatSession (sessions/chat.py), which the page and the API call alike, with the
+messages stored here and the KV held by the server (its prefix cache, or LMCache), never on this disk.
+
+    chat = RemoteChat.open(store, client, session_id)
+    for event in chat.send("Hello", SamplingConfig(max_new_tokens=200), cancel): print(event.text, end="")
+
+Nothing is stored before the server has accepted the request: a bad URL, a wrong key or model, or a prompt
+over the server's window leaves the session as it was. Once accepted, the user's turns are stored, and the
+reply as it streams (also when stopped, or when the server goes away mid-reply). Its messages carry no token
+spans (0, 0) and the session no KV chunks, so the local engine re-reads the conversation when it opens it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from documents import Document, attachment_record, message_with_attachments
+from infinigen_core import GenerationEvent, SamplingConfig
+from sessions import ChatSession, RestoreReport, SessionError, SessionStore
+from sessions.chat import REPLY_SAVE_SECONDS, NewMessage, WindowCheck, conversation
+from sessions.lock import SessionLock, session_lock
+from sessions.store import Message
+
+from .backend_client import BackendClient
+
+Progress = Callable[[int, int], None]
+FINISH = {"stop": "eos", "length": "length"}  # the server's finish reasons as the app's events say them
+NOT_READ = RestoreReport(0, 0, 0.0, False, "")  # the server holds the KV: opening reads nothing here
+
+
+class RemoteChat:
+    def __init__(self, store: SessionStore, client: BackendClient, session_id: str, lock: SessionLock) -> None:
+        self.store, self.client, self.id, self._lock = store, client, session_id, lock
+        self.restore = NOT_READ
+        self.last_read_tokens = 0
+
+    @classmethod
+    def open(cls, store: SessionStore, client: BackendClient, session_id: str) -> RemoteChat:
+        store.get(session_id)  # a clear error for an unknown id
+        lock = session_lock(store.data_dir, session_id).acquire()
+        try:
+            store.touch(session_id)
+        except BaseException:
+            lock.release()
+            raise
+        return cls(store, client, session_id, lock)
+
+    def close(self) -> None:
+        self._lock.release()
+
+    def reload(self, progress: Progress | None = None) -> RestoreReport:
+        return NOT_READ
+
+    # ------------------------------------------------------------------ conversation
+    @property
+    def messages(self) -> list[Message]:
+        return self.store.messages(self.id)
+
+    @property
+    def system_prompt(self) -> str:
+        return self.store.get(self.id).system_prompt
+
+    def set_system_prompt(self, text: str) -> None:
+        self.store.update(self.id, system_prompt=text)
+
+    def check_window(self, text: str = "", messages: list[Message] | None = None) -> WindowCheck:
+        """Always fits here: without the server's tokenizer the app cannot count; the server refuses a
+        conversation over its window, and that refusal is said as clearly (nothing is stored)."""
+        return WindowCheck(True, 0, 0, 0)
+
+    def drop_oldest_turns(self, text: str = "") -> int:
+        raise SessionError("with a remote backend the app does not count tokens, so it cannot tell which turns to "
+                           "drop: start a new session (or branch from a later message)")
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return []  # no local tokenizer: a new remote session never starts from stored KV chunks
+
+    def user_message(self, text: str, attachments: Sequence[Document] = ()) -> tuple[str, list[dict]]:
+        return message_with_attachments(text.strip(), attachments), [attachment_record(d) for d in attachments]
+
+    def _turns(self, messages: list[Message] | None = None) -> list[dict]:
+        history = self.messages if messages is None else messages
+        return conversation(self.system_prompt, [(m.role, m.content) for m in history])
+
+    # ------------------------------------------------------------------ turns (ChatSession's, remotely)
+    def send(self, text: str, sampling: SamplingConfig = SamplingConfig(), cancel=None,
+             on_prefill_progress: Progress | None = None,
+             attachments: Sequence[Document] = ()) -> Iterator[GenerationEvent]:
+        content, records = self.user_message(text, attachments)
+        if not content:
+            raise SessionError("the message is empty: type something first")
+        turns = self._turns() + [{"role": "user", "content": content}]
+        yield from self._reply(turns, [NewMessage("user", content, 0, 0, records)], sampling, cancel)
+
+    def extend(self, turns: list[tuple[str, str]], sampling: SamplingConfig = SamplingConfig(), cancel=None,
+               on_prefill_progress: Progress | None = None,
+               documents: Sequence[Sequence[Document]] = ()) -> Iterator[GenerationEvent]:
+        new = []
+        for index, (role, content) in enumerate(turns):
+            if role not in ("user", "assistant"):
+                raise SessionError(f"a stored message is from the user or the assistant, not {role!r}")
+            attached = [attachment_record(d) for d in documents[index]] if index < len(documents) else []
+            new.append(NewMessage(role, content, 0, 0, attached))
+        asked = self._turns() + [{"role": m.role, "content": m.content} for m in new]
+        yield from self._reply(asked, new, sampling, cancel)
+
+    def regenerate(self, sampling: SamplingConfig = SamplingConfig(), cancel=None,
+                   on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
+        messages = self.messages
+        users = [m for m in messages if m.role == "user"]
+        if not users:
+            raise SessionError("there is no message to answer yet")
+        kept = [m for m in messages if m.position <= users[-1].position]
+        yield from self._reply(self._turns(kept), [], sampling, cancel, replaces_from=users[-1].position + 1)
+
+    def edit_last_user(self, text: str, sampling: SamplingConfig = SamplingConfig(), cancel=None,
+                       on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
+        if not text.strip():
+            raise SessionError("the edited message is empty: type something first")
+        users = [m for m in self.messages if m.role == "user"]
+        if not users:
+            raise SessionError("there is no message to edit yet")
+        kept = [m for m in self.messages if m.position < users[-1].position]
+        turns = self._turns(kept) + [{"role": "user", "content": text.strip()}]
+        # the old message and its reply go only once the server has taken the new one
+        yield from self._reply(turns, [NewMessage("user", text.strip(), 0, 0, [])], sampling, cancel,
+                               replaces_from=users[-1].position)
+
+    def _reply(self, turns: list[dict], new: list[NewMessage], sampling: SamplingConfig, cancel,
+               replaces_from: int | None = None) -> Iterator[GenerationEvent]:
+        """Ask the server for a reply to `turns`; once it accepted, store `new` (replacing the messages from
+        `replaces_from` on), then the reply as it streams, and what came of it whatever ends it."""
+        text, reply_id, saved_at, finish = "", None, 0.0, None
+        with self.client.reply(turns, sampling) as stream:  # BackendError here: nothing stored
+            if replaces_from is not None and new:
+                self.store.delete_messages_from(self.id, replaces_from)
+            if new:
+                self.store.add_messages(self.id, [message.row() for message in new])
+            try:
+                for piece in stream.pieces(cancel):
+                    text += piece.text
+                    finish = piece.finish_reason or finish
+                    if reply_id is None and piece.text:
+                        reply_id, saved_at = self._start_reply(text, replaces_from if not new else None), time.monotonic()
+                    elif reply_id is not None and time.monotonic() - saved_at >= REPLY_SAVE_SECONDS:
+                        self.store.update_message(reply_id, text, 0)
+                        saved_at = time.monotonic()
+                    if piece.text:
+                        yield GenerationEvent(None, piece.text, text, None)
+            finally:  # stopped, failed or done: keep what came
+                if reply_id is not None:
+                    self.store.update_message(reply_id, text, 0)
+                self.last_read_tokens = stream.figures.prompt_tokens or 0
+        stopped = cancel is not None and cancel.is_set()
+        yield GenerationEvent(None, "", text, None, "cancelled" if stopped else FINISH.get(finish or "stop", "eos"))
+
+    def _start_reply(self, text: str, replaces_from: int | None) -> int:
+        if replaces_from is not None:  # a regenerated reply: the old one goes once the new one has begun
+            self.store.delete_messages_from(self.id, replaces_from)
+        self.store.add_message(self.id, "assistant", text, 0, 0)
+        return self.store.messages(self.id)[-1].id
+
+
+# a session open for turns: bound to the local engine, or to a remote server
+OpenChat = ChatSession | RemoteChat
