@@ -28,7 +28,7 @@ from .arch import ModelAdapter
 from .attention import PoolAttention
 from .config import ConfigError, EngineConfig
 from .compiled import DecodeStep, pool_attention, stepping
-from .fetch import make_fetcher
+from .fetch import DeviceKeeping, make_fetcher
 from .kv_pool import KVPool, release_pinned_memory
 from .policies import POLICIES, PolicyContext
 from .prefix import common_prefix_length
@@ -153,7 +153,8 @@ class InfiniGenEngine:
         if self.fetcher is not None:
             self.fetcher.close()
         self.fetcher = make_fetcher(self.pool, self.device, max_rows=config.budget_tokens_for(self.max_context) + 1,
-                                    rows_in_place=self.kernels is not None)
+                                    rows_in_place=self.kernels is not None,
+                                    keep=DeviceKeeping.for_policy(self.policy, self.adapter.num_layers, config))
         self.work = LayerWork(self.pool, self.policy, self.fetcher, self.attention, self.adapter, config)
 
     def prepare(self, new_tokens: int) -> None:
@@ -224,10 +225,12 @@ class InfiniGenEngine:
         self.fetcher.flush()  # no write in flight into storage that is compacted or given back
         moved = self.pool.truncate(n_tokens)
         del self.token_ids[n_tokens:]
-        if self.pool.release_spare(upcoming):
+        if released := self.pool.release_spare(upcoming):
             self.policy.release_capacity(self.pool.capacity)
         if moved:  # eviction had reordered the slots: per-slot state follows the compacted pool
             self.policy.rebuild()
+        if moved or released:  # what the device keeps of the pool follows it
+            self.fetcher.rebuild()
 
     @torch.inference_mode()
     def reset(self) -> None:
@@ -276,6 +279,7 @@ class InfiniGenEngine:
         self.fetcher.flush()
         restored = import_rows(self.pool, self.token_ids, chunks)
         self.policy.rebuild()
+        self.fetcher.rebuild()
         return restored
 
     def legacy_kv_signatures(self) -> list[dict[str, str]]:
@@ -285,14 +289,10 @@ class InfiniGenEngine:
     def kv_signature(self) -> dict[str, str]:
         """What a saved pool must match to be reused."""
         skew = self.skew_set.fingerprint() if self.skew_set is not None else "none"
-        return {
-            "model_fingerprint": self.fingerprint,
-            "dtype": str(self.dtype).replace("torch.", ""),
-            "num_layers": str(self.adapter.num_layers),
-            "num_kv_heads": str(self.adapter.num_kv_heads),
-            "head_dim": str(self.adapter.head_dim),
-            "skew": skew,
-        }
+        adapter = self.adapter
+        return {"model_fingerprint": self.fingerprint, "dtype": str(self.dtype).replace("torch.", ""),
+                "num_layers": str(adapter.num_layers), "num_kv_heads": str(adapter.num_kv_heads),
+                "head_dim": str(adapter.head_dim), "skew": skew}
 
     # ------------------------------------------------------------------ one forward step
     @torch.inference_mode()
@@ -338,6 +338,7 @@ class InfiniGenEngine:
             self.policy.finish_step(completed=False)
             if self.pool.truncate(first):
                 self.policy.rebuild()
+                self.fetcher.rebuild()
             raise
         self.policy.finish_step(completed=True)
         self.work.finish(step)
@@ -378,4 +379,4 @@ class InfiniGenEngine:
             return torch.cuda.memory_allocated(self.device)
         partial = self.policy.device_bytes()
         on_device = self.pool.bytes_allocated() if self.policy.keeps_pool_on_device else 0
-        return partial + on_device
+        return partial + on_device + self.fetcher.device_bytes()

@@ -246,9 +246,22 @@ class KVPool(RowRestore):
         else:
             keys = torch.index_select(store.flat_keys, 0, rows, out=out[0].view(-1, self.head_dim))
             values = torch.index_select(store.flat_values, 0, rows, out=out[1].view(-1, self.head_dim))
+        self.count_fetches(layer, slot_index)
+        return keys.view(shape), values.view(shape)
+
+    def count_fetches(self, layer: int, slot_index: torch.Tensor) -> None:
+        """Count a fetch of each of these slots (once per KV head), where eviction reads the counts."""
         if self.counts_fetches:
             self._fetch_counts[layer].index_add_(0, slot_index.reshape(-1), torch.ones_like(slot_index).view(-1))
-        return keys.view(shape), values.view(shape)
+
+    @torch.inference_mode()
+    def gather_pairs(self, layer: int, pairs: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Copy the rows of (KV head, slot) `pairs` [n, 2] into `out` ([n, head_dim] each); counts nothing
+        (the caller counts what was selected, cached or not)."""
+        store = self._layers[layer]
+        rows = pairs[:, 0] * self.capacity + pairs[:, 1]
+        torch.index_select(store.flat_keys, 0, rows, out=out[0])
+        torch.index_select(store.flat_values, 0, rows, out=out[1])
 
     # ------------------------------------------------------------------ whole-pool operations
     @torch.inference_mode()

@@ -87,8 +87,8 @@ class LayerWork:
             self._speculate_next(layer, layer_input, position_embeddings, step)
         started = time.perf_counter()
         new_keys, new_values = key[0], value[0]  # [kv_heads, n, dim]
-        self.fetcher.write(layer, step.slots[layer], new_keys, new_values)
         slots = step.device_slots[layer]
+        self.fetcher.write(layer, step.slots[layer], new_keys, new_values, slots)
         self.policy.on_write(layer, slots, new_keys)
         stats = LayerStats(layer=layer, context_len=step.past_len, fetched=step.past_len, sparse=False)
         if step.dense_reason is not None and self.policy.is_sparse(layer):
