@@ -90,7 +90,9 @@ class LayerWork:
         slots = step.device_slots[layer]
         self.fetcher.write(layer, step.slots[layer], new_keys, new_values, slots)
         self.policy.on_write(layer, slots, new_keys)
-        stats = LayerStats(layer=layer, context_len=step.past_len, fetched=step.past_len, sparse=False)
+        window = self.adapter.sliding_window(layer)
+        read = step.past_len if window is None else min(step.past_len, window - 1)  # a window includes the new token
+        stats = LayerStats(layer=layer, context_len=step.past_len, fetched=read, sparse=False, window=window)
         if step.dense_reason is not None and self.policy.is_sparse(layer):
             stats.dense_reason = step.dense_reason
         if not step.is_decode:
