@@ -5,7 +5,8 @@
 
 The bytes each policy moves per decode step are the engine's own count (`fetcher.bytes_fetched`, held to
 it by tests/test_gpu_bench.py): the pool holds the new token when a layer is fetched, InfiniGen fetches
-`EngineConfig.budget_tokens_for(context)` rows per KV head of each sparse layer and whole dense layers.
+`EngineConfig.budget_tokens_for(context)` rows per KV head of each sparse layer; its dense layers stay on
+the GPU (`dense_layers_on_device`, resident.py) and move nothing.
 Time per step, eager PyTorch, per decoder layer (what the code does on CUDA today, audit §1.3 and §2.1):
 
 - the host launches every layer's kernels (`host_ms_per_layer`); the GPU reads the layer's weights (and
@@ -15,15 +16,16 @@ Time per step, eager PyTorch, per decoder layer (what the code does on CUDA toda
 - `hf-offload` (transformers' `DynamicCache(offloading=True)`) prefetches the next layer the same way
   (pinned, non-blocking, on its own stream) and sends the layer back to the host after use: as `offload`
   with the copy back in the other direction of the full-duplex link;
-- `infinigen` copies its dense layers as `offload` does; for each sparse layer the host waits on the
+- `infinigen` keeps its dense layers on the GPU (they cost what `full`'s layers cost); for each sparse layer the host waits on the
   fetch worker, which waits for the GPU's indices (`round_trip_ms`) and gathers the rows into pinned
   staging (`host_gather_gbps`) before the copy up: the host never runs more than a layer ahead, so the
   round trip and the gather add to the layer's time; its speculation adds launches
   (`sparse_extra_host_ms`) and reads the partial keys from HBM.
 
 Rates come from a profile (stated: vendor sheets and the audit's estimates) or from a measured-rates JSON
-written by scripts/gpu_probe.py. No CUDA graph, no zero-copy gather and no GPU-resident dense layers: this
-design has none of them yet, so the prediction does not either.
+written by scripts/gpu_probe.py. No CUDA graph and no zero-copy gather: this design has neither yet, so the
+prediction does not either. The GPU cache of selected rows (`selected_rows_cache`) is off by default and
+its hit rate unmeasured on real attention, so no row assumes it.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def fetched_bytes(shape: ModelShape, context: int, policy: str, budget: float | 
     config = bench_config(budget)
     dense = min(config.dense_layers, shape.layers)
     rows = config.budget_tokens_for(context)
-    return dense * held * per_token + (shape.layers - dense) * rows * per_token
+    dense_bytes = 0 if config.dense_layers_on_device else dense * held * per_token
+    return dense_bytes + (shape.layers - dense) * rows * per_token
 
 
 def predict_step(shape: ModelShape, context: int, policy: str, budget: float | None, profile: DeviceProfile,
@@ -115,7 +118,8 @@ def predict_step(shape: ModelShape, context: int, policy: str, budget: float | N
         gpu_bytes += 2 * layer_kv  # two layers in flight
     else:
         step_s, busy_s, partial_bytes = _infinigen_step(shape, context, budget, profile, element_bytes)
-        gpu_bytes += partial_bytes + 2 * layer_kv
+        dense = min(bench_config(budget).dense_layers, shape.layers)
+        gpu_bytes += partial_bytes + dense * layer_kv  # the dense layers' KV, resident
     ms = step_s * 1e3
     moved = fetched or (2 * shape.layers * layer_kv if policy == "hf-offload" else 0)
     return {"model": shape.name, "context": context, "policy": policy,
@@ -142,12 +146,11 @@ def _infinigen_step(shape: ModelShape, context: int, budget: float | None, profi
     hbm = profile.hbm_gbps * 1e9
     layer_weights_s = weight_bytes(shape, element_bytes) / shape.layers / hbm
     host_s = profile.host_ms_per_layer / 1e3
-    dense_s = max(host_s, layer_weights_s, layer_kv / (profile.pinned_h2d_gbps * 1e9))
+    dense_s = max(host_s, layer_weights_s + layer_kv / hbm)  # resident: read from HBM as `full` does
     sparse_busy_s = max(host_s + profile.sparse_extra_host_ms / 1e3, layer_weights_s + (partial_layer + rows_bytes) / hbm)
     sparse_s = (max(sparse_busy_s, rows_bytes / (profile.pinned_h2d_gbps * 1e9)) + profile.round_trip_ms / 1e3
                 + rows_bytes / (profile.host_gather_gbps * 1e9))
-    first_s = layer_kv / (profile.pinned_h2d_gbps * 1e9)
-    step_s = first_s + dense * dense_s + sparse * sparse_s
+    step_s = dense * dense_s + sparse * sparse_s  # the first layer is dense and resident: no copy to wait for
     busy_s = dense * max(host_s, layer_weights_s) + sparse * sparse_busy_s
     return step_s, busy_s, int(sparse * partial_layer)
 

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 COMPILE_HELP = ("compile the one-token decode step with torch.compile at load (default: on the CPU; about a minute "
                 "the first time, seconds from inductor's cache after); --no-compile decodes eagerly")
 
-_running = threading.local()  # .step: the step this thread's forward is running (engine.py's _Step)
+_running = threading.local()  # .step: the step this thread's forward is running (step.py's Step)
 
 
 @contextmanager
@@ -64,7 +64,7 @@ def stepping(step) -> Iterator[None]:
 
 def _attend(layer: int, query, key, value, scaling: float, layer_input, position_embeddings) -> torch.Tensor:
     step = _running.step
-    return step.engine._attend(step, layer, query, key, value, scaling, layer_input, position_embeddings)
+    return step.work.attend(step, layer, query, key, value, scaling, layer_input, position_embeddings)
 
 
 @torch.library.custom_op("infinigen::pool_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))

@@ -42,6 +42,12 @@ class EngineConfig:
         the selecting path at any length (to measure or test it).
     pool_limit_tokens: optional cap on the host KV pool; beyond it entries are evicted by fetch rate,
         sparing `sink_tokens` attention sinks and the `recent_window` newest tokens.
+    dense_layers_on_device: where the pool is in host memory (a GPU), a sparse policy's layers that read
+        every row (the dense first layers, sliding-window layers) keep their K/V on the compute device as
+        well, so a step moves only the sparse layers' selected rows (FlexGen fetches them whole each step).
+    selected_rows_cache: where the pool is in host memory, each sparse layer keeps this many recently
+        fetched rows per KV head on the compute device, and a row selected again is not fetched again
+        (0: no cache).
     """
 
     policy: str = "infinigen"
@@ -58,6 +64,8 @@ class EngineConfig:
     prefill_chunk: int = 512
     record_recall: bool = False
     history_steps: int = 64
+    dense_layers_on_device: bool = True
+    selected_rows_cache: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -92,6 +100,9 @@ class EngineConfig:
                 )
         if self.history_steps < 1:
             raise ConfigError("history_steps must be >= 1")
+        if self.selected_rows_cache < 0 or self.selected_rows_cache != int(self.selected_rows_cache):
+            raise ConfigError(f"selected_rows_cache must be a whole number of rows >= 0 (0: off), got "
+                              f"{self.selected_rows_cache}")
 
     def budget_tokens_for(self, context_len: int) -> int:
         """The fetch cap for a layer whose past holds `context_len` tokens (at least 1)."""

@@ -4,11 +4,9 @@ One forward step, in order:
   1. the pool reserves slots for the new tokens (evicting now, if limited);
   2. the model runs its own forward (at one token, `decode_step`: compiled where compiled.py could, else
      eager; prefill always eager); a pre-hook passes each attention module's input on to our attention;
-  3. our registered attention function (`_attend`, one opaque op inside a compiled step) first lets the
-     policy speculate from that input which slots the next layer needs and start fetching them, then
-     writes the layer's new K/V to the pool and attends densely (prefill, dense layers, dense policies) or
-     over the fetched rows plus the new token;
-  4. per-layer statistics of the step are kept for the UI and the benchmarks.
+  3. our registered attention function (one opaque op inside a compiled step) runs step.py's per-layer
+     work: speculate and start the next layer's fetch, write the new K/V, attend, record statistics;
+  4. the step's statistics are kept for the UI and the benchmarks.
 Masks come from the pool's positions, not from transformers, so the mask registration returns None.
 The attention maths of step 3 lives in attention.py; a saved session's rows are exported and imported by
 rows.py; the engine attaches to the model, runs the step in this order and keeps the conversation.
@@ -20,7 +18,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -31,12 +28,13 @@ from .arch import ModelAdapter
 from .attention import PoolAttention
 from .config import ConfigError, EngineConfig
 from .compiled import DecodeStep, pool_attention, stepping
-from .fetch import PendingFetch, make_fetcher
+from .fetch import DeviceKeeping, make_fetcher
 from .kv_pool import KVPool, release_pinned_memory
-from .policies import POLICIES, PolicyContext, Selection
+from .policies import POLICIES, PolicyContext
 from .prefix import common_prefix_length
 from .rows import export_rows, import_rows
-from .stats import DeferredValues, LayerStats, StepStats
+from .stats import StepStats
+from .step import LayerWork, Step
 from .weights import plain_fp32_weights, weights_label
 
 ATTENTION_NAME = "infinigen"
@@ -46,37 +44,6 @@ DENSE_UNDER_BUDGET = "dense: context under the budget"
 
 class ContextOverflowError(ValueError):
     """The conversation would not fit in the model's context window."""
-
-
-@dataclass
-class _Step:
-    engine: "InfiniGenEngine"
-    first_position: int
-    new_tokens: int
-    slots: list[torch.Tensor]  # per layer, the pool slots of the new tokens (on the pool's device)
-    device_slots: list[torch.Tensor]  # the same on the compute device (one copy per step without eviction)
-    query_positions: torch.Tensor  # on the compute device
-    stats: StepStats
-    # why the sparse layers attend densely this step (None: they select): when the budget covers every token
-    # held, a selection would fetch them all, so rehearsing which to fetch is pure cost
-    dense_reason: str | None = None
-    prefetched: dict[int, tuple[PendingFetch, Selection | None]] = field(default_factory=dict)
-    device_values: list[tuple[LayerStats, torch.Tensor]] = field(default_factory=list)  # sent to the host once
-    # after eviction, the slots each sparse layer selected, turned into positions once the step has run
-    selected_slots: list[tuple[LayerStats, int, torch.Tensor]] = field(default_factory=list)
-
-    @property
-    def is_decode(self) -> bool:
-        return self.new_tokens == 1
-
-    @property
-    def past_len(self) -> int:
-        """Tokens every layer held before this step (the same in every layer)."""
-        return self.engine.pool.size() - self.new_tokens
-
-    def selects(self, layer: int) -> bool:
-        """Whether `layer` attends over selected rows this step (a sparse layer not made dense by the budget)."""
-        return self.dense_reason is None and self.engine.policy.is_sparse(layer)
 
 
 def _attention_entry(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -172,13 +139,8 @@ class InfiniGenEngine:
         if self.fetcher is not None:
             self.fetcher.flush()  # every pending write lands in the old pool first
         if old_pool is None or not old_pool.same_layout(**layout):
-            self.pool = KVPool(
-                num_layers=self.adapter.num_layers,
-                num_kv_heads=self.adapter.num_kv_heads,
-                head_dim=self.adapter.head_dim,
-                dtype=self.dtype,
-                **layout,
-            )
+            self.pool = KVPool(self.adapter.num_layers, self.adapter.num_kv_heads, self.adapter.head_dim, self.dtype,
+                               **layout)
             if old_pool is not None:
                 self.pool.copy_from(old_pool)
                 release_pinned_memory(old_pool)
@@ -188,11 +150,12 @@ class InfiniGenEngine:
                                 self.kernels)
         self.policy = policy_class(context)
         self.attention = PoolAttention(self.pool, self.adapter, self.policy, self.device, self.kernels)
-        self._has_sparse_layers = any(self.policy.is_sparse(layer) for layer in range(self.adapter.num_layers))
         if self.fetcher is not None:
             self.fetcher.close()
         self.fetcher = make_fetcher(self.pool, self.device, max_rows=config.budget_tokens_for(self.max_context) + 1,
-                                    rows_in_place=self.kernels is not None)
+                                    rows_in_place=self.kernels is not None,
+                                    keep=DeviceKeeping.for_policy(self.policy, self.adapter.num_layers, config))
+        self.work = LayerWork(self.pool, self.policy, self.fetcher, self.attention, self.adapter, config)
 
     def prepare(self, new_tokens: int) -> None:
         """Make room now for `new_tokens` more tokens, so no step of the coming reply allocates pool memory."""
@@ -262,10 +225,12 @@ class InfiniGenEngine:
         self.fetcher.flush()  # no write in flight into storage that is compacted or given back
         moved = self.pool.truncate(n_tokens)
         del self.token_ids[n_tokens:]
-        if self.pool.release_spare(upcoming):
+        if released := self.pool.release_spare(upcoming):
             self.policy.release_capacity(self.pool.capacity)
         if moved:  # eviction had reordered the slots: per-slot state follows the compacted pool
             self.policy.rebuild()
+        if moved or released:  # what the device keeps of the pool follows it
+            self.fetcher.rebuild()
 
     @torch.inference_mode()
     def reset(self) -> None:
@@ -314,6 +279,7 @@ class InfiniGenEngine:
         self.fetcher.flush()
         restored = import_rows(self.pool, self.token_ids, chunks)
         self.policy.rebuild()
+        self.fetcher.rebuild()
         return restored
 
     def legacy_kv_signatures(self) -> list[dict[str, str]]:
@@ -323,14 +289,10 @@ class InfiniGenEngine:
     def kv_signature(self) -> dict[str, str]:
         """What a saved pool must match to be reused."""
         skew = self.skew_set.fingerprint() if self.skew_set is not None else "none"
-        return {
-            "model_fingerprint": self.fingerprint,
-            "dtype": str(self.dtype).replace("torch.", ""),
-            "num_layers": str(self.adapter.num_layers),
-            "num_kv_heads": str(self.adapter.num_kv_heads),
-            "head_dim": str(self.adapter.head_dim),
-            "skew": skew,
-        }
+        adapter = self.adapter
+        return {"model_fingerprint": self.fingerprint, "dtype": str(self.dtype).replace("torch.", ""),
+                "num_layers": str(adapter.num_layers), "num_kv_heads": str(adapter.num_kv_heads),
+                "head_dim": str(adapter.head_dim), "skew": skew}
 
     # ------------------------------------------------------------------ one forward step
     @torch.inference_mode()
@@ -344,8 +306,8 @@ class InfiniGenEngine:
             self.fetcher.flush()
         stats = StepStats(step=self.steps_run, position=first, new_tokens=n)
         slots = self.pool.reserve(n)
-        step = _Step(
-            engine=self,
+        step = Step(
+            work=self.work,
             first_position=first,
             new_tokens=n,
             slots=slots,
@@ -353,11 +315,11 @@ class InfiniGenEngine:
             query_positions=torch.arange(first, first + n, device=self.device),
             stats=stats,
         )
-        if step.is_decode and self._budget_covers(step.past_len):
+        if step.is_decode and self.work.budget_covers(step.past_len):
             step.dense_reason = stats.dense_reason = DENSE_UNDER_BUDGET
         self.policy.ensure_capacity(self.pool.capacity)
         if step.is_decode and not self.policy.keeps_pool_on_device:
-            step.prefetched[0] = self._start_fetch(0, step)  # later layers are started one layer ahead
+            step.prefetched[0] = self.work.start_fetch(0, step)  # later layers are started one layer ahead
         started = time.perf_counter()
         run = self.decode_step if step.is_decode and not eager else self.model
         try:
@@ -376,28 +338,19 @@ class InfiniGenEngine:
             self.policy.finish_step(completed=False)
             if self.pool.truncate(first):
                 self.policy.rebuild()
+                self.fetcher.rebuild()
             raise
         self.policy.finish_step(completed=True)
-        self._record_selected_positions(step)
+        self.work.finish(step)
         self.token_ids.extend(token_ids)
         self.steps_run += 1
         stats.total_ms = (time.perf_counter() - started) * 1e3
         stats.pool_bytes = self.pool.bytes_allocated()
         stats.device_bytes = self.device_bytes()
-        self._send_device_values_to_host(step)
         if len(self.history) > KEEP_SELECTIONS_STEPS:
             self.history[-KEEP_SELECTIONS_STEPS].drop_selections()
         self.history.append(stats)
         return output.logits[0].float()
-
-    def _budget_covers(self, past_len: int) -> bool:
-        """A sparse policy's budget (its floor included) reaches every past token: selecting would keep all.
-        With no past token at all (a first token decoded alone) there is nothing to select, whatever the config."""
-        if not self._has_sparse_layers:
-            return False
-        if past_len == 0:
-            return True
-        return self.config.dense_under_budget and self.config.budget_tokens_for(past_len) >= past_len
 
     def _slots_on_device(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.pool.device == self.device:
@@ -421,93 +374,9 @@ class InfiniGenEngine:
             self._ones = torch.ones(max(n, self.config.prefill_chunk), dtype=torch.long, device=self.device)
         return self._ones[:n].unsqueeze(0)
 
-    def _record_selected_positions(self, step: "_Step") -> None:
-        """After eviction, the positions of the slots each sparse layer selected: one copy to the host for the
-        whole step, after its forward (the logits are read there anyway), instead of a wait in every layer.
-        Before the next reserve, which may give those slots to new tokens."""
-        if not step.selected_slots:
-            return
-        slots = torch.stack([layer_slots for _, _, layer_slots in step.selected_slots]).to(self.pool.device)
-        for (stats, layer, _), layer_slots in zip(step.selected_slots, slots):
-            stats.selected_positions = self.pool.positions(layer)[layer_slots]
-
-    def _send_device_values_to_host(self, step: "_Step") -> None:
-        """One stacked, non-blocking copy per step of what the layers left on the device (alpha counts)."""
-        if not step.device_values:
-            return
-        values = torch.stack([value for _, value in step.device_values]).double()
-        host, ready = self.fetcher.host.to_host(values)
-        heads = self.adapter.num_heads
-        step.stats.deferred = DeferredValues(host, ready, [(layer, heads) for layer, _ in step.device_values])
-
     def device_bytes(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
         partial = self.policy.device_bytes()
         on_device = self.pool.bytes_allocated() if self.policy.keeps_pool_on_device else 0
-        return partial + on_device
-
-    def _speculate_next(self, layer: int, layer_input, position_embeddings, step: "_Step") -> None:
-        """Before `layer` attends: start the next layer's fetch, of the slots the policy speculates it needs
-        (from this layer's input) or of all its rows, so that the fetch overlaps this layer's work."""
-        target = layer + 1
-        if target >= self.adapter.num_layers:
-            return
-        if step.selects(target):
-            new_slots = None if self.pool.last_reserved_contiguous else step.device_slots[target]
-            selection = self.policy.speculate(layer, layer_input, position_embeddings, step.query_positions,
-                                              step.past_len, new_slots)
-            if selection is not None:
-                step.prefetched[target] = (self.fetcher.start_rows(target, selection.slots), selection)
-        elif not self.policy.keeps_pool_on_device:
-            step.prefetched[target] = self._start_fetch(target, step)
-
-    def _start_fetch(self, layer: int, step: "_Step") -> tuple[PendingFetch, Selection | None]:
-        """Start the fetch of a layer that nothing speculated for: its selected rows, or all of it."""
-        if step.selects(layer):
-            selection = self.policy.select(layer, step.past_len, step.first_position)
-            if selection is not None:
-                return self.fetcher.start_rows(layer, selection.slots), selection
-        return self.fetcher.start_layer(layer), None
-
-    def _attend(self, step: _Step, layer: int, query, key, value, scaling: float, layer_input, position_embeddings):
-        if step.is_decode and layer_input is not None:
-            self._speculate_next(layer, layer_input, position_embeddings, step)
-        started = time.perf_counter()
-        new_keys, new_values = key[0], value[0]  # [kv_heads, n, dim]
-        self.fetcher.write(layer, step.slots[layer], new_keys, new_values)
-        slots = step.device_slots[layer]
-        self.policy.on_write(layer, slots, new_keys)
-        stats = LayerStats(layer=layer, context_len=step.past_len, fetched=step.past_len, sparse=False)
-        if step.dense_reason is not None and self.policy.is_sparse(layer):
-            stats.dense_reason = step.dense_reason
-        if not step.is_decode:
-            out = self.attention.prefill(layer, query, new_keys, new_values, scaling, step.query_positions, slots)
-        else:
-            pending, selection = step.prefetched.pop(layer, None) or self._start_fetch(layer, step)
-            fetched = pending.wait(new_keys, new_values, slots)
-            stats.fetch_wait_ms = fetched.wait_ms
-            valid, selected = (None, None) if selection is None else (selection.valid, selection.slots)
-            out = self.attention.decode(layer, query, fetched.keys, fetched.values, scaling, valid, slots, selected,
-                                        fetched.rows)
-            if selection is not None:
-                self._record_selection(layer, query, key, scaling, selection, stats, step)
-        stats.compute_ms = (time.perf_counter() - started) * 1e3 - stats.fetch_wait_ms
-        step.stats.layers.append(stats)
-        return out
-
-    def _record_selection(self, layer, query, key, scaling, selection, stats, step) -> None:
-        """What a sparse layer fetched, for the panels and the inspector: no host read here."""
-        stats.sparse = True
-        stats.fetched = selection.slots.shape[1]
-        stats.speculate_ms = selection.speculate_ms
-        if self.pool.slots_are_positions:
-            stats.selected_positions = selection.slots
-        else:  # the slot-to-position map lives on the host: looked up once the step has run, for all layers
-            step.selected_slots.append((stats, layer, selection.slots))
-        stats.selected_scores = selection.scores
-        if selection.alpha_total is not None:
-            stats.deferred_from = step.stats
-            step.device_values.append((stats, selection.alpha_total))
-        if self.config.record_recall:
-            self.attention.measure_recall(layer, query, key, scaling, selection, stats)
+        return partial + on_device + self.fetcher.device_bytes()

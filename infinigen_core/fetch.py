@@ -30,6 +30,7 @@ import torch
 
 from . import devices
 from .kv_pool import KVPool
+from .resident import ResidentLayers, SelectedRowCache
 from .transfer import CudaOps, DeviceOps, ThreadedCpuOps, Worker
 
 
@@ -120,8 +121,15 @@ class DirectFetcher:
         self._columns_source: torch.Tensor | None = None
         self._columns: torch.Tensor | None = None
 
-    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              device_slots: torch.Tensor | None = None) -> None:
         self.pool.write(layer, slots, keys, values)
+
+    def rebuild(self) -> None:
+        """The pool's rows changed under the fetcher: nothing here keeps a copy of them."""
+
+    def device_bytes(self) -> int:
+        return 0
 
     def start_rows(self, layer: int, slots: torch.Tensor) -> PendingFetch:
         # a pool that evicts counts every fetch of a row, which its gather does
@@ -168,13 +176,37 @@ class _Streamed(PendingFetch):
         return keys, values
 
 
+class _StreamedThroughCache(PendingFetch):
+    """Selected rows put together on the compute device from the cache and the uploaded misses."""
+
+    def __init__(self, ops: DeviceOps, cache: SelectedRowCache, layer: int, future: Future) -> None:
+        self.ops, self.cache, self.layer, self.future = ops, cache, layer, future
+
+    def _rows(self, new_keys, new_values, new_slots):
+        keys, values, plan, copied, shape = self.future.result()
+        self.ops.wait(copied, keys, values, plan)
+        keys, values = self.cache.assemble(self.layer, plan, keys, values, shape)
+        return torch.cat([new_keys, keys], dim=1), torch.cat([new_values, values], dim=1)
+
+
+class _ResidentView(PendingFetch):
+    """A layer whose rows stay on the compute device (resident.ResidentLayers): nothing to move."""
+
+    def __init__(self, resident: ResidentLayers, layer: int) -> None:
+        self.resident, self.layer = resident, layer
+
+    def _rows(self, new_keys, new_values, new_slots):
+        return self.resident.rows(self.layer)
+
+
 class StreamFetcher:
     """The pool is in host memory, the model on a device reached through `ops` (see the module docstring)."""
 
-    def __init__(self, pool: KVPool, ops: DeviceOps, max_rows: int) -> None:
+    def __init__(self, pool: KVPool, ops: DeviceOps, max_rows: int, keep: DeviceKeeping | None = None) -> None:
         self.pool, self.ops, self.device = pool, ops, ops.device
         self.host = HostChannel(ops)
-        self.bytes_fetched = 0
+        self.bytes_fetched = 0  # K/V rows that crossed to the compute device
+        self.plan_bytes = 0  # the selected-row cache's plans that crossed with them
         self._row_bytes = pool.bytes_per_row()
         # The engine's prefill attends over the pool in place when the pool is on the compute device (only
         # with ThreadedCpuOps): there a write of several tokens must have landed before `write` returns.
@@ -187,9 +219,16 @@ class StreamFetcher:
         self._staging_values = ops.host_empty(shape, pool.dtype)
         self._staging_free: list[object | None] = [None, None]
         self._next_staging = 0
+        keep = keep or DeviceKeeping()
+        self.resident = ResidentLayers(pool, ops, keep.resident_layers)
+        self.cache = SelectedRowCache(pool, ops.device, keep.cached_layers, keep.cache_lines)
+        self._plan_staging = ops.host_empty((2, 3, pool.num_kv_heads * max_rows), torch.int64) if keep.cache_lines else None
 
     # -- writes: device -> host (non-blocking) -> pool, in the worker once the copy has landed
-    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              device_slots: torch.Tensor | None = None) -> None:
+        if layer in self.resident:
+            self.resident.write(layer, device_slots, keys, values)
         host_keys, _ = self.host.to_host(keys)
         host_values, ready = self.host.to_host(values)  # the later copy on the same stream: both have landed
         written = self._worker.submit(self._write_rows, layer, slots, host_keys, host_values, ready)
@@ -200,10 +239,14 @@ class StreamFetcher:
         if ready is not None:
             ready.synchronize()  # only these copies, in the worker: the decode loop goes on
         self.pool.write(layer, slots, host_keys, host_values)
+        self.cache.forget(layer, slots)
 
     # -- selected rows: indices -> host, gather into staging, upload on the side stream
     def start_rows(self, layer: int, slots: torch.Tensor) -> PendingFetch:
         host_slots, ready = self.host.to_host(slots)
+        if layer in self.cache:  # the worker counts what crosses: only the misses
+            return _StreamedThroughCache(self.ops, self.cache, layer,
+                                         self._worker.submit(self._upload_misses, layer, host_slots, ready))
         self.bytes_fetched += slots.numel() * self._row_bytes
         return _Streamed(self.ops, self._worker.submit(self._upload_rows, layer, host_slots, ready), False, None)
 
@@ -227,8 +270,38 @@ class StreamFetcher:
         self._staging_free[index] = copied
         return keys, values, copied
 
-    # -- whole layers: contiguous per KV head, one layer ahead
+    def _upload_misses(self, layer, host_slots, ready):
+        """The cache's plan for these slots, then only the rows it misses, gathered and uploaded."""
+        if ready is not None:
+            ready.synchronize()
+        plan, pairs = self.cache.plan(layer, host_slots)
+        self.pool.count_fetches(layer, host_slots)
+        index, self._next_staging = self._next_staging, 1 - self._next_staging
+        if self._staging_free[index] is not None:
+            self._staging_free[index].synchronize()
+        rows, dim = host_slots.numel(), self.pool.head_dim
+        staged_keys = self._staging_keys[index].view(-1)[: plan.misses * dim].view(-1, dim)
+        staged_values = self._staging_values[index].view(-1)[: plan.misses * dim].view(-1, dim)
+        self.pool.gather_pairs(layer, pairs, out=(staged_keys, staged_values))
+        staged_plan = self._plan_staging[index].view(-1)[: 3 * rows].view(3, rows)
+        staged_plan.copy_(plan.packed)
+        keys = self.ops.empty((rows, dim), self.pool.dtype, self._stream)
+        values = self.ops.empty((rows, dim), self.pool.dtype, self._stream)
+        device_plan = self.ops.empty((3, rows), torch.int64, self._stream)
+        if plan.misses:
+            self.ops.copy(keys[: plan.misses], staged_keys, self._stream)
+            self.ops.copy(values[: plan.misses], staged_values, self._stream)
+        self.ops.copy(device_plan, staged_plan, self._stream)
+        copied = self.ops.record(self._stream)
+        self._staging_free[index] = copied
+        self.bytes_fetched += plan.misses * self._row_bytes
+        self.plan_bytes += staged_plan.numel() * staged_plan.element_size()
+        return keys, values, device_plan, copied, (*host_slots.shape, dim)
+
+    # -- whole layers: contiguous per KV head, one layer ahead (resident layers: already there)
     def start_layer(self, layer: int) -> PendingFetch:
+        if layer in self.resident:
+            return _ResidentView(self.resident, layer)
         size = self.pool.size()
         self.bytes_fetched += size * self.pool.num_kv_heads * self._row_bytes
         reserved = self.pool.last_reserved[layer]
@@ -244,6 +317,17 @@ class StreamFetcher:
             self.ops.copy(keys[head], host_keys[head], self._stream)
             self.ops.copy(values[head], host_values[head], self._stream)
         return keys, values, self.ops.record(self._stream)
+
+    def rebuild(self) -> None:
+        """The pool's rows changed under the fetcher (a restore, a truncate that moved rows, a release):
+        upload the resident layers again and empty the cache (after every pending write has landed)."""
+        self.flush()
+        self.resident.rebuild()
+        self.cache.clear()
+
+    def device_bytes(self) -> int:
+        """Compute-device memory the resident layers and the cache hold."""
+        return self.resident.bytes() + self.cache.bytes()
 
     def pending_host_work(self) -> int:
         """Writes and fetches whose host side has not finished yet."""
@@ -269,15 +353,39 @@ class StreamFetcher:
             warnings.warn("a KV fetch thread did not stop in time and was left behind", RuntimeWarning, stacklevel=2)
 
 
+@dataclass(frozen=True)
+class DeviceKeeping:
+    """What a streamed fetcher keeps on the compute device (resident.py): the layers kept whole there, and
+    the sparse layers whose selected rows are cached, `cache_lines` rows per KV head (0: no cache)."""
+
+    resident_layers: frozenset[int] = frozenset()
+    cached_layers: frozenset[int] = frozenset()
+    cache_lines: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.cache_lines:
+            object.__setattr__(self, "cached_layers", frozenset())
+
+    @staticmethod
+    def for_policy(policy, num_layers: int, config) -> DeviceKeeping:
+        """What `policy` keeps on the device under `config` (EngineConfig): nothing for a dense policy
+        (`offload` is the whole-layer baseline, `full` keeps the pool there anyway)."""
+        sparse_layers = frozenset(layer for layer in range(num_layers) if policy.is_sparse(layer))
+        if not sparse_layers:
+            return DeviceKeeping()
+        resident = frozenset(range(num_layers)) - sparse_layers if config.dense_layers_on_device else frozenset()
+        return DeviceKeeping(resident, sparse_layers, config.selected_rows_cache)
+
+
 def make_fetcher(pool: KVPool, device: torch.device, max_rows: int, ops: DeviceOps | None = None,
-                 rows_in_place: bool = False):
+                 rows_in_place: bool = False, keep: DeviceKeeping | None = None):
     """The fetcher for a pool and a compute device; `ops` forces the streamed pipeline over those device
     operations (tests run it on the CPU with `transfer.ThreadedCpuOps`); `rows_in_place` asks a pool on the
     compute device to hand selected rows over by slot (attention reads them with the CPU kernels)."""
     if ops is not None:
-        return StreamFetcher(pool, ops, max_rows)
+        return StreamFetcher(pool, ops, max_rows, keep)
     if device.type == "cuda" and pool.device.type == "cpu":
-        return StreamFetcher(pool, CudaOps(device), max_rows)
+        return StreamFetcher(pool, CudaOps(device), max_rows, keep)
     if devices.is_emulated(device) and pool.device != device:  # CUDA's pipeline, its copies run by threads
-        return StreamFetcher(pool, ThreadedCpuOps(device=device), max_rows)
+        return StreamFetcher(pool, ThreadedCpuOps(device=device), max_rows, keep)
     return DirectFetcher(pool, device, rows_in_place)

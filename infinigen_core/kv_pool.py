@@ -11,8 +11,8 @@ a reply starts, so no allocation of pinned memory happens inside a token), every
 number of slots, and without a limit the slots of a new token are known on the host (the next free one),
 so reserving them is one write for all layers. Fetches are counted only when a limit makes eviction
 read the counts. Capacity also shrinks, between steps only: `release_spare` gives memory back when a
-truncate or reset leaves the pool far below it (with hysteresis, so edits near a conversation's end never
-reallocate).
+truncate or reset leaves the pool far below it. How much memory holds the rows, and when that changes, is
+pool_lifecycle.py's job.
 
 >>> pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
 >>> slots = pool.reserve(3)
@@ -23,31 +23,19 @@ reallocate).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from .pool_restore import RowRestore
+from .pool_lifecycle import CapacityRule, PoolStorage, empty_host_cache_if, release_pinned_memory
 
-@dataclass
-class _LayerStore:
-    keys: torch.Tensor  # [kv_heads, capacity, head_dim]
-    values: torch.Tensor
-
-    def __post_init__(self) -> None:
-        # [kv_heads * capacity, head_dim] views, made once: a gather is then one index_select per tensor
-        self.flat_keys = self.keys.view(-1, self.keys.shape[-1])
-        self.flat_values = self.values.view(-1, self.values.shape[-1])
-
-
-# release_spare shrinks a pool whose capacity exceeds this many times what it holds (see there)
-SHRINK_WHEN_USED_BELOW = 4
+__all__ = ["KVPool", "PoolCapacityError", "release_pinned_memory"]
 
 
 class PoolCapacityError(RuntimeError):
     pass
 
 
-class KVPool:
+class KVPool(RowRestore):
     """Every token's keys and values for all layers (see the module docstring).
 
     Mutating methods run in inference mode: the pool's tensors are created during forward passes (inference
@@ -85,9 +73,7 @@ class KVPool:
         self._size = 0  # slots in use are [0, size) in every layer
         self._slots_are_positions = True  # no eviction or limited restore has reordered the slots
         self._append_start = 0
-        self._layers: list[_LayerStore] = []
-        self._positions = torch.empty(num_layers, 0, dtype=torch.int64, device=self.device)  # -1: free
-        self._fetch_counts = torch.empty(num_layers, 0, dtype=torch.int64, device=self.device)
+        self._storage: PoolStorage | None = None
         self._allocate(initial_capacity if limit_tokens is None else min(initial_capacity, limit_tokens))
 
     @property
@@ -101,80 +87,53 @@ class KVPool:
         return self._slots_are_positions
 
     @property
+    def _rule(self) -> CapacityRule:
+        return CapacityRule(self.growth_tokens, self.limit_tokens)
+
+    @property
     def capacity(self) -> int:
         return self._positions.shape[1]
 
-    # ------------------------------------------------------------------ storage
+    # ------------------------------------------------------------------ storage (sizes: pool_lifecycle.py)
     def _allocate(self, capacity: int) -> None:
         """(Re)allocate every layer for `capacity` slots, keeping the rows in use."""
-        n = self._size
-        shape = (self.num_kv_heads, capacity, self.head_dim)
-        stores = []
-        for layer in range(self.num_layers):
-            keys = torch.empty(shape, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory)
-            values = torch.empty(shape, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory)
-            if n:
-                keys[:, :n].copy_(self._layers[layer].keys[:, :n])
-                values[:, :n].copy_(self._layers[layer].values[:, :n])
-            stores.append(_LayerStore(keys, values))
-        positions = torch.full((self.num_layers, capacity), -1, dtype=torch.int64, device=self.device)
-        counts = torch.zeros(self.num_layers, capacity, dtype=torch.int64, device=self.device)
-        positions[:, :n] = self._positions[:, :n]
-        counts[:, :n] = self._fetch_counts[:, :n]
-        self._layers, self._positions, self._fetch_counts = stores, positions, counts
-        # per KV head, the offset of its first row in a layer's flat [kv_heads * capacity, dim] view
-        self._head_offsets = (torch.arange(self.num_kv_heads, device=self.device) * capacity).unsqueeze(1)
+        self._storage = PoolStorage.allocate(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype,
+                                             self.device, self.pin_memory, self._storage, self._size)
+        storage = self._storage
+        self._layers, self._positions, self._fetch_counts = storage.layers, storage.positions, storage.fetch_counts
+        self._head_offsets = storage.head_offsets
+
+    def drop_storage(self) -> None:
+        """Forget every tensor (a discarded pool whose pinned memory goes back: `release_pinned_memory`)."""
+        self._layers = []
+        self._storage = None
 
     @torch.inference_mode()
     def ensure_capacity(self, tokens: int) -> None:
-        """Make room for `tokens` slots per layer now, rounded up to a multiple of `growth_tokens` (never
-        past the limit): a size asked for is what is allocated, give or take a growth step.
+        """Make room for `tokens` slots per layer now, rounded up to a growth step (never past the limit).
 
         Call it before a reply starts: growing allocates (pinned) memory and copies the pool, which must not
         happen in the middle of a token.
         """
-        if self.limit_tokens is not None:
-            tokens = min(tokens, self.limit_tokens)
-        if tokens <= self.capacity:
-            return
-        capacity = -(-tokens // self.growth_tokens) * self.growth_tokens
-        if self.limit_tokens is not None:
-            capacity = min(capacity, self.limit_tokens)
-        self._allocate(capacity)
+        capacity = self._rule.capacity_to_hold(tokens, self.capacity)
+        if capacity is not None:
+            self._allocate(capacity)
 
     @torch.inference_mode()
     def release_spare(self, upcoming: int = 0) -> bool:
         """Give memory back when the rows in use (plus `upcoming` tokens about to be added) fill less than a
-        quarter of the capacity, shrinking to twice that, rounded up to a growth step (never below one step).
-
-        The factor-4 trigger and the factor-2 target are the hysteresis: after a shrink the pool must double
-        before it grows again and fall to a quarter before it shrinks again, so a conversation whose turns
-        are regenerated or edited near its end never reallocates (a truncate there keeps most rows). Returns
-        whether the storage changed: per-slot state sized by the capacity (the policies') must follow.
-        Call it between steps, with no write in flight (the engine flushes its fetch worker first).
-        """
-        needed = self._size + upcoming
-        if self.limit_tokens is not None:
-            needed = min(needed, self.limit_tokens)
-        if self.capacity <= SHRINK_WHEN_USED_BELOW * max(needed, self.growth_tokens):
+        quarter of the capacity (CapacityRule). Returns whether the storage changed: per-slot state sized
+        by the capacity (the policies') must follow. Call it between steps, with no write in flight."""
+        capacity = self._rule.capacity_after_release(self._size + upcoming, self.capacity)
+        if capacity is None:
             return False
-        capacity = max(self.growth_tokens, -(-2 * needed // self.growth_tokens) * self.growth_tokens)
-        if self.limit_tokens is not None:
-            capacity = min(capacity, self.limit_tokens)
         self._allocate(capacity)
-        _empty_host_cache_if(self.pin_memory)
+        empty_host_cache_if(self.pin_memory)
         return True
-
-    def _grow_for(self, tokens: int) -> None:
-        """Room for `tokens` inside a step nothing prepared for: at least double, so a long decode without
-        `ensure_capacity` copies the pool a logarithmic number of times."""
-        if tokens > self.capacity:
-            self.ensure_capacity(max(tokens, 2 * self.capacity))
 
     def grows_for(self, n: int) -> bool:
         """Whether reserving `n` more tokens reallocates the pool (a copy of every layer into new storage)."""
-        wanted = self._size + n if self.limit_tokens is None else min(self._size + n, self.limit_tokens)
-        return wanted > self.capacity
+        return self._rule.capacity_to_hold(self._size + n, self.capacity) is not None
 
     # ------------------------------------------------------------------ writing
     @torch.inference_mode()
@@ -189,7 +148,9 @@ class KVPool:
         first = self.total_tokens
         limit = self.limit_tokens
         if limit is None or self._size + n <= limit:
-            self._grow_for(self._size + n)
+            capacity = self._rule.capacity_for_step(self._size + n, self.capacity)
+            if capacity is not None:
+                self._allocate(capacity)
             slots = torch.arange(self._size, self._size + n, device=self.device)
             self._positions[:, self._size : self._size + n] = slots + (first - self._size)
             if self.counts_fetches:
@@ -285,9 +246,22 @@ class KVPool:
         else:
             keys = torch.index_select(store.flat_keys, 0, rows, out=out[0].view(-1, self.head_dim))
             values = torch.index_select(store.flat_values, 0, rows, out=out[1].view(-1, self.head_dim))
+        self.count_fetches(layer, slot_index)
+        return keys.view(shape), values.view(shape)
+
+    def count_fetches(self, layer: int, slot_index: torch.Tensor) -> None:
+        """Count a fetch of each of these slots (once per KV head), where eviction reads the counts."""
         if self.counts_fetches:
             self._fetch_counts[layer].index_add_(0, slot_index.reshape(-1), torch.ones_like(slot_index).view(-1))
-        return keys.view(shape), values.view(shape)
+
+    @torch.inference_mode()
+    def gather_pairs(self, layer: int, pairs: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Copy the rows of (KV head, slot) `pairs` [n, 2] into `out` ([n, head_dim] each); counts nothing
+        (the caller counts what was selected, cached or not)."""
+        store = self._layers[layer]
+        rows = pairs[:, 0] * self.capacity + pairs[:, 1]
+        torch.index_select(store.flat_keys, 0, rows, out=out[0])
+        torch.index_select(store.flat_values, 0, rows, out=out[1])
 
     # ------------------------------------------------------------------ whole-pool operations
     @torch.inference_mode()
@@ -322,87 +296,6 @@ class KVPool:
         self.truncate(0)
         self.evicted_tokens = 0
 
-    @torch.inference_mode()
-    def append_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                    key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None,
-                    key_channel_scale: torch.Tensor | None = None) -> None:
-        """Restore rows of one layer (e.g. from a saved session) without running the model.
-
-        With `key_scale`/`value_scale` [kv_heads, n], `keys`/`values` are integer codes and each row is
-        codes * scale, computed straight into the pool's slots (no full-size temporary); with
-        `key_channel_scale` [kv_heads, dim] too, each key channel is then multiplied by its scale. Call it
-        for every layer with rows of the same positions, then `set_total_tokens`. Under a limit, the newest
-        rows are kept (sinks always).
-        """
-        n = positions.numel()
-        if n == 0:
-            return
-        positions = positions.to(self.device)
-        if layer == 0:  # layer 0 claims the slots for every layer
-            self._append_start = self._size
-        start = self._append_start
-        if self.limit_tokens is not None and start + n > self.limit_tokens:
-            self._append_limited(layer, self._widen(keys, key_scale, key_channel_scale), self._widen(values, value_scale),
-                                 positions, start)
-            return
-        if layer == 0:
-            self.ensure_capacity(start + n)
-            self._size = start + n
-        store = self._layers[layer]
-        window = slice(start, start + n)
-        for target, rows, scale in ((store.keys, keys, key_scale), (store.values, values, value_scale)):
-            if scale is None:
-                target[:, window] = rows.to(self.device, self.dtype)
-            else:
-                torch.mul(rows.to(self.device), scale.to(self.device, self.dtype).unsqueeze(-1), out=target[:, window])
-        if key_channel_scale is not None:
-            store.keys[:, window].mul_(key_channel_scale.to(self.device, self.dtype).unsqueeze(1))
-        self._positions[layer, window] = positions
-        self._fetch_counts[layer, window] = 0
-        if int(positions[0]) != start or int(positions[-1]) != start + n - 1:
-            self._slots_are_positions = False
-
-    def _widen(self, rows: torch.Tensor, scale: torch.Tensor | None,
-               channel_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows in the pool's dtype and device (int8 codes times their per-row and per-channel scales)."""
-        rows = rows.to(self.device, self.dtype)
-        if scale is not None:
-            rows = rows * scale.to(self.device, self.dtype).unsqueeze(-1)
-        if channel_scale is not None:
-            rows = rows * channel_scale.to(self.device, self.dtype).unsqueeze(1)
-        return rows
-
-    def _append_limited(self, layer, keys, values, positions, start) -> None:
-        """append_rows past the limit: keep the sinks and the newest rows of the old and the new together."""
-        limit = self.limit_tokens
-        self.ensure_capacity(limit)
-        store = self._layers[layer]
-        keys = torch.cat([store.keys[:, :start], keys], dim=1)
-        values = torch.cat([store.values[:, :start], values], dim=1)
-        positions = torch.cat([self._positions[layer, :start], positions])
-        sinks = (positions < self.sink_tokens).nonzero().squeeze(1)
-        rest = (positions >= self.sink_tokens).nonzero().squeeze(1)
-        keep = torch.cat([sinks, rest[rest.numel() - (limit - sinks.numel()) :]])
-        kept = keep.numel()
-        store.keys[:, :kept] = keys[:, keep]
-        store.values[:, :kept] = values[:, keep]
-        self._positions[layer, :kept] = positions[keep]
-        self._fetch_counts[layer, :kept] = 0
-        self._size = kept
-        self._slots_are_positions = False
-
-    def set_total_tokens(self, total: int) -> None:
-        self.total_tokens = total
-
-    @torch.inference_mode()
-    def copy_from(self, other: "KVPool") -> None:
-        """Take over another pool's rows (a settings change that moves the pool or changes its limit)."""
-        self.ensure_capacity(other.size())
-        for layer in range(self.num_layers):
-            order = torch.argsort(other.positions(layer))
-            self.append_rows(layer, other.keys(layer)[:, order], other.values(layer)[:, order], other.positions(layer)[order])
-        self.total_tokens = other.total_tokens
-
     def same_layout(self, **settings) -> bool:
         """Whether a pool built with these settings would be this one (so a settings change can keep it)."""
         return all(getattr(self, name) == value for name, value in settings.items())
@@ -410,10 +303,7 @@ class KVPool:
     # ------------------------------------------------------------------ accounting
     def bytes_allocated(self) -> int:
         """Bytes of host (or device) memory this pool holds, capacity included."""
-        total = self._positions.numel() * 8 + self._fetch_counts.numel() * 8
-        for store in self._layers:
-            total += 2 * store.keys.numel() * store.keys.element_size()
-        return total
+        return self._storage.bytes_allocated() if self._storage is not None else 0
 
     def bytes_used(self) -> int:
         """Bytes of the K/V rows in use."""
@@ -426,16 +316,3 @@ class KVPool:
         """A key row and a value row of one KV head in one layer: what fetching one slot moves."""
         return 2 * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
-
-def release_pinned_memory(pool: KVPool) -> None:
-    """Give a discarded pinned pool's memory back to the system (PyTorch's host allocator keeps it cached)."""
-    if pool.pin_memory:
-        pool._layers = []
-        _empty_host_cache_if(True)
-
-
-def _empty_host_cache_if(pinned: bool) -> None:
-    """Hand cached pinned blocks back to the system: PyTorch's host allocator keeps freed ones otherwise."""
-    empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
-    if pinned and empty_host_cache is not None:
-        empty_host_cache()

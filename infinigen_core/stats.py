@@ -18,10 +18,11 @@ import torch
 class LayerStats:
     layer: int
     context_len: int  # past tokens this layer could attend to
-    fetched: int  # past tokens it did attend to (per KV head)
-    sparse: bool  # False for dense layers and dense policies
+    fetched: int  # past tokens it did attend to (per KV head); a sliding layer: its window's
+    sparse: bool  # False for dense layers, sliding layers and dense policies
     # why a layer the policy makes sparse attended densely this step (engine.DENSE_UNDER_BUDGET), else None
     dense_reason: str | None = None
+    window: int | None = None  # a sliding-window layer's window (it reads its last window - 1 past tokens)
     speculate_ms: float = 0.0
     fetch_wait_ms: float = 0.0
     compute_ms: float = 0.0
@@ -52,7 +53,12 @@ class LayerStats:
 
     @property
     def fetched_ratio(self) -> float:
+        """Past tokens read over past tokens held: a selection's share, or a sliding layer's window's."""
         return self.fetched / self.context_len if self.context_len else 1.0
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.window is not None
 
 
 @dataclass
@@ -99,6 +105,14 @@ class StepStats:
     def sparse_layers(self) -> list[LayerStats]:
         return [s for s in self.layers if s.sparse]
 
+    def sliding_layers(self) -> list[LayerStats]:
+        return [s for s in self.layers if s.is_sliding]
+
+    def sliding_fetched_ratio(self) -> float | None:
+        """Mean fetched ratio over the sliding-window layers (their window over the context), None without any."""
+        sliding = self.sliding_layers()
+        return sum(s.fetched_ratio for s in sliding) / len(sliding) if sliding else None
+
     def fetched_ratio(self) -> float:
         """Mean fetched ratio over the sparse layers (1.0 when every layer is dense)."""
         sparse = self.sparse_layers()
@@ -120,6 +134,7 @@ class StepStats:
             "step": self.step,
             "position": self.position,
             "fetched_ratio": self.fetched_ratio(),
+            "sliding_fetched_ratio": self.sliding_fetched_ratio(),
             "dense_reason": self.dense_reason,
             "per_layer_fetched_ratio": [s.fetched_ratio for s in self.layers],
             "pool_bytes": self.pool_bytes,

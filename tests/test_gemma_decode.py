@@ -87,3 +87,20 @@ def test_the_compiled_step_never_recompiles_across_the_window_and_the_selection(
     assert counters["stats"]["unique_graphs"] == graphs + 1
     kinds = [bool(step.sparse_layers()) for step in engine.recent_decode_steps()]
     assert not kinds[0] and kinds[-1]  # it began dense under the budget and ended selecting
+
+
+def test_sliding_layers_show_their_window_not_a_selection(gemma):
+    """Past the window a sliding layer reads its last WINDOW - 1 past tokens: its fetched ratio is that share of
+    the context (not 1.0), the global layers keep theirs, and the step's summary shows the two kinds apart."""
+    model, skew = gemma
+    engine = InfiniGenEngine(model, None, EngineConfig(**SELECTING), skew_set=skew)
+    engine.prefill(random_tokens(60, seed=2, vocab=VOCAB))
+    engine.decode(5)
+    step = engine.history[-1]
+    sliding, others = step.sliding_layers(), [layer for layer in step.layers if not layer.is_sliding]
+    assert [layer.layer for layer in sliding] == [0, 1, 3, 4] and all(layer.window == WINDOW for layer in sliding)
+    assert all(layer.fetched == WINDOW - 1 and layer.fetched_ratio == (WINDOW - 1) / 60 for layer in sliding)
+    assert [layer.sparse for layer in others] == [True, True]  # the global layers select
+    summary = step.summary()
+    assert summary["sliding_fetched_ratio"] == pytest.approx((WINDOW - 1) / 60)
+    assert summary["fetched_ratio"] == step.fetched_ratio() < 1  # the global layers' selection, apart

@@ -21,9 +21,10 @@ def test_policies_fetch_what_they_should():
     per_layer = kv_bytes_per_token_layer(shape)
     offload = predict_step(shape, context, "offload", None, profile)
     infinigen = predict_step(shape, context, "infinigen", 0.1, profile)
-    # the pool holds the new token when a layer is fetched; 2 dense layers whole, 30 sparse at ceil(0.1 x 16384)
+    # the pool holds the new token when a layer is fetched; InfiniGen's 2 dense layers stay on the GPU and
+    # move nothing, its 30 sparse layers fetch ceil(0.1 x 16384) rows
     assert offload["bytes_fetched_per_token"] == (context + 1) * per_layer * shape.layers
-    assert infinigen["bytes_fetched_per_token"] == 2 * (context + 1) * per_layer + 30 * 1639 * per_layer
+    assert infinigen["bytes_fetched_per_token"] == 30 * 1639 * per_layer
     assert predict_step(shape, context, "full", None, profile)["bytes_fetched_per_token"] == 0
 
 

@@ -32,7 +32,7 @@ def test_growth_keeps_rows_and_bytes_are_exact():
     pool = filled_pool(37)
     assert pool.size(0) == 37 and pool.total_tokens == 37
     assert pool.keys(1)[0, :, 0].tolist() == [float(p) for p in range(37)]
-    capacity = pool._layers[0].keys.shape[1]
+    capacity = pool._storage.layers[0].keys.shape[1]
     per_layer = 2 * (2 * capacity * 4 * 4) + 2 * capacity * 8  # K and V float32, positions and counts int64
     assert pool.bytes_allocated() == 2 * per_layer
     assert pool.bytes_used() == 37 * 2 * (2 * 2 * 4 * 4)
@@ -62,10 +62,10 @@ def test_capacity_grows_in_large_steps_ahead_of_the_tokens():
     pool = KVPool(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, initial_capacity=4, growth_tokens=64)
     pool.ensure_capacity(70)
     assert pool.capacity == 128  # rounded up to the growth step
-    keys = pool._layers[0].keys
+    keys = pool._storage.layers[0].keys
     for _ in range(100):
         append_token_to(pool, heads=1, dim=2)
-    assert pool._layers[0].keys is keys  # no reallocation inside the token loop
+    assert pool._storage.layers[0].keys is keys  # no reallocation inside the token loop
 
 
 def test_a_size_asked_for_rounds_up_to_the_growth_step_not_twice_the_pool():
@@ -105,7 +105,7 @@ def test_a_pool_left_far_below_its_capacity_gives_memory_back_and_keeps_its_rows
     assert pool.release_spare() is True
     assert pool.capacity == 128  # twice the 40 rows kept, rounded up to the growth step
     assert pool.bytes_allocated() * 8 == before  # every tensor of the pool shrank with it
-    assert pool._layers[1].keys.untyped_storage().nbytes() == 128 * 2 * 4  # new storage, not a view of the old
+    assert pool._storage.layers[1].keys.untyped_storage().nbytes() == 128 * 2 * 4  # new storage, not a view of the old
     assert pool.keys(1)[0, :, 0].tolist() == [float(p) for p in range(40)]
     assert pool.positions(0).tolist() == list(range(40))
     append_token_to(pool, heads=1, dim=2)
@@ -116,17 +116,17 @@ def test_releasing_has_hysteresis():
     """A truncate that keeps a quarter or more of the capacity (a regenerated reply) keeps the storage, and
     after a shrink the pool must double before it grows again."""
     pool = grown_pool(1000)
-    keys = pool._layers[0].keys
+    keys = pool._storage.layers[0].keys
     pool.truncate(300)
-    assert pool.release_spare() is False and pool._layers[0].keys is keys
+    assert pool.release_spare() is False and pool._storage.layers[0].keys is keys
     pool.truncate(200)
     assert pool.release_spare(upcoming=100) is False  # 300 tokens are about to come back
     assert pool.release_spare() is True and pool.capacity == 448  # 2 x 200 rounded up to 64
-    keys = pool._layers[0].keys
+    keys = pool._storage.layers[0].keys
     for _ in range(200):
         append_token_to(pool, heads=1, dim=2)
     pool.truncate(120)
-    assert pool.release_spare() is False and pool._layers[0].keys is keys  # 120 x 4 > 448: kept
+    assert pool.release_spare() is False and pool._storage.layers[0].keys is keys  # 120 x 4 > 448: kept
     pool.truncate(0)
     assert pool.release_spare() is True and pool.capacity == 64  # never below one growth step
     assert pool.release_spare() is False

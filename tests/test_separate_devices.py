@@ -158,8 +158,9 @@ def test_a_truncate_that_moves_rows(tiny_llama, monkeypatch):
         engine.truncate(60)
         return logits + list(engine.score(random_tokens(3, seed=5)))
 
+    # the cache of selected rows too: slots reused by eviction and rows moved by the truncate must not be served
     reference, logits = both(monkeypatch, tiny_llama, conversation, policy="infinigen", budget=0.3,
-                             pool_limit_tokens=80, recent_window=16)
+                             pool_limit_tokens=80, recent_window=16, selected_rows_cache=32)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
 
 
@@ -187,7 +188,7 @@ def test_eviction_decodes_without_a_host_wait_per_layer(tiny_llama, monkeypatch,
         return logits
 
     reference, logits = both(monkeypatch, tiny_llama, conversation, policy=policy, budget=0.3,
-                             pool_limit_tokens=80, recent_window=16)
+                             pool_limit_tokens=80, recent_window=16, selected_rows_cache=48)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
     plain_positions, separated_positions = recorded.values()
     assert len(plain_positions) > 0
@@ -230,3 +231,31 @@ def test_the_pool_never_grows_under_a_write_in_flight(tiny_llama, monkeypatch):
     reference, logits = both(monkeypatch, tiny_llama, conversation, policy="offload")
     assert in_flight and not any(in_flight), "the pool grew while the fetch worker had writes in flight"
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ what stays on the compute device (issue 29, item 3)
+def test_dense_layers_and_recently_selected_rows_stay_on_the_device(tiny_llama, monkeypatch):
+    """Fewer bytes cross per step with the dense layers resident, fewer again with the selected-row cache, and
+    the logits stay the plain CPU's, through a truncate and a restore (the resident rows are uploaded again)."""
+    def conversation(engine):
+        logits = [engine.prefill(random_tokens(120, seed=3))]
+        before = engine.fetcher.bytes_fetched
+        logits += engine.score(random_tokens(6, seed=4))
+        crossed.append((engine.fetcher.bytes_fetched - before) / 6)
+        engine.truncate(100)
+        saved = [engine.export_rows(0, 100)]
+        engine.reset()
+        engine.import_rows(saved)
+        return logits + list(engine.score(random_tokens(3, seed=5)))
+
+    per_step = []
+    for keep in ({"dense_layers_on_device": False}, {}, {"selected_rows_cache": 64}):
+        crossed: list[float] = []
+        reference, logits = both(monkeypatch, tiny_llama, conversation, policy="infinigen", budget=0.3,
+                                 dense_under_budget=False, **keep)
+        torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+        per_step.append(crossed[-1])  # the separated run's (the plain CPU moves nothing)
+    whole, resident, cached = per_step
+    row = 2 * 2 * 16 * 4  # K and V rows, 2 KV heads, head_dim 16, float32
+    assert whole - resident == 2 * 123.5 * row  # the two dense layers, 121 to 126 rows a step, no longer move
+    assert 0 < cached < resident
