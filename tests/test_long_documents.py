@@ -147,6 +147,15 @@ def test_the_page_says_so_before_sending_and_the_card_lists_the_pages_read(tmp_p
         assert FACT_PAGE in pages_read("report.pdf: " + card.split("read: ")[1].split(" · ")[0])
         stored = controller.store.messages(controller.open_sessions.page.id)[0]
         assert stored.attachments[0]["read"].startswith("report.pdf: pages 1, ") and box["files"] == []
+
+        # a new chat whose question selects the same passages starts from the first chat's stored KV: the
+        # passages come before the question, byte for byte, so only the question is read
+        controller.pages.new_session()
+        *_, (history, *_) = actions.send({"text": "Which name has the harbour master's cat?", "files": [str(path)]})
+        again = controller.store.messages(controller.open_sessions.page.id)[0]
+        assert again.attachments[0]["read"] == stored.attachments[0]["read"]
+        read = controller.open_sessions.page.last_read_tokens
+        assert read < 30 < stored.attachments[0]["tokens"], f"the second chat read {read} tokens"
     finally:
         for chat in {controller.open_sessions.page, controller.open_sessions.api} - {None}:
             chat.close()
