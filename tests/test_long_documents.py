@@ -4,6 +4,7 @@ the passages nearest the question, say which pages were read, and the stored mes
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import urllib.parse
 
@@ -13,6 +14,7 @@ from test_passages import FACT, QUESTION, pdf_of_pages
 from documents import Document, attachment_card, convert_bytes, displayed_message
 from documents.fitting import fit_message
 from documents.passage_index import PassageIndex, prune_folder
+from infinigen_core import SamplingConfig
 
 PDF_PAGES, FACT_PAGE = 80, 57
 
@@ -119,6 +121,41 @@ def test_a_pdf_several_windows_long_is_read_by_passages_through_the_api(tmp_path
         assert again.headers["x-infinigen-session"] == session_id and again.headers["x-infinigen-continued"] == "true"
         assert urllib.parse.unquote(again.headers["x-infinigen-document-read"]) == header
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"]
+    finally:
+        for chat in {controller.open_sessions.page, controller.open_sessions.api} - {None}:
+            chat.close()
+
+
+def test_the_page_says_so_before_sending_and_the_card_lists_the_pages_read(tmp_path, real_engine, long_pdf):
+    from test_document_sessions import page_controller
+
+    from ui.page_actions import PageActions
+
+    controller = page_controller(tmp_path / "data", real_engine)
+    controller.settings.current = dataclasses.replace(controller.settings.current,
+                                                      sampling=SamplingConfig(max_new_tokens=4))
+    actions = PageActions(controller, tmp_path)
+    path = tmp_path / "report.pdf"
+    path.write_bytes(long_pdf)
+    try:
+        preview = actions.preview({"text": QUESTION, "files": [str(path)]})
+        assert "x this model's window: the passages nearest each question will be read" in preview, preview
+        assert "(for this question: pages 1, " in preview and "It does not fit" not in preview, preview
+        *_, (history, box, *_) = actions.send({"text": QUESTION, "files": [str(path)]})
+        card = history[0]["content"].split("\n")[0]
+        assert card.startswith(f"📄 report.pdf · {PDF_PAGES} pages · read: pages 1, "), card
+        assert FACT_PAGE in pages_read("report.pdf: " + card.split("read: ")[1].split(" · ")[0])
+        stored = controller.store.messages(controller.open_sessions.page.id)[0]
+        assert stored.attachments[0]["read"].startswith("report.pdf: pages 1, ") and box["files"] == []
+
+        # a new chat whose question selects the same passages starts from the first chat's stored KV: the
+        # passages come before the question, byte for byte, so only the question is read
+        controller.pages.new_session()
+        *_, (history, *_) = actions.send({"text": "Which name has the harbour master's cat?", "files": [str(path)]})
+        again = controller.store.messages(controller.open_sessions.page.id)[0]
+        assert again.attachments[0]["read"] == stored.attachments[0]["read"]
+        read = controller.open_sessions.page.last_read_tokens
+        assert read < 30 < stored.attachments[0]["tokens"], f"the second chat read {read} tokens"
     finally:
         for chat in {controller.open_sessions.page, controller.open_sessions.api} - {None}:
             chat.close()
