@@ -3,6 +3,7 @@ off when it sends more than it said), a JSON body's nesting (a 400 rather than a
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -67,3 +68,47 @@ def test_json_nested_past_the_bound_is_a_value_error_before_parsing():
     assert check_json_nesting(at_bound) is at_bound
     with pytest.raises(JsonTooDeep):
         check_json_nesting(b"[" + at_bound + b"]")
+
+
+def _trickling_request(first: bytes, declared: int):
+    """A Starlette request whose client sends `first`, then nothing more (the connection stays open)."""
+    from starlette.requests import Request
+
+    sent = []
+
+    async def receive():
+        if not sent:
+            sent.append(first)
+            return {"type": "http.request", "body": first, "more_body": True}
+        await asyncio.sleep(3600)  # a slow sender: the next bytes never come
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(declared).encode())]}
+    return Request(scope, receive)
+
+
+def test_a_slow_sender_is_cut_off_with_a_408_in_openai_shape():
+    from ui.api.protocol import ApiError
+    from ui.api.serving import read_body
+
+    request = _trickling_request(b'{"model": "x", "messages": [', declared=1000)
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(read_body(request, deadline_s=0.2))
+    assert refused.value.status == 408
+    body = refused.value.body()["error"]
+    assert body["code"] == "request_timeout" and "28 bytes came" in body["message"]
+
+
+def test_a_body_sent_at_once_is_read_whole_within_the_deadline():
+    from starlette.requests import Request
+
+    from ui.api.serving import read_body
+
+    parts = [b'{"a": ', b'1}', b'']
+
+    async def receive():
+        body = parts.pop(0)
+        return {"type": "http.request", "body": body, "more_body": bool(parts)}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"", "headers": []}
+    assert asyncio.run(read_body(Request(scope, receive), deadline_s=5)) == b'{"a": 1}'

@@ -143,3 +143,16 @@ def test_the_history_is_rewritten_for_display_only():
     assert shown[0]["content"] == "<b>hi</b> [image from evil.example withheld]"
     assert stored[0]["content"].startswith('<b style="position:fixed">')  # the stored message is untouched
     assert shown_text("plain") == "plain"
+
+
+def test_a_browser_opening_a_refused_page_reads_the_sentence_not_json():
+    client = _client()
+    browser = {"host": "evil.example:7860", "accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+    answer = client.get("/config", headers=browser)
+    assert answer.status_code == 403 and answer.headers["content-type"].startswith("text/html")
+    assert "<p>This app does not answer to the host name &#x27;evil.example&#x27;" in answer.text
+    assert "<script" not in answer.text and "{" not in answer.text
+    # a script's fetch of the same route still gets the API's error shape
+    fetched = client.get("/config", headers={"host": "evil.example:7860", "accept": "application/json"})
+    assert fetched.json()["error"]["code"] == "forbidden"
+    assert calls == []

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import hmac
+import html
 import json
 from http.cookies import SimpleCookie
 
@@ -79,16 +80,35 @@ def _signed_in(scope) -> bool:
                for name in (f"access-token-{cookie_id}", f"access-token-unsecure-{cookie_id}"))
 
 
+def _is_page_load(scope) -> bool:
+    """A browser opening a page (not a script's fetch): it asks for HTML."""
+    accept = b",".join(value for name, value in scope.get("headers", ()) if name == b"accept")
+    return scope.get("method") == "GET" and b"text/html" in accept
+
+
+def refusal_page(status: int, message: str) -> bytes:
+    """What a browser shows for a refused page load: the sentence itself, not the API's JSON (no script, no
+    resource from anywhere)."""
+    return (f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>InfiniGen Chat: {status}</title>"
+            f"</head><body style=\"font-family:sans-serif;max-width:40em;margin:4em auto\"><h1>InfiniGen Chat</h1>"
+            f"<p>{html.escape(message)}</p></body></html>").encode()
+
+
 async def _refuse(scope, send, status: int, message: str, headers: tuple = ()) -> None:
-    """A refusal in the API's error shape (OpenAI's `{"error": {...}}`), which the page shows as a sentence too."""
+    """A refusal in the API's error shape (OpenAI's `{"error": {...}}`, whose `detail` Gradio's page shows as a
+    sentence too), or, to a browser opening a page, a page that says the sentence."""
     if scope["type"] == "websocket":
         return await send({"type": "websocket.close", "code": 1008})
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": "forbidden" if status == 403 else None},
-                       "detail": {"error": message}}).encode()
+    if _is_page_load(scope):
+        body, content_type = refusal_page(status, message), b"text/html; charset=utf-8"
+    else:
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": "forbidden" if status == 403 else None},
+                           "detail": {"error": message}}).encode()
+        content_type = b"application/json"
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
+                            (b"x-content-type-options", b"nosniff"), *headers]})
     await send({"type": "http.response.body", "body": body})
 
 

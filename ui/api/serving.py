@@ -40,6 +40,9 @@ DISCONNECT_POLL_S = 0.25
 # A request body is refused over this size before it is read whole (413): room for a 20 MiB attachment sent
 # base64-encoded in a `file` part (4/3 of it, 26.7 MiB) and the conversation around it.
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# A body must have come whole within this long (a slow sender holds a connection and its buffer open): 32 MiB
+# at 1 MiB/s, far below what a client on this machine or a LAN sends
+BODY_DEADLINE_S = 30.0
 
 
 # ---------------------------------------------------------------------- checks before a turn
@@ -83,18 +86,24 @@ def _too_large(size: str) -> ApiError:
                     None, "request_too_large")
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES, deadline_s: float = BODY_DEADLINE_S) -> bytes:
     """The body, refused by its Content-Length, or while it streams in once it passes `limit` (a client may
-    send no length, or a wrong one): never more than `limit` bytes are held."""
+    send no length, or a wrong one): never more than `limit` bytes are held. A body not whole within
+    `deadline_s` is refused too (408), so a client trickling bytes cannot hold the request open."""
     length = request.headers.get("content-length", "")
     if length.strip().isdigit() and int(length) > limit:
         raise _too_large(f"{int(length):,} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(f"over {limit:,} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(deadline_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(f"over {limit:,} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {deadline_s:g} s ({size:,} bytes came); "
+                            f"send it at once", None, "request_timeout") from None
     return b"".join(chunks)
 
 
