@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--save", type=Path)
 
     page = commands.add_parser("page", help="a reply's tokens/s with the page open in Chromium vs the API alone")
-    page.add_argument("--max-new-tokens", type=int, default=300)
+    page.add_argument("--max-new-tokens", type=int, default=200)
+    page.add_argument("--cases", default="short,long", help="comma-separated: short, long")
     page.add_argument("--rounds", type=int, default=5)
     page.add_argument("--json", action="store_true")
     page.add_argument("--save", type=Path)
@@ -406,7 +407,8 @@ def run_page(args) -> tuple[None, dict]:
     """Prints each round's row as it ends, so no table after."""
     from .page import measure_rounds
 
-    return None, measure_rounds(args.max_new_tokens, args.rounds, show=lambda line: print(line, flush=True))
+    return None, measure_rounds(args.max_new_tokens, args.rounds, tuple(args.cases.split(",")),
+                                show=lambda line: print(line, flush=True))
 
 
 def run_documents(args) -> tuple[str, dict]:
