@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     page.add_argument("--rounds", type=int, default=5)
     page.add_argument("--json", action="store_true")
     page.add_argument("--save", type=Path)
+    updates = commands.add_parser("page-updates", help="CPU of one streaming update in the app and the browser")
+    updates.add_argument("--updates", type=int, default=80)
+    updates.add_argument("--interval", type=float, default=0.1)
+    updates.add_argument("--json", action="store_true")
+    updates.add_argument("--save", type=Path)
 
     documents = commands.add_parser("documents", help="first token for a chat about an attached file: first, "
                                     "in a second new chat, after an app restart")
@@ -411,6 +416,13 @@ def run_page(args) -> tuple[None, dict]:
                                 show=lambda line: print(line, flush=True))
 
 
+def run_page_updates(args) -> tuple[None, dict]:
+    """Prints each row as it is measured, so no table after."""
+    from .page_updates import measure
+
+    return None, {"rows": measure(args.updates, args.interval, show=lambda line: print(line, flush=True))}
+
+
 def run_documents(args) -> tuple[str, dict]:
     from .documents import DATA, measure
 
@@ -447,7 +459,7 @@ def run_plot(args) -> tuple[str, dict]:
 
 
 RUNNERS = {"ppl": run_ppl, "agree": run_agree, "weights": run_weights, "recall": run_recall, "speed": run_speed, "sweep": run_sweep,
-           "resume": run_resume, "gpu": run_gpu, "api": run_api, "page": run_page,
+           "resume": run_resume, "gpu": run_gpu, "api": run_api, "page": run_page, "page-updates": run_page_updates,
            "documents": run_documents, "search": run_search,
            "reading": run_reading, "plot": run_plot}
 
