@@ -5,7 +5,8 @@
     python -m bench gpu            # "no CUDA device" and exit 0 on a CPU-only machine
     python -m bench gpu --predict --device-profile h100   # the same table predicted from bytes moved
     python -m bench api --context 5000 --rounds 2   # through the app's OpenAI API, restarting it
-    python -m bench page --rounds 3                 # a reply's tokens/s with the page open vs without
+    python -m bench page --rounds 5                 # a reply sent from the page vs the API, short and long chat
+    python -m bench page-updates                    # CPU of one streaming update, server and browser, no model
     python -m bench documents --json                # a chat about an attached file, again, after a restart
     python -m bench search                          # search over 2,000 saved chats: median ms, index size
     python -m bench reading                         # which reading budget answers from a 40k-token document
