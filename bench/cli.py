@@ -5,7 +5,8 @@
     python -m bench gpu            # "no CUDA device" and exit 0 on a CPU-only machine
     python -m bench gpu --predict --device-profile h100   # the same table predicted from bytes moved
     python -m bench api --context 5000 --rounds 2   # through the app's OpenAI API, restarting it
-    python -m bench page --rounds 3                 # a reply's tokens/s with the page open vs without
+    python -m bench page --rounds 5                 # a reply sent from the page vs the API, short and long chat
+    python -m bench page-updates                    # CPU of one streaming update, server and browser, no model
     python -m bench documents --json                # a chat about an attached file, again, after a restart
     python -m bench search                          # search over 2,000 saved chats: median ms, index size
     python -m bench reading                         # which reading budget answers from a 40k-token document
@@ -158,10 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--save", type=Path)
 
     page = commands.add_parser("page", help="a reply's tokens/s with the page open in Chromium vs the API alone")
-    page.add_argument("--max-new-tokens", type=int, default=300)
+    page.add_argument("--max-new-tokens", type=int, default=200)
+    page.add_argument("--cases", default="short,long", help="comma-separated: short, long")
     page.add_argument("--rounds", type=int, default=5)
     page.add_argument("--json", action="store_true")
     page.add_argument("--save", type=Path)
+    updates = commands.add_parser("page-updates", help="CPU of one streaming update in the app and the browser")
+    updates.add_argument("--updates", type=int, default=80)
+    updates.add_argument("--interval", type=float, default=0.1)
+    updates.add_argument("--json", action="store_true")
+    updates.add_argument("--save", type=Path)
 
     documents = commands.add_parser("documents", help="first token for a chat about an attached file: first, "
                                     "in a second new chat, after an app restart")
@@ -406,7 +413,15 @@ def run_page(args) -> tuple[None, dict]:
     """Prints each round's row as it ends, so no table after."""
     from .page import measure_rounds
 
-    return None, measure_rounds(args.max_new_tokens, args.rounds, show=lambda line: print(line, flush=True))
+    return None, measure_rounds(args.max_new_tokens, args.rounds, tuple(args.cases.split(",")),
+                                show=lambda line: print(line, flush=True))
+
+
+def run_page_updates(args) -> tuple[None, dict]:
+    """Prints each row as it is measured, so no table after."""
+    from .page_updates import measure
+
+    return None, {"rows": measure(args.updates, args.interval, show=lambda line: print(line, flush=True))}
 
 
 def run_documents(args) -> tuple[str, dict]:
@@ -445,7 +460,7 @@ def run_plot(args) -> tuple[str, dict]:
 
 
 RUNNERS = {"ppl": run_ppl, "agree": run_agree, "weights": run_weights, "recall": run_recall, "speed": run_speed, "sweep": run_sweep,
-           "resume": run_resume, "gpu": run_gpu, "api": run_api, "page": run_page,
+           "resume": run_resume, "gpu": run_gpu, "api": run_api, "page": run_page, "page-updates": run_page_updates,
            "documents": run_documents, "search": run_search,
            "reading": run_reading, "plot": run_plot}
 

@@ -1,19 +1,24 @@
-"""Does the open page slow the model? The same greedy reply, decoded with no page open (through the
-OpenAI-compatible API) and sent through the page in headless Chromium, interleaved round by round.
+"""Does chatting in the page slow the model? The same greedy reply decoded through the OpenAI-compatible API
+(no browser running) and sent from the page itself in headless Chromium, interleaved round by round, for a
+short conversation and a long one.
 
-    python -m bench page [--max-new-tokens 300] [--rounds 5] [--save results/page.json]
+    python -m bench page [--max-new-tokens 200] [--rounds 5] [--cases short,long] [--save results/page.json]
 
-One `python app.py` on a free port and a throw-away data directory serves both. Each round:
-(a) the API, no browser running: a streamed request with the fixed prompt, max_tokens N, temperature 0;
-(b) Chromium opens the page (live panels tab showing), starts a new session, types the same prompt and presses
-Enter; the browser is closed after the reply.
-Both rates are measured the same way, as the client sees the server generate: (tokens - 1) / (seconds from the
-first streamed text to the last), so the prefill is left out. The API's client times its stream chunks; the
-page records, with a MutationObserver, when the reply's text last grew. Tokens are the API's
+One `python app.py` on a free port and a throw-away data directory serves every round. Each round runs, for
+each case, (a) the API: a streamed request with the case's messages, max_tokens N, temperature 0; then
+(b) the page: Chromium opens the page (live panels tab showing) on the case's conversation, types the same
+last message and presses Enter; the browser is closed after the reply.
+- short: one user message (a new session in the page).
+- long: LONG_TURNS messages of text (>= 5k tokens) before that message. The API's warm-up request stores
+  it as a session; each page round opens that session and branches it before its last message (the branch
+  shares its stored KV), so the page shows the whole conversation and sends the same last message.
+Both rates are measured as the client sees the server generate: (tokens - 1) / (seconds from the first
+streamed text to the last), so the prefill is left out. The API's client times its stream chunks; the page
+records, with a MutationObserver, when the reply's text last grew. Tokens are the API's
 usage.completion_tokens; the page's reply is the same greedy reply (checked: `same_reply`), so it has as many.
-The page shows a reply's text every 0.5 s (ui/page_turns.py), so a reply must last several seconds for its
-first and last text to time it well: 300 tokens at ~50 tokens/s. The machine's speed drifts between rounds,
-so the figure to quote is the median of the rounds' own ratios.
+Beside each rate, the CPU (in cores) of the app's process and of the browser while the reply streamed: where
+the time goes. The machine's speed drifts between rounds, so the figure to quote per case is the median of
+the rounds' own ratios.
 """
 
 from __future__ import annotations
@@ -24,16 +29,19 @@ import statistics
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 CHROMIUM = "/usr/bin/chromium"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+TEXT = Path(__file__).parent / "data" / "cat_and_racket.txt"
+LONG_TURNS = 120  # messages before the prompt: ~45 tokens each, ~5.4k tokens in all
+WORDS_PER_MESSAGE = 36
 BOT = "#ig-chat [data-testid='bot']"
 # the page's own clock: when the newest reply first showed text and when it last grew. It reads textContent,
 # which needs no layout (innerText would force one at every change: the benchmark would slow what it measures)
-WATCH = """() => {
+WATCH = """(count) => {
   window.__igTimes = {first: null, last: null, text: ""};
-  const count = document.querySelectorAll("%s").length;
   new MutationObserver(() => {
     const bots = document.querySelectorAll("%s");
     if (bots.length <= count) return;
@@ -45,15 +53,74 @@ WATCH = """() => {
       window.__igTimes.text = text;
     }
   }).observe(document.querySelector("#ig-chat"), {subtree: true, childList: true, characterData: true});
-}""" % (BOT, BOT)
+}""" % BOT
 
 
-def _api_reply(url: str, max_new_tokens: int) -> dict:
-    body = json.dumps({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_new_tokens,
-                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}).encode()
+@dataclass(frozen=True)
+class Case:
+    name: str
+    earlier: tuple[tuple[str, str], ...]  # (role, content) before the prompt
+
+    def messages(self) -> list[dict]:
+        return [{"role": role, "content": content} for role, content in self.earlier] + \
+            [{"role": "user", "content": PROMPT}]
+
+
+def long_conversation(turns: int = LONG_TURNS) -> tuple[tuple[str, str], ...]:
+    """`turns` alternating user/assistant messages cut from the bench's text at shifting places (each differs)."""
+    words = TEXT.read_text().split()
+    messages = []
+    for number in range(turns):
+        start = (number * 53) % (len(words) - WORDS_PER_MESSAGE)
+        role = "user" if number % 2 == 0 else "assistant"
+        messages.append((role, f"({number + 1}) " + " ".join(words[start:start + WORDS_PER_MESSAGE])))
+    return tuple(messages)
+
+
+CASES = {"short": Case("short", ()), "long": Case("long", long_conversation())}
+
+
+class CpuClock:
+    """CPU seconds of the app's process and of this process's other descendants (the browser), from /proc."""
+
+    def __init__(self, app_pid: int) -> None:
+        self.app_pid = app_pid
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def _stat(self, pid: int) -> tuple[int, float]:
+        with open(f"/proc/{pid}/stat") as file:
+            fields = file.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / self.tick  # ppid, utime + stime
+
+    def sample(self) -> tuple[float, float]:
+        """(app CPU seconds, browser CPU seconds) so far."""
+        parents, cpu = {}, {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    parents[int(entry)], cpu[int(entry)] = self._stat(int(entry))
+                except (OSError, ValueError, IndexError):
+                    pass
+
+        def under(pid: int, root: int) -> bool:
+            while pid > 1:
+                if pid == root:
+                    return True
+                pid = parents.get(pid, 0)
+            return False
+
+        mine = os.getpid()
+        browser = sum(seconds for pid, seconds in cpu.items()
+                      if pid != mine and under(pid, mine) and not under(pid, self.app_pid))
+        return cpu.get(self.app_pid, 0.0), browser
+
+
+def _api_reply(url: str, case: Case, max_new_tokens: int, clock: CpuClock) -> dict:
+    body = json.dumps({"messages": case.messages(), "max_tokens": max_new_tokens, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
     request = urllib.request.Request(f"{url}v1/chat/completions", body, {"Content-Type": "application/json"})
     first = last = None
-    text, tokens = "", 0
+    text, tokens, prompt_tokens, cpu_first = "", 0, 0, (0.0, 0.0)
     with urllib.request.urlopen(request, timeout=600) as response:
         for line in response:
             line = line.strip()
@@ -61,13 +128,17 @@ def _api_reply(url: str, max_new_tokens: int) -> dict:
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                tokens, prompt_tokens = chunk["usage"]["completion_tokens"], chunk["usage"]["prompt_tokens"]
             for choice in chunk.get("choices", []):
                 if choice["delta"].get("content"):
                     last = time.perf_counter()
-                    first = first or last
+                    if first is None:
+                        first, cpu_first = last, clock.sample()
                     text += choice["delta"]["content"]
-    return {"tokens": tokens, "seconds": last - first, "text": text}
+    cpu_last = clock.sample()
+    seconds = last - first
+    return {"tokens": tokens, "prompt_tokens": prompt_tokens, "seconds": seconds, "text": text,
+            "app_cores": (cpu_last[0] - cpu_first[0]) / seconds}
 
 
 def _launch(playwright):
@@ -77,29 +148,49 @@ def _launch(playwright):
     return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
 
 
-def _page_reply(url: str, playwright) -> dict:
+def _open_case(url: str, case: Case, long_session: str | None) -> None:
+    """The page's session for `case`: a new one, or a branch of the long conversation before its prompt."""
+    from gradio_client import Client
+
+    client = Client(url, verbose=False)
+    if not case.earlier:
+        client.predict(api_name="/new_session")
+        return
+    client.predict(long_session, api_name="/open_session")
+    client.predict(len(case.earlier), api_name="/branch")
+
+
+def _page_reply(url: str, case: Case, long_session: str | None, playwright, clock: CpuClock) -> dict:
+    _open_case(url, case, long_session)
     browser = _launch(playwright)
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1300})
         page.goto(url)
         page.wait_for_selector("#ig-status:has-text('Ready')", timeout=120_000)
-        page.locator("#ig-new").click()
-        page.wait_for_function(f"document.querySelectorAll(\"{BOT}\").length == 0", timeout=60_000)
-        page.evaluate(WATCH)
+        shown = sum(role == "assistant" for role, _ in case.earlier)
+        page.wait_for_function(f"document.querySelectorAll(\"{BOT}\").length == {shown}", timeout=120_000)
+        page.evaluate(WATCH, shown)
+        time.sleep(1.0)  # the page settles (its first tick) before the message is sent
         box = page.locator("#ig-message textarea")
         box.fill(PROMPT)
         box.press("Enter")
         page.wait_for_function("window.__igTimes.first !== null", timeout=600_000, polling=100)
+        cpu_first, first = clock.sample(), time.perf_counter()
         # the turn is over when the status line no longer says it is generating and the text stopped growing
+        cpu_last, last = None, None
         while True:
             time.sleep(1.0)
             status = page.locator("#ig-status").inner_text()
             if not any(word in status for word in ("Generating", "Reading")):
+                if cpu_last is None:
+                    cpu_last, last = clock.sample(), time.perf_counter()
                 quiet = page.evaluate("performance.now() - window.__igTimes.last")
                 if quiet > 3000:
                     break
         times = page.evaluate("window.__igTimes")
-        return {"seconds": (times["last"] - times["first"]) / 1000, "text": page.locator(BOT).last.inner_text()}
+        wall = last - first
+        return {"seconds": (times["last"] - times["first"]) / 1000, "text": page.locator(BOT).last.inner_text(),
+                "app_cores": (cpu_last[0] - cpu_first[0]) / wall, "browser_cores": (cpu_last[1] - cpu_first[1]) / wall}
     finally:
         browser.close()
 
@@ -115,11 +206,40 @@ def _set_max_new_tokens(url: str, max_new_tokens: int) -> None:
                                        0, 1.0, max_new_tokens, s.min_fetch_tokens, api_name="/apply_settings")
 
 
+def _long_session(url: str) -> str:
+    """The id of the session the long case's warm-up request stored (the API session with the most messages)."""
+    from gradio_client import Client
+
+    sessions = Client(url, verbose=False).predict(api_name="/list_sessions")
+    return max(sessions, key=lambda s: s.get("message_count", 0))["id"]
+
+
 def _same(a: str, b: str) -> bool:
     return " ".join(a.split()) == " ".join(b.split())
 
 
-def measure_rounds(max_new_tokens: int, rounds: int, show=print) -> dict:
+def _round_row(number: int, case: Case, api: dict, page: dict) -> dict:
+    row = {"round": number, "case": case.name, "prompt_tokens": api["prompt_tokens"], "tokens": api["tokens"],
+           "api_tokens_per_s": (api["tokens"] - 1) / api["seconds"],
+           "page_tokens_per_s": (api["tokens"] - 1) / page["seconds"],
+           "api_app_cores": api["app_cores"], "page_app_cores": page["app_cores"],
+           "page_browser_cores": page["browser_cores"], "same_reply": _same(api["text"], page["text"])}
+    row["ratio"] = row["page_tokens_per_s"] / row["api_tokens_per_s"]
+    return row
+
+
+HEADER = ("| round | case | prompt tokens | tokens | API (tokens/s) | page (tokens/s) | page / API | app CPU, API | "
+          "app CPU, page | browser CPU | same reply |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _row_line(r: dict) -> str:
+    return (f"| {r['round']} | {r['case']} | {r['prompt_tokens']} | {r['tokens']} | {r['api_tokens_per_s']:.2f} | "
+            f"{r['page_tokens_per_s']:.2f} | {r['ratio']:.3f} | {r['api_app_cores']:.2f} | {r['page_app_cores']:.2f} | "
+            f"{r['page_browser_cores']:.2f} | {r['same_reply']} |")
+
+
+def measure_rounds(max_new_tokens: int, rounds: int, cases: tuple[str, ...] = ("short", "long"),
+                   show=print) -> dict:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -128,31 +248,35 @@ def measure_rounds(max_new_tokens: int, rounds: int, show=print) -> dict:
 
     if not Path(CHROMIUM).exists():
         raise RuntimeError("Debian chromium is not installed (apt-get install chromium)")
-    rows = []
-    show("| round | tokens | API, no page (tokens/s) | page open (tokens/s) | ratio | same reply |")
-    show("|---|---|---|---|---|---|")
+    chosen = [CASES[name] for name in cases]
+    rows: list[dict] = []
+    show(HEADER)
     with tempfile.TemporaryDirectory(prefix="page-bench-") as folder, running_app(Path(folder)) as app, \
             sync_playwright() as playwright:
+        clock = CpuClock(app.process.pid)
         _set_max_new_tokens(app.url, max_new_tokens)
-        _api_reply(app.url, 8)  # warm-up: first-call costs out of the measured rounds
+        long_session = None
+        for case in chosen:  # warm-up: first-call costs out of the measured rounds; stores the long conversation
+            _api_reply(app.url, case, 8, clock)
+            if case.earlier:
+                long_session = _long_session(app.url)
         for number in range(1, rounds + 1):
-            api = _api_reply(app.url, max_new_tokens)
-            time.sleep(2)
-            page = _page_reply(app.url, playwright)
-            time.sleep(2)
-            row = {"round": number, "tokens": api["tokens"],
-                   "api_tokens_per_s": (api["tokens"] - 1) / api["seconds"],
-                   "page_tokens_per_s": (api["tokens"] - 1) / page["seconds"],
-                   "same_reply": _same(api["text"], page["text"])}
-            row["ratio"] = row["page_tokens_per_s"] / row["api_tokens_per_s"]
-            show(f"| {number} | {row['tokens']} | {row['api_tokens_per_s']:.2f} | {row['page_tokens_per_s']:.2f} | "
-                 f"{row['ratio']:.3f} | {row['same_reply']} |")
-            rows.append(row)
-    api_rate = sum(r["api_tokens_per_s"] for r in rows) / len(rows)
-    page_rate = sum(r["page_tokens_per_s"] for r in rows) / len(rows)
-    # the machine's speed drifts from round to round: the median of the ratios within a round is the robust figure
-    median_ratio = statistics.median(r["ratio"] for r in rows)
-    show(f"mean rates: API {api_rate:.2f}, page {page_rate:.2f} tokens/s (ratio {page_rate / api_rate:.3f}); "
-         f"median of the rounds' ratios {median_ratio:.3f}")
-    return {"max_new_tokens": max_new_tokens, "prompt": PROMPT, "rows": rows, "api_tokens_per_s": api_rate,
-            "page_tokens_per_s": page_rate, "ratio": page_rate / api_rate, "median_round_ratio": median_ratio}
+            for case in chosen:
+                api = _api_reply(app.url, case, max_new_tokens, clock)
+                time.sleep(2)
+                page = _page_reply(app.url, case, long_session, playwright, clock)
+                time.sleep(2)
+                rows.append(_round_row(number, case, api, page))
+                show(_row_line(rows[-1]))
+    summary = {}
+    for case in chosen:
+        mine = [r for r in rows if r["case"] == case.name]
+        # the machine's speed drifts from round to round: the median of the ratios within a round is the robust figure
+        summary[case.name] = {"median_round_ratio": statistics.median(r["ratio"] for r in mine),
+                              "api_tokens_per_s": statistics.median(r["api_tokens_per_s"] for r in mine),
+                              "page_tokens_per_s": statistics.median(r["page_tokens_per_s"] for r in mine)}
+        show(f"{case.name}: median of the rounds' page/API ratios {summary[case.name]['median_round_ratio']:.3f} "
+             f"(median rates: API {summary[case.name]['api_tokens_per_s']:.2f}, "
+             f"page {summary[case.name]['page_tokens_per_s']:.2f} tokens/s)")
+    return {"max_new_tokens": max_new_tokens, "prompt": PROMPT, "long_turns": LONG_TURNS, "rows": rows,
+            "summary": summary}
