@@ -175,6 +175,7 @@ class BackendClient:
         if self.model is None:
             self.probe()  # the server may have come up after the app: learn its model now
         body = self.request_body(messages, sampling)
+        started = time.perf_counter()  # the time to first token counts the server's reading of the prompt
         for attempt in range(BUSY_RETRIES + 1):
             with self._stream("POST", "/chat/completions", body) as response:
                 if response.status_code in (429, 503) and attempt < BUSY_RETRIES:
@@ -184,7 +185,7 @@ class BackendClient:
                         continue
                 if response.status_code != 200:
                     raise self._refusal(response)
-                self.last = TurnFigures(started=time.perf_counter())
+                self.last = TurnFigures(started=started)
                 yield ReplyStream(response, self.last, self.config.url)
                 return
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sqlite3
 import threading
 from pathlib import Path
@@ -22,9 +23,10 @@ from chat_service.backend_client import BackendConfig, BackendError
 from infinigen_core import SamplingConfig
 from sessions import ChatSession
 
-from app_server import RunningApp, free_port, running_app
+from app_server import RunningApp, chromium_page, free_port, running_app
 
 KEY = "backend-secret"
+BOT = "#ig-chat [data-testid='bot']"
 COUNTING = "Write the numbers from 1 to 300, separated by commas."  # greedy SmolLM2 goes on past 200 tokens
 
 
@@ -189,6 +191,31 @@ def test_restarted_front_continues_the_stored_conversation_and_the_local_engine_
     with ChatSession.open(store, real_engine, turn.session_id) as chat:
         assert chat.restore.rebuilt and chat.restore.tokens_prefilled == real_engine.num_tokens > 20
         assert real_engine.token_ids == chat._conversation_ids()
+
+
+def test_page_names_the_backend_streams_a_reply_and_shows_the_remote_figures(front, backend):
+    from gradio_client import Client
+
+    # the page's sampling settings go to the server: a 40-token reply, counted by the server
+    Client(front.app.url, verbose=False).predict("infinigen", 5, "0.2", 0.25, "", False, 0.0, 1.0, 0, 1.0, 40,
+                                                 api_name="/apply_settings")
+    with chromium_page(front.app.url, 1400, 1300) as page:
+        page.wait_for_selector(f"#ig-status:has-text('on the backend {backend.url}v1')", timeout=60_000)
+        assert page.locator("#ig-remote").is_visible() and not page.locator("#ig-memory").is_visible()
+        page.locator("#ig-message textarea").fill(COUNTING)
+        page.locator("#ig-message textarea").press("Enter")
+        lengths = []
+        page.wait_for_function(f"document.querySelectorAll(\"{BOT}\").length > 0", timeout=120_000)
+        while not re.search(r"reply tokens\s+40\b", page.locator("#ig-remote").inner_text()):
+            lengths.append(len(page.locator(BOT).last.inner_text()))
+            page.wait_for_timeout(100)
+            assert len(lengths) < 1500, "the remote panel never showed the reply's figures"
+        assert len({length for length in lengths if length}) > 1  # the reply grew on the page: it streamed
+        panel = page.locator("#ig-remote").inner_text()
+        assert "time to first token" in panel and "live on the server" in panel
+        reply = page.locator(BOT).last.inner_text()
+    stored = rows(front.data_dir, "SELECT content FROM messages WHERE role = 'assistant' ORDER BY id DESC LIMIT 1")
+    assert stored[0][0].strip() == reply.strip()
 
 
 def test_backend_killed_mid_reply_gives_a_clear_error_and_keeps_the_streamed_part(front, backend):

@@ -24,6 +24,7 @@ from .chat_view import ChatView
 from .page_actions import ATTACHABLE, PageActions
 from .page_text import status_text
 from .page_tick import TICK_OUTPUTS, TICK_SECONDS, PageTick
+from .remote_panel import remote_view
 from .request_limits import UPLOAD_CACHE_CLEANUP
 from .temp_folders import fresh_export_folder
 
@@ -92,8 +93,9 @@ class ChatPage:
                                             value=host.model_path or host.DEFAULT_CHOICE,
                                             elem_id="ig-model-picker")
             self.model_path = gr.Textbox(label="or a path or hub id", placeholder="~/models/Qwen3-8B, "
-                                         "a .gguf file, or Qwen/Qwen3-8B", elem_id="ig-model-path")
-            self.model_button = gr.Button("Load model", elem_id="ig-model-load")
+                                         "a .gguf file, or Qwen/Qwen3-8B", elem_id="ig-model-path",
+                                         visible=not host.remote)  # the backend serves its own model
+            self.model_button = gr.Button("Load model", elem_id="ig-model-load", visible=not host.remote)
 
     def _session_box(self) -> None:
         gr.Markdown("### Sessions")
@@ -138,7 +140,7 @@ class ChatPage:
     def _settings_box(self) -> None:
         shown = self.service.settings.current
         with gr.Accordion("Settings (apply from the next message)", open=False):
-            with gr.Row():
+            with gr.Row(visible=not self.service.host.remote):  # InfiniGen's: not a remote engine's
                 policy = gr.Dropdown(list(POLICY_NAMES), value=shown.policy, label="KV policy")
                 alpha = gr.Number(value=shown.alpha, label="alpha")
                 budget = gr.Textbox(value=shown.budget, label="budget (fraction or tokens)")
@@ -163,7 +165,7 @@ class ChatPage:
 
     def _storage_box(self) -> None:
         storage = self.service.store.storage
-        with gr.Accordion("KV cache on disk (all sessions)", open=False):
+        with gr.Accordion("KV cache on disk (all sessions)", open=False, visible=not self.service.host.remote):
             with gr.Row():
                 self.kv_format = gr.Radio(["int8", "exact"], value=storage.kv_format,
                                           label="format of new chunks (int8: 4x smaller; exact: bit for bit)")
@@ -174,7 +176,10 @@ class ChatPage:
             self.storage_status = gr.Markdown()
 
     def _panels(self) -> None:
-        with gr.Tabs():
+        remote = self.service.host.remote  # a remote server's KV and its statistics are its own: its panel instead
+        self.remote_panel = gr.Markdown(remote_view(self.service.host) if remote else "", visible=remote,
+                                        elem_id="ig-remote")
+        with gr.Tabs(visible=not remote):
             with gr.Tab("Live panels"):
                 # drawn in the browser from small tables and one tiny PNG (ui/panels.py)
                 with gr.Row():

@@ -15,6 +15,7 @@ from chat_service import ChatService
 
 from . import inspector, panels
 from .page_text import find, session_choices, session_details, status_text
+from .remote_panel import remote_view
 
 TICK_SECONDS = 2.0  # the live panels' pace between replies
 # ... and while a reply is generated: each tick costs the browser ~30 ms of the cores the model decodes on (Gradio's
@@ -62,6 +63,7 @@ class TickUpdate:
     session_picker: object = field(default_factory=gr.skip)
     session_info: object = field(default_factory=gr.skip)
     model_info: object = field(default_factory=gr.skip)
+    remote_panel: object = field(default_factory=gr.skip)
     timer: object = field(default_factory=gr.skip)
     last_seen: TickState = field(default_factory=TickState)
 
@@ -105,6 +107,8 @@ class PageTick:
         update = TickUpdate(last_seen=replace(last, status=text))
         if text != last.status:
             update.status = text
+        if service.host.remote:
+            return self._remote(update, last)
         engine, seen = service.host.engine, self._seen()
         if engine is None or seen is None or (seen == last.seen and not last.panels_pending):
             return update
@@ -128,6 +132,28 @@ class PageTick:
         labels = inspector.step_labels(engine)
         update.step_picker = gr.update(choices=labels, value=labels[-1] if labels else None)
         update.layer_picker = gr.update(maximum=engine.adapter.num_layers - 1)
+        return update
+
+    def _remote(self, update: TickUpdate, last: TickState) -> TickUpdate:
+        """A remote server generates: its panel when its figures changed, and the chat and sidebar when another
+        session is open or the API ran a turn (there is no engine to draw the other panels from)."""
+        service = self.service
+        view = remote_view(service.host)
+        digest = panels.digest((view, ""))
+        if digest != last.sent.get("remote"):
+            update.remote_panel = view
+            update.last_seen = replace(update.last_seen, sent={**last.sent, "remote": digest})
+        chat = service.open_sessions.page
+        seen = Seen(0, chat.id if chat is not None else None, 0, service.api.turns_run)
+        if service.turns.busy() or seen == last.seen:
+            return update
+        update.last_seen = replace(update.last_seen, seen=seen)
+        if last.seen is None or last.seen.session_id != seen.session_id:
+            update.chatbot = service.pages.chat_history()
+            update.model_info = service.host.model_summary()
+        summaries = service.store.list()
+        update.session_picker = gr.update(choices=session_choices(summaries), value=seen.session_id)
+        update.session_info = session_details(find(summaries, seen.session_id))
         return update
 
     def _next_panel(self, engine, update: TickUpdate, candidates: tuple[str, ...] = panels.PANELS) -> None:
