@@ -80,8 +80,8 @@ def test_full_channel_rehearsal_finds_the_true_top_k(tiny_llama):
     heads, kv_heads, dim = 4, 2, 16
     query = attention.q_proj(hidden).view(1, 1, heads, dim).transpose(1, 2)
     query, _ = apply_rotary_pos_emb(query, query, cos, sin)
-    keys = engine.pool.keys(target)  # [kv_heads, slots, dim], post-RoPE
-    is_past = engine.pool.positions(target) < position
+    keys = engine.pool.keys(target).to(engine.device)  # [kv_heads, slots, dim], post-RoPE (the pool: maybe host memory)
+    is_past = engine.pool.positions(target).to(engine.device) < position
     logits = torch.einsum("hd,hsd->hs", query[0, :, 0], keys.repeat_interleave(2, dim=0)) / math.sqrt(dim)
     logits = logits.masked_fill(~is_past, float("-inf"))
     group_weight = torch.softmax(logits, -1).view(kv_heads, 2, -1).sum(1)
