@@ -12,6 +12,7 @@ A document read by passages carries `read` ('report.pdf: pages 1, 36-38'), which
 from __future__ import annotations
 
 import dataclasses
+import sqlite3
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from sessions import ChatSession, ContextWindowError
 from sessions.chat import conversation, reply_prompt_ids
 
 from .api_turns import Conversation
+from .errors import UserError
 from .remote_chat import OpenChat
 
 
@@ -42,7 +44,11 @@ class DocumentReader:
     def read(self, engine, document: Document, question: str) -> Document:
         """`document` with only the passages read for `question` as its text."""
         config = self.config(engine)
-        index = PassageIndex.open(self.folder, document, config.passage_tokens)
+        try:
+            index = PassageIndex.open(self.folder, document, config.passage_tokens)
+        except (OSError, sqlite3.Error) as error:  # a full disk, an unwritable data directory
+            raise UserError(f"{document.name} is too long to read whole, and its passages could not be indexed "
+                            f"in {self.folder} ({error}). Free some disk space, or attach a shorter part.") from None
         try:
             return read_for_question(index, document, question, config, _counter(engine.tokenizer)).document
         finally:

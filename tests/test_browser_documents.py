@@ -88,3 +88,25 @@ def test_attach_a_file_ask_and_ask_again_in_a_new_chat_without_reading_it_again(
     assert read < 40, note  # the question and the chat template's tokens, not the document again
     assert status.predict(api_name="/status")["last_read_tokens"] == read
     assert "harbour log.txt" in page.locator("#ig-chat [data-testid='user']").last.inner_text()
+
+
+def test_a_pdf_longer_than_the_window_says_so_and_its_card_lists_the_pages_read(page, tmp_path):
+    """Issue 32 through the page's own file input: an 80-page PDF (~40,000 tokens, 5x the window) with a fact on
+    page 57 is read by passages, said before sending, and the sent message's card names the pages read."""
+    from test_passages import QUESTION, pdf_of_pages
+
+    document = tmp_path / "report.pdf"
+    document.write_bytes(pdf_of_pages(80, fact_page=57))
+    page.locator("#ig-new").click()
+    page.wait_for_function(f"document.querySelectorAll(\"{BOT}\").length == 0", timeout=30_000)
+    page.locator("#ig-message input[type=file]").set_input_files(str(document))
+    page.wait_for_selector("#ig-attachments:has-text('the passages nearest each question will be read')",
+                           timeout=120_000)
+    assert "It does not fit" not in page.locator("#ig-attachments").inner_text()
+    ask(page, QUESTION, 0)
+    card = page.locator("#ig-chat [data-testid='user']").last.inner_text()
+    found = re.search(r"report\.pdf · 80 pages · read: pages ([\d, -]+)", card)
+    assert found, card
+    pages = {n for part in found.group(1).split(", ") for n in
+             range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)}
+    assert 1 in pages and 57 in pages, card

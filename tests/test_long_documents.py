@@ -121,6 +121,15 @@ def test_a_pdf_several_windows_long_is_read_by_passages_through_the_api(tmp_path
         assert again.headers["x-infinigen-session"] == session_id and again.headers["x-infinigen-continued"] == "true"
         assert urllib.parse.unquote(again.headers["x-infinigen-document-read"]) == header
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"]
+
+        # passages that cannot be indexed (here the folder is a file) are a clear error, and nothing is stored
+        blocked = tmp_path / "not-a-folder"
+        blocked.write_text("")
+        controller.documents.folder = blocked
+        sessions = len(controller.store.list())
+        refused = client.post("/v1/chat/completions", json={"messages": first, "max_tokens": 4})
+        assert refused.status_code == 500 and "could not be indexed" in refused.json()["error"]["message"]
+        assert len(controller.store.list()) == sessions
     finally:
         for chat in {controller.open_sessions.page, controller.open_sessions.api} - {None}:
             chat.close()

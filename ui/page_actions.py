@@ -100,6 +100,8 @@ class PageActions:
     @staticmethod
     def _card(document: Document, record: dict, fitted: Document, window: int) -> str:
         card = f"📄 **{record['name']}** · {document.extent()} · "
+        if document.read is not None:  # attached again from a stored message: the passages read then
+            return card + f"read: {document.read.split(': ', 1)[-1]} · {record['tokens']:,} tokens"
         if fitted.read is None:
             return card + f"{record['tokens']:,} tokens"
         # room 0: it was not read whole because it does not fit

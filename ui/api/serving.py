@@ -142,7 +142,10 @@ def with_documents_read(service: ChatService, chat_request: ChatRequest) -> tupl
     if not any(asked.documents) or service.host.remote:  # a remote server checks its own window
         return chat_request, DocumentsRead()
     engine = service.host.require_engine_loaded()
-    asked = service.documents.for_api(asked, engine)
+    try:
+        asked = service.documents.for_api(asked, engine)
+    except UserError as error:  # its passages could not be indexed: nothing was stored
+        raise ApiError(500, str(error), "messages", "document_read_failed", "server_error") from None
     files = [document for turn in asked.documents for document in turn]
     tokens = sum(len(engine.tokenizer.encode(attachment_text(d), add_special_tokens=False)) for d in files)
     return replace(chat_request, conversation=asked), DocumentsRead(tuple(reading_summary(files)), tokens)
