@@ -22,10 +22,8 @@ from pathlib import Path
 
 from infinigen_core import ConfigError, ContextOverflowError, EngineConfig
 from infinigen_core.config import parse_budget
-from infinigen_core.compiled import COMPILE_HELP
-from infinigen_core.cpu_kernels import CPU_KERNELS_HELP
-from infinigen_core.packaged import MODEL_HELP
-from infinigen_core.weights import WEIGHT_CHOICES, WEIGHTS_HELP
+from infinigen_core.model_flags import add_model_flags
+from infinigen_core.weights import WEIGHT_CHOICES
 from .common import (EvalError, format_table, load_token_ids, machine_description, parse_numbers, parse_policies,
                      read_text, to_json, windows)
 
@@ -57,12 +55,12 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
                         help="a fractional budget never fetches fewer tokens than this (0: no floor)")
     parser.add_argument("--partial-ratio", type=float, default=EngineConfig.partial_ratio)
     parser.add_argument("--dense-layers", type=int, default=EngineConfig.dense_layers)
-    parser.add_argument("--model", help=MODEL_HELP)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
-    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
-    parser.add_argument("--compile", dest="compile_decode", action=argparse.BooleanOptionalAction, default=None,
-                        help=COMPILE_HELP)
-    parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None, help=CPU_KERNELS_HELP)
+    add_model_flags(parser, device_default="cpu", quantize=False)
+    _output_flags(parser)
+
+
+def _output_flags(parser: argparse.ArgumentParser) -> None:
+    """--json and --save, which every subcommand takes."""
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
 
@@ -71,7 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench",
                                      description="Accuracy and speed of every KV policy on the real decode path")
     commands = parser.add_subparsers(dest="command", required=True)
+    _quality_commands(commands)
+    _speed_commands(commands)
+    _app_commands(commands)
+    _library_commands(commands)
 
+    plot = commands.add_parser("plot", help="PNG plots from results saved with --save")
+    plot.add_argument("--results", type=Path, required=True, help="directory of saved JSON results")
+    plot.add_argument("--out", type=Path, default=Path("docs/plots"))
+    _output_flags(plot)
+    return parser
+
+
+def _quality_commands(commands) -> None:
+    """What each policy or setting does to the model's output: perplexity, agreement, recall, the sweep."""
     ppl = commands.add_parser("ppl", help="perplexity of long text, scored token by token")
     _common(ppl, "full,infinigen,h2o,streaming")
     ppl.add_argument("--context", required=True, help="tokens per window; comma-separated for several (16384,32768)")
@@ -99,6 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     recall.add_argument("--context", type=int, default=2048)
     recall.add_argument("--decode-tokens", type=int, default=32)
 
+    sweep = commands.add_parser("sweep", help="InfiniGen alpha x budget x partial ratio")
+    _common(sweep, None)
+    sweep.add_argument("--context", type=int, default=2048)
+    sweep.add_argument("--prefill", type=int)
+    sweep.add_argument("--windows", type=int, default=1)
+    sweep.add_argument("--alphas", default="3,4,5,6")
+    sweep.add_argument("--budgets", default="0.1,0.2")
+    sweep.add_argument("--partial-ratios", default="0.2,0.3")
+    sweep.add_argument("--max-ppl-increase", type=float, default=0.01, help="for choosing defaults (0.01 = 1%%)")
+
+
+def _speed_commands(commands) -> None:
+    """How fast: decode per policy, the resume from disk, the GPU shapes."""
     speed = commands.add_parser("speed", help="decode ms/token per policy and its ratio to full, same run")
     _common(speed, "full,offload,infinigen")
     speed.add_argument("--context", default="2048,4096,8192", help="comma-separated contexts")
@@ -114,16 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--threads", type=int, default=None,
                        help="torch threads for our rows and n_threads for llama.cpp's (default: torch's count; "
                             "llama.cpp 2). On a loaded machine 1 thread each is the comparison that means something")
-
-    sweep = commands.add_parser("sweep", help="InfiniGen alpha x budget x partial ratio")
-    _common(sweep, None)
-    sweep.add_argument("--context", type=int, default=2048)
-    sweep.add_argument("--prefill", type=int)
-    sweep.add_argument("--windows", type=int, default=1)
-    sweep.add_argument("--alphas", default="3,4,5,6")
-    sweep.add_argument("--budgets", default="0.1,0.2")
-    sweep.add_argument("--partial-ratios", default="0.2,0.3")
-    sweep.add_argument("--max-ppl-increase", type=float, default=0.01, help="for choosing defaults (0.01 = 1%%)")
 
     resume = commands.add_parser("resume", help="first token after reopening a saved session vs re-prefill")
     _common(resume, None, text=False)
@@ -148,43 +162,32 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--h2d-gbps", type=float, help="with --predict: a measured pinned host-to-device peak")
     gpu.add_argument("--emulate", action="store_true",
                      help="the same flow on the CPU under CUDA's rules (INFINIGEN_SEPARATE_DEVICES), tiny shape")
-    gpu.add_argument("--json", action="store_true")
-    gpu.add_argument("--save", type=Path)
+    _output_flags(gpu)
 
+
+def _app_commands(commands) -> None:
+    """The running app measured from outside: the API, the page, a chat about a file."""
     api = commands.add_parser("api", help="first token through the OpenAI API, before and after an app restart")
     api.add_argument("--context", type=int, default=5000, help="tokens of the document (default 5000)")
     api.add_argument("--text", type=Path, default=None, help="a folder of .txt files (default: shipped text)")
     api.add_argument("--rounds", type=int, default=1)
-    api.add_argument("--json", action="store_true")
-    api.add_argument("--save", type=Path)
+    _output_flags(api)
 
     page = commands.add_parser("page", help="a reply's tokens/s with the page open in Chromium vs the API alone")
     page.add_argument("--max-new-tokens", type=int, default=200)
     page.add_argument("--cases", default="short,long", help="comma-separated: short, long")
     page.add_argument("--rounds", type=int, default=5)
-    page.add_argument("--json", action="store_true")
-    page.add_argument("--save", type=Path)
+    _output_flags(page)
     updates = commands.add_parser("page-updates", help="CPU of one streaming update in the app and the browser")
     updates.add_argument("--updates", type=int, default=80)
     updates.add_argument("--interval", type=float, default=0.1)
-    updates.add_argument("--json", action="store_true")
-    updates.add_argument("--save", type=Path)
+    _output_flags(updates)
 
     documents = commands.add_parser("documents", help="first token for a chat about an attached file: first, "
                                     "in a second new chat, after an app restart")
     documents.add_argument("--tokens", type=int, default=6000, help="tokens of the document (default 6000)")
     documents.add_argument("--text", type=Path, default=None, help="a folder of .txt files (default: bench/data)")
-    documents.add_argument("--json", action="store_true")
-    documents.add_argument("--save", type=Path)
-
-    _library_commands(commands)
-
-    plot = commands.add_parser("plot", help="PNG plots from results saved with --save")
-    plot.add_argument("--results", type=Path, required=True, help="directory of saved JSON results")
-    plot.add_argument("--out", type=Path, default=Path("docs/plots"))
-    plot.add_argument("--json", action="store_true")
-    plot.add_argument("--save", type=Path)
-    return parser
+    _output_flags(documents)
 
 
 def _library_commands(commands) -> None:
@@ -193,15 +196,13 @@ def _library_commands(commands) -> None:
     search.add_argument("--sessions", type=int, default=2000)
     search.add_argument("--messages", type=int, default=50, help="messages per session (default 50)")
     search.add_argument("--queries", type=int, default=200)
-    search.add_argument("--json", action="store_true")
-    search.add_argument("--save", type=Path)
+    _output_flags(search)
 
     reading = commands.add_parser("reading", help="answers from a document longer than the window, per reading "
                                   "budget (passages chosen by BM25)")
     reading.add_argument("--tokens", type=int, default=40_000, help="tokens of the document (default 40000)")
     reading.add_argument("--configs", default=None, help="passage:budget token pairs, comma-separated")
-    reading.add_argument("--json", action="store_true")
-    reading.add_argument("--save", type=Path)
+    _output_flags(reading)
 
 
 def _load_engine(args):

