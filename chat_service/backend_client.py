@@ -263,7 +263,8 @@ class ReplyStream:
     def pieces(self, cancel) -> Iterator[Piece]:
         """The reply's text as it comes. Stops at once when `cancel` is set (the caller then leaves the block,
         which closes the upstream request, so the server stops too); BackendError when the server fails or the
-        connection breaks mid-reply (what came before was yielded)."""
+        connection breaks mid-reply (what came before was yielded), or when the stream ends unfinished."""
+        finished = False
         try:
             for line in self._response.iter_lines():
                 if cancel is not None and cancel.is_set():
@@ -273,12 +274,26 @@ class ReplyStream:
                 data = line[len("data:"):].strip()
                 if data == "[DONE]":
                     return
-                yield from self._read_event(data)
+                for piece in self._read_event(data):
+                    finished = finished or piece.finish_reason is not None
+                    yield piece
+            if not finished and not (cancel is not None and cancel.is_set()):
+                raise self._unfinished()
         except httpx.HTTPError as error:
             raise BackendError(f"The backend at {self._url} stopped mid-reply ({type(error).__name__}: {error}); "
                                "the part received is kept.", 502, "backend_connection_lost") from None
         finally:
             self.figures.ended_at = time.perf_counter()
+
+    def _unfinished(self) -> BackendError:
+        """A stream closed without an end marker: the server failed while generating. (llama.cpp's Python server
+        answers a prompt over its window so: 200, then an empty stream; its log says why.)"""
+        if self.figures.pieces:
+            return BackendError(f"The backend at {self._url} stopped mid-reply (its stream ended unfinished); the "
+                                "part received is kept.", 502, "backend_connection_lost")
+        return BackendError(f"The backend at {self._url} closed its reply without a word or an end marker: it failed "
+                            "while generating (a prompt over its window does this on some servers; its log says "
+                            "why). Nothing was stored.", 502, "backend_failed")
 
     def _read_event(self, data: str) -> Iterator[Piece]:
         try:

@@ -130,16 +130,24 @@ class RemoteChat:
 
     def _reply(self, turns: list[dict], new: list[NewMessage], sampling: SamplingConfig, cancel,
                replaces_from: int | None = None) -> Iterator[GenerationEvent]:
-        """Ask the server for a reply to `turns`; once it accepted, store `new` (replacing the messages from
-        `replaces_from` on), then the reply as it streams, and what came of it whatever ends it."""
+        """Ask the server for a reply to `turns`; once it answers, store `new` (replacing the messages from
+        `replaces_from` on), then the reply as it streams, and what came of it whatever ends it. A refusal, or a
+        failure before the first piece, stores nothing."""
         text, reply_id, saved_at, finish = "", None, 0.0, None
-        with self.client.reply(turns, sampling) as stream:  # BackendError here: nothing stored
-            if replaces_from is not None and new:
-                self.store.delete_messages_from(self.id, replaces_from)
-            if new:
+        stored = False
+
+        def store_turns() -> None:
+            nonlocal stored
+            if not stored and new:
+                if replaces_from is not None:
+                    self.store.delete_messages_from(self.id, replaces_from)
                 self.store.add_messages(self.id, [message.row() for message in new])
+            stored = True
+
+        with self.client.reply(turns, sampling) as stream:  # BackendError here: nothing stored
             try:
                 for piece in stream.pieces(cancel):
+                    store_turns()
                     text += piece.text
                     finish = piece.finish_reason or finish
                     if reply_id is None and piece.text:
@@ -149,6 +157,7 @@ class RemoteChat:
                         saved_at = time.monotonic()
                     if piece.text:
                         yield GenerationEvent(None, piece.text, text, None)
+                store_turns()  # ended or stopped before a piece came: the turn is kept, as the engine keeps it
             finally:  # stopped, failed or done: keep what came
                 if reply_id is not None:
                     self.store.update_message(reply_id, text, 0)
