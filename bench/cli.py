@@ -67,6 +67,20 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
 
 
+def _add_page_commands(commands) -> None:
+    """`page` (a reply sent from the page vs the API) and `page-updates` (what one streaming update costs)."""
+    page = commands.add_parser("page", help="a reply's tokens/s sent from the page in Chromium vs the API alone")
+    page.add_argument("--max-new-tokens", type=int, default=200)
+    page.add_argument("--cases", default="short,long", help="comma-separated: short, long")
+    page.add_argument("--rounds", type=int, default=5)
+    updates = commands.add_parser("page-updates", help="CPU of one streaming update in the app and the browser")
+    updates.add_argument("--updates", type=int, default=80)
+    updates.add_argument("--interval", type=float, default=0.1)
+    for command in (page, updates):
+        command.add_argument("--json", action="store_true")
+        command.add_argument("--save", type=Path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench",
                                      description="Accuracy and speed of every KV policy on the real decode path")
@@ -158,17 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--json", action="store_true")
     api.add_argument("--save", type=Path)
 
-    page = commands.add_parser("page", help="a reply's tokens/s with the page open in Chromium vs the API alone")
-    page.add_argument("--max-new-tokens", type=int, default=200)
-    page.add_argument("--cases", default="short,long", help="comma-separated: short, long")
-    page.add_argument("--rounds", type=int, default=5)
-    page.add_argument("--json", action="store_true")
-    page.add_argument("--save", type=Path)
-    updates = commands.add_parser("page-updates", help="CPU of one streaming update in the app and the browser")
-    updates.add_argument("--updates", type=int, default=80)
-    updates.add_argument("--interval", type=float, default=0.1)
-    updates.add_argument("--json", action="store_true")
-    updates.add_argument("--save", type=Path)
+    _add_page_commands(commands)
 
     documents = commands.add_parser("documents", help="first token for a chat about an attached file: first, "
                                     "in a second new chat, after an app restart")
