@@ -65,6 +65,19 @@ def _output_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save", type=Path, help="also write the JSON object to this file")
 
 
+def _add_page_commands(commands) -> None:
+    """`page` (a reply sent from the page vs the API) and `page-updates` (what one streaming update costs)."""
+    page = commands.add_parser("page", help="a reply's tokens/s sent from the page in Chromium vs the API alone")
+    page.add_argument("--max-new-tokens", type=int, default=200)
+    page.add_argument("--cases", default="short,long", help="comma-separated: short, long")
+    page.add_argument("--rounds", type=int, default=5)
+    updates = commands.add_parser("page-updates", help="CPU of one streaming update in the app and the browser")
+    updates.add_argument("--updates", type=int, default=80)
+    updates.add_argument("--interval", type=float, default=0.1)
+    _output_flags(page)
+    _output_flags(updates)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench",
                                      description="Accuracy and speed of every KV policy on the real decode path")
@@ -173,15 +186,7 @@ def _app_commands(commands) -> None:
     api.add_argument("--rounds", type=int, default=1)
     _output_flags(api)
 
-    page = commands.add_parser("page", help="a reply's tokens/s with the page open in Chromium vs the API alone")
-    page.add_argument("--max-new-tokens", type=int, default=200)
-    page.add_argument("--cases", default="short,long", help="comma-separated: short, long")
-    page.add_argument("--rounds", type=int, default=5)
-    _output_flags(page)
-    updates = commands.add_parser("page-updates", help="CPU of one streaming update in the app and the browser")
-    updates.add_argument("--updates", type=int, default=80)
-    updates.add_argument("--interval", type=float, default=0.1)
-    _output_flags(updates)
+    _add_page_commands(commands)
 
     documents = commands.add_parser("documents", help="first token for a chat about an attached file: first, "
                                     "in a second new chat, after an app restart")

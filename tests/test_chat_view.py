@@ -18,6 +18,15 @@ def _view() -> ChatView:
         return ChatView()
 
 
+def test_the_display_keeps_the_chatbots_settings_for_the_page():
+    """The page finds the chat by its elem_id: a subclass must not hide gr.Chatbot's constructor arguments
+    from the config Gradio sends the browser."""
+    with gr.Blocks():
+        view = ChatView(elem_id="ig-chat", height=460)
+    config = view.get_config()
+    assert config["elem_id"] == "ig-chat" and config["height"] == 460
+
+
 def _fresh(value: list[dict]) -> list[dict]:
     """What plain gr.Chatbot shows for the display's rewritten history (the reference)."""
     with gr.Blocks():
@@ -47,7 +56,9 @@ def test_a_changed_or_other_conversation_is_not_shown_from_the_kept_messages():
     assert view.postprocess(edited).model_dump() == _fresh(edited)
     assert view.postprocess([]).model_dump() == []
     assert view.postprocess(None).model_dump() == []
-    # only the last value's messages are kept: memory holds one conversation
+    # only the last value's messages are kept: memory holds one conversation, and no other view's
     assert view._shown == {}
+    view.postprocess(EARLIER)
+    assert len(view._shown) == 3 and _view()._shown == {}  # kept per display, not shared by the class
     metadata = [{"role": "assistant", "content": "thinking", "metadata": {"title": "Tool"}}]
     assert view.postprocess(metadata).model_dump() == _fresh(metadata)

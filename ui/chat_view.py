@@ -24,11 +24,10 @@ class ChatView(gr.Chatbot):
 
     is_template = True
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        # the last value's messages by (role, text): replaced whole by each call, so two pages streaming
-        # different chats only miss (each call reads the dict it found, a swap is atomic)
-        self._shown: dict[tuple[str, str], list] = {}
+    # the last value's messages by (role, text): replaced whole by each call, so two pages streaming different
+    # chats only miss (each call reads the dict it found, a swap is atomic). A class default, set per instance
+    # on first use: Gradio builds a component's config from its __init__'s parameters, so no __init__ here
+    _shown: dict[tuple[str, str], list] = {}
 
     @staticmethod
     def _plain_key(message) -> tuple[str, str] | None:
