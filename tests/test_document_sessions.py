@@ -134,11 +134,12 @@ def test_a_document_is_read_once_for_any_new_chat_also_after_a_restart(tmp_path,
         prompt_tokens = len(chat_token_ids(real_engine.tokenizer, conversation("", [("user", content)]),
                                            add_generation_prompt=True))
         assert response.json()["usage"]["prompt_tokens"] == prompt_tokens
+        assert response.headers["x-infinigen-document-read"] == "harbour log.txt: whole"  # it fits: read whole
         assert restarted.open_sessions.api.last_read_tokens < 40
         # the API's message keeps its attachment's record too: the page shows the card, not the document's text
         stored = restarted.store.messages(restarted.open_sessions.api.id)[0]
         assert [(r["name"], r["sha256"]) for r in stored.attachments] == [("harbour log.txt", doc.sha256)]
-        assert stored.attachments[0]["tokens"] > 0
+        assert stored.attachments[0]["tokens"] == response.json()["usage"]["document_tokens_read"] > 0
     finally:
         for chat in {restarted.open_sessions.page, restarted.open_sessions.api} - {None}:
             chat.close()

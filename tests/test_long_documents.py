@@ -168,3 +168,12 @@ def test_the_page_says_so_before_sending_and_the_card_lists_the_pages_read(tmp_p
     finally:
         for chat in {controller.open_sessions.page, controller.open_sessions.api} - {None}:
             chat.close()
+
+
+def test_the_header_names_each_file_and_survives_any_file_name():
+    from ui.api.serving import DocumentsRead
+
+    read = DocumentsRead(("report.pdf: pages 1, 36-38", "résumé; 100%.txt: whole", "报告.txt: lines 1-12"), 90)
+    header = read.header()
+    assert header.isascii() and header.startswith("report.pdf: pages 1, 36-38; r%C3%A9sum%C3%A9%3B 100%25.txt")
+    assert [urllib.parse.unquote(part) for part in header.split("; ")] == list(read.descriptions)
