@@ -32,6 +32,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -115,7 +116,7 @@ def export_session(store, session_id: str, path: Path) -> Path:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as archive:
-            exported = []
+            exported: list[dict[str, object]] = []
             for chunk in store.chunks(session_id):
                 try:
                     data = read_chunk_bytes(store.data_dir, chunk)
@@ -157,13 +158,14 @@ def _check_directory(path: Path) -> None:
     try:
         with open(path, "rb") as handle:
             # the function ZipFile itself uses, so the figures checked are the ones it will trust (zip64 too)
-            end = zipfile._EndRecData(handle)
+            end = zipfile._EndRecData(handle)  # type: ignore[attr-defined]
     except OSError as error:
         raise _fail(f"it cannot be read ({error.strerror})") from None
     if not end:
         return  # not a zip at all: ZipFile says so
-    if end[zipfile._ECD_ENTRIES_TOTAL] > MAX_MEMBERS or end[zipfile._ECD_SIZE] > MAX_CENTRAL_DIRECTORY_BYTES:
-        raise _fail(f"it lists {end[zipfile._ECD_ENTRIES_TOTAL]} entries in {end[zipfile._ECD_SIZE]} bytes, "
+    entries, size = end[zipfile._ECD_ENTRIES_TOTAL], end[zipfile._ECD_SIZE]  # type: ignore[attr-defined]
+    if entries > MAX_MEMBERS or size > MAX_CENTRAL_DIRECTORY_BYTES:
+        raise _fail(f"it lists {entries} entries in {size} bytes, "
                     f"more than a session export holds (at most {MAX_CHUNKS} chunks)")
 
 
@@ -206,7 +208,10 @@ def _check_manifest_types(manifest: dict) -> None:
     expect(isinstance(manifest.get("system_prompt"), str), "system prompt")
     expect(isinstance(manifest.get("settings"), dict), "settings")
     expect(isinstance(manifest.get("model_fingerprint"), str), "model fingerprint")
-    messages, chunks, signature = manifest.get("messages"), manifest.get("chunks"), manifest.get("signature")
+    # the manifest is untrusted JSON: each part is checked before it is used as what it should be
+    messages: Any = manifest.get("messages")
+    chunks: Any = manifest.get("chunks")
+    signature: Any = manifest.get("signature")
     expect(isinstance(messages, list), "message list")
     for m in messages:
         expect(isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)

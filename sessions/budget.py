@@ -43,7 +43,7 @@ def enforce_disk_limit(store) -> list[str]:
 
 def _note_over_limit(store, used: int, limit: int) -> None:
     over = (used, limit) if used > limit else None
-    before = getattr(store, "over_disk_limit", None)
+    before = store.over_disk_limit
     store.over_disk_limit = over
     if over is not None and (before is None or before[1] != limit):
         from .storage import format_size

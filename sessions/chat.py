@@ -19,7 +19,6 @@ that name them.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,12 +27,11 @@ from documents import Document, attachment_record, attachment_text, message_with
 from infinigen_core import GenerationEvent, SamplingConfig, chat_token_ids, generate
 from infinigen_core.prefix import common_prefix_length
 
-from .background import BackgroundWrite
-from .budget import enforce_disk_limit
+from .chunk_writer import SessionChunks
 from .errors import ContextWindowError, SessionError
 from .lock import SessionLock, session_lock
 from .restore import ChunkChoice, missing_cache, read_chunks, which_chunks
-from .snapshots import ChunkError, ChunkRecord, read_chunk, write_chunk
+from .snapshots import ChunkError, ChunkRecord, read_chunk
 from .store import Message, SessionStore
 
 Progress = Callable[[int, int], None]
@@ -41,7 +39,6 @@ Progress = Callable[[int, int], None]
 # and the API both apply, so a message near the window's edge gets the same answer from both
 REPLY_RESERVE_TOKENS = 64
 REPLY_SAVE_SECONDS = 1.0  # a streaming reply's text is stored at most this often (a crash loses less)
-log = logging.getLogger("infinigen.sessions")
 
 
 @dataclass(frozen=True)
@@ -116,11 +113,10 @@ def reply_prompt_ids(tokenizer, turns: list[dict], window: int) -> list[int]:
 class ChatSession:
     def __init__(self, store: SessionStore, engine, session_id: str, lock: SessionLock) -> None:
         self.store, self.engine, self.id, self._lock = store, engine, session_id, lock
-        self._saved_ids: list[int] = []  # token ids the chunks on disk hold, in order
+        self._chunks = SessionChunks(store, session_id)  # its chunks on disk, kept in step with the engine
         self._recent_ids: dict[tuple, list[int]] = {}  # conversation -> its token ids, newest first
         self.restore = RestoreReport(0, 0, 0.0, False, "")
         self.last_read_tokens = 0  # tokens of the last turn's prompt that the model read (the rest was cached)
-        self._pending_write: BackgroundWrite | None = None  # the prompt's chunk, written while the reply streams
 
     # ------------------------------------------------------------------ open / close
     @classmethod
@@ -138,7 +134,7 @@ class ChatSession:
 
     def close(self) -> None:
         try:
-            self.wait_for_writes()
+            self._chunks.wait()
         finally:
             self._lock.release()
 
@@ -172,7 +168,7 @@ class ChatSession:
     def _restore(self, progress: Progress | None) -> RestoreReport:
         """Read back the chunks this model can use, then re-read what they do not hold."""
         started = time.perf_counter()
-        self.wait_for_writes()  # what is read back must include the chunk still being written
+        self._chunks.wait()  # what is read back must include the chunk still being written
         engine, signature = self.engine, self.engine.kv_signature()
         engine.reset()
         self.store.remove_leftovers(self.id)
@@ -182,7 +178,7 @@ class ChatSession:
             self.store.drop_chunks_from(self.id, read_up_to if tensors else -1)
         restored = engine.import_rows(tensors) if tensors else 0
         del tensors  # views of the mapped files: let the mappings go
-        self._saved_ids = list(engine.token_ids)
+        self._chunks.saved_ids = list(engine.token_ids)
         problem = problem or missing_cache(self.store, self.id, restored, choice)
         prefilled = self._reread(problem, choice, progress)
         return RestoreReport(restored, prefilled, time.perf_counter() - started, bool(problem), problem)
@@ -197,7 +193,7 @@ class ChatSession:
             return 0
         before = engine.num_tokens
         engine.sync_to(wanted[: engine.max_context], progress)
-        self._persist_new_rows()
+        self._chunks.persist(self.engine)
         return engine.num_tokens - min(before, engine.num_tokens)
 
     # ------------------------------------------------------------------ conversation
@@ -357,72 +353,13 @@ class ChatSession:
         finally:  # also when the consumer stops early or generation fails: keep what was generated
             if reply_id is not None:
                 self.store.update_message(reply_id, text, self.engine.num_tokens)
-            self._persist_new_rows(boundary=len(prompt_ids))
+            self._chunks.persist(self.engine, boundary=len(prompt_ids))
 
     def _start_reply(self, prompt_ids: list[int], text: str, replaces_from: int | None) -> int:
         """The first token came: drop the reply it replaces, store the reply begun, and save the prompt's KV
         rows (the engine holds just those now, so they become their own chunk); returns the reply's id."""
         if replaces_from is not None:
             self.store.delete_messages_from(self.id, replaces_from)
-        self.store.add_message(self.id, "assistant", text, len(prompt_ids), self.engine.num_tokens)
-        reply_id = self.store.messages(self.id)[-1].id
-        self._persist_new_rows(boundary=len(prompt_ids), background=True)
+        reply_id = self.store.add_message(self.id, "assistant", text, len(prompt_ids), self.engine.num_tokens)
+        self._chunks.persist(self.engine, boundary=len(prompt_ids), background=True)
         return reply_id
-
-    # ------------------------------------------------------------------ snapshots
-    def wait_for_writes(self) -> None:
-        """Wait for the chunk being written in the background. If it failed, its rows count as unsaved again
-        (the next persist writes them); the turn it belongs to has already gone on, so the error is logged."""
-        pending, self._pending_write = self._pending_write, None
-        if pending is None:
-            return
-        error = pending.wait()
-        if error is not None:
-            log.warning("a KV chunk of session %s could not be written (%s): its rows are written again with the "
-                        "next chunk", self.id, error)
-            self._forget_unsaved_rows()
-
-    def _forget_unsaved_rows(self) -> None:
-        """Make `_saved_ids` what the store's chunks hold (after a write that did not complete)."""
-        chunks = self.store.chunks(self.id)
-        self._saved_ids = self._saved_ids[: chunks[-1].end if chunks else 0]
-
-    def _persist_new_rows(self, boundary: int | None = None, background: bool = False) -> None:
-        """Append a chunk with the tokens the disk does not hold yet, split in two at `boundary` (where a
-        turn's prompt ends and its reply begins, so a branch or another reply to the same prompt can share
-        the prompt's chunk); drop chunks the cache no longer has. The rows are copied out of the engine here;
-        with `background` their encoding and writing run on another thread (`wait_for_writes`)."""
-        self.wait_for_writes()  # chunks are added in order, one writer at a time
-        engine = self.engine
-        ids = engine.token_ids
-        common = common_prefix_length(self._saved_ids, ids)
-        if common < len(self._saved_ids):
-            self.store.drop_chunks_from(self.id, common)
-            chunks = self.store.chunks(self.id)
-            self._saved_ids = self._saved_ids[: chunks[-1].end if chunks else 0]
-        start = len(self._saved_ids)
-        if start >= len(ids):
-            self.store.update(self.id, token_count=len(ids))
-            return
-        ends = [boundary] if boundary is not None and start < boundary < len(ids) else []
-        pieces = []
-        for end in ends + [len(ids)]:
-            pieces.append((start, end, engine.export_rows(start, end)))
-            start = end
-        signature, self._saved_ids = engine.kv_signature(), list(ids)
-        write = lambda: self._write_chunks(pieces, signature)
-        if background:
-            self._pending_write = BackgroundWrite(write)
-            return
-        try:
-            write()
-        except BaseException:
-            self._forget_unsaved_rows()
-            raise
-
-    def _write_chunks(self, pieces: list[tuple[int, int, dict]], signature: dict[str, str]) -> None:
-        """Encode and write exported rows as chunks, in order, each registered once its file is durable."""
-        for start, end, rows in pieces:
-            record = write_chunk(self.store.data_dir, self.id, rows, signature, start, self.store.storage.kv_format)
-            self.store.add_chunk(self.id, record, signature, end)
-        enforce_disk_limit(self.store)  # this session holds its lock, so only other sessions' chunks can go

@@ -39,9 +39,9 @@ def which_chunks(store: SessionStore, session_id: str, engine) -> ChunkChoice:
         stored = signature
     problem = ""
     if store.chunks(session_id) and stored != signature:
-        store.park_chunks(session_id)
+        store.parked.park(session_id)
         problem = FOREIGN_CACHE
-    unparked = not store.chunks(session_id) and store.unpark_chunks(session_id, signature) > 0
+    unparked = not store.chunks(session_id) and store.parked.unpark(session_id, signature) > 0
     if unparked:
         problem = ""  # this model's own cache from an earlier visit
     return ChunkChoice(store.chunks(session_id), problem, unparked)

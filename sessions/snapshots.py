@@ -286,9 +286,9 @@ def check_shapes(tensors: dict[str, torch.Tensor], signature: dict[str, str], st
                 scale = tensors[tensor_name(scales, layer)]
                 if scale.shape != (heads, rows) or scale.dtype != _SCALE_DTYPE or not bool(torch.isfinite(scale).all()):
                     raise ChunkError(f"chunk {kind.upper()} scales of layer {layer} are malformed")
-            smoothing = tensors.get(tensor_name(KEY_CHANNEL_SCALES, layer))
-            if smoothing is not None and (smoothing.shape != (heads, dim) or smoothing.dtype != _SCALE_DTYPE
-                                          or not bool(torch.isfinite(smoothing).all())):
+            smoothing_scales = tensors.get(tensor_name(KEY_CHANNEL_SCALES, layer))
+            if smoothing_scales is not None and (smoothing_scales.shape != (heads, dim) or smoothing_scales.dtype != _SCALE_DTYPE
+                                          or not bool(torch.isfinite(smoothing_scales).all())):
                 raise ChunkError(f"chunk key channel scales of layer {layer} are malformed")
         if rows and (int(positions.min()) < start or int(positions.max()) >= end):
             raise ChunkError(f"chunk positions of layer {layer} fall outside {start}-{end}")

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-import sessions.chat
+import sessions.chunk_writer
 from infinigen_core.config import SamplingConfig
 from sessions import ChatSession, SessionStore
 
@@ -16,7 +16,7 @@ QUESTION = "Name three rivers of Europe and say where each one meets the sea."
 @pytest.fixture
 def held_writes(monkeypatch):
     """`write_chunk` that waits until `release` is set (then writes for real); `calls` counts its calls."""
-    real_write = sessions.chat.write_chunk
+    real_write = sessions.chunk_writer.write_chunk
     state = {"release": threading.Event(), "calls": 0, "fail_first": False}
 
     def held_write(*args, **kwargs):
@@ -26,7 +26,7 @@ def held_writes(monkeypatch):
             raise OSError("disk full (simulated)")
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(sessions.chat, "write_chunk", held_write)
+    monkeypatch.setattr(sessions.chunk_writer, "write_chunk", held_write)
     yield state
     state["release"].set()
 

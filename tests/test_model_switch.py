@@ -40,13 +40,13 @@ def test_switching_back_restores_each_models_own_cache(tmp_path, real_engine, ot
     with ChatSession.open(store, other_engine, session_id) as chat:  # another model: re-read, and say why
         assert chat.restore.rebuilt and "another model" in chat.restore.reason
         assert chat.restore.tokens_prefilled == len(chat._conversation_ids()) and chat.restore.tokens_restored == 0
-    assert store.parked_models(session_id) == [real_engine.fingerprint]
+    assert store.parked.models(session_id) == [real_engine.fingerprint]
 
     with ChatSession.open(store, real_engine, session_id) as chat:  # back: from disk, nothing recomputed
         # (but the chat template's end-of-turn tokens after the reply, which no reply generates itself)
         assert not chat.restore.rebuilt and chat.restore.tokens_prefilled <= 3
         assert chat.restore.tokens_restored == len(tokens_a) and real_engine.token_ids[: len(tokens_a)] == tokens_a
-    assert store.parked_models(session_id) == ["tiny-qwen3"]
+    assert store.parked.models(session_id) == ["tiny-qwen3"]
 
     with ChatSession.open(store, other_engine, session_id) as chat:  # and the other model's cache came back too
         assert not chat.restore.rebuilt and chat.restore.tokens_prefilled == 0

@@ -212,6 +212,7 @@ class _Store:
 
         self.data_dir, self.storage = data_dir, StorageConfig(kv_disk_limit=limit)
         self.sizes = {"open": 3 << 20, "idle": 1 << 20}
+        self.over_disk_limit: tuple[int, int] | None = None
 
     def kv_bytes(self) -> int:
         return sum(self.sizes.values())

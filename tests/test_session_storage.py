@@ -329,3 +329,13 @@ def test_export_and_import_carry_both_formats(real_engine, tmp_path):
         assert not chat.restore.rebuilt and real_engine.token_ids == tokens
         assert torch.equal(real_engine.pool.keys(5)[:, :first_end], exact_keys)  # the exact chunk stayed exact
         list(chat.send("And of Spain?", SamplingConfig(max_new_tokens=4)))  # and it keeps working
+
+
+def test_adding_messages_returns_their_ids_in_order(tmp_path):
+    store = SessionStore(tmp_path / "data")
+    session_id = store.create("Ids")
+    first = store.add_message(session_id, "user", "Hello", 0, 5)
+    rest = store.add_messages(session_id, [("assistant", "Hi", 5, 8), ("user", "Bye", 8, 12)])
+    messages = store.messages(session_id)
+    assert [first, *rest] == [m.id for m in messages]
+    assert [m.parent_id for m in messages] == [None, first, rest[0]]

@@ -69,7 +69,7 @@ def status_text(service: ChatService) -> str:
 
 def disk_limit_note(service: ChatService) -> str:
     """Said while the open sessions alone keep the saved KV caches over the disk limit (nothing else can go)."""
-    over = getattr(service.store, "over_disk_limit", None)
+    over = service.store.over_disk_limit
     if over is None:
         return ""
     used, limit = over
