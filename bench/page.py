@@ -35,7 +35,7 @@ from pathlib import Path
 CHROMIUM = "/usr/bin/chromium"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 TEXT = Path(__file__).parent / "data" / "cat_and_racket.txt"
-LONG_TURNS = 120  # messages before the prompt: ~45 tokens each, ~5.4k tokens in all
+LONG_TURNS = 120  # messages before the prompt: 6,666 prompt tokens in all with SmolLM2
 WORDS_PER_MESSAGE = 36
 BOT = "#ig-chat [data-testid='bot']"
 # the page's own clock: when the newest reply first showed text and when it last grew. It reads textContent,
