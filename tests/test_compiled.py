@@ -149,28 +149,22 @@ def test_where_torch_compile_itself_raises_decoding_stays_eager(tiny_model, monk
         raise RuntimeError("torch.compile is not supported here (forced by the test)")
 
     monkeypatch.setattr(torch, "compile", refuse)
-    engine = make_tiny_engine(tiny_model)
-    try:
+    with make_tiny_engine(tiny_model) as engine:
         with caplog.at_level(logging.WARNING, logger="infinigen_core.compiled"):
             reason = compile_decode(engine, progress=lambda message: None)
         assert "not supported here" in reason and "not supported here" in caplog.text
         assert not engine.decode_step.is_compiled and engine.num_tokens == 0
         engine.prefill(random_tokens(6, seed=7))
         assert engine.decode(2).shape == (128,)
-    finally:
-        engine.close()
 
 
 def test_without_a_cpp_compiler_decoding_stays_eager_without_trying(tiny_model, monkeypatch):
     from torch._inductor import config as inductor_config
 
     monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
-    engine = make_tiny_engine(tiny_model)
-    try:
+    with make_tiny_engine(tiny_model) as engine:
         reason = compile_decode(engine, progress=lambda message: None)
         assert "C++ compiler" in reason and engine.decode_step.label == "eager decode"
-    finally:
-        engine.close()
 
 
 def test_the_model_summary_and_the_options_say_whether_decode_is_compiled(first_compile):

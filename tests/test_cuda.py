@@ -38,12 +38,9 @@ def test_full_budget_matches_full_on_cuda(build):
     prompt, continuation = random_tokens(96, seed=3), random_tokens(12, seed=4)
     results = {}
     for policy in ("full", "offload", "infinigen"):
-        engine = cuda_engine(build, policy=policy, budget=1.0, alpha=1e9, prefill_chunk=40)
-        try:
+        with cuda_engine(build, policy=policy, budget=1.0, alpha=1e9, prefill_chunk=40) as engine:
             first = engine.prefill(prompt)
             results[policy] = torch.cat([first.unsqueeze(0), engine.score(continuation)]).cpu()
-        finally:
-            engine.close()
     torch.testing.assert_close(results["infinigen"], results["full"], rtol=0, atol=1e-4)
     torch.testing.assert_close(results["offload"], results["full"], rtol=0, atol=1e-4)
 
@@ -84,8 +81,7 @@ def test_the_paths_the_first_run_would_have_broken(case):
 
 @pytest.mark.parametrize("policy", ["infinigen", "offload", "full"])
 def test_a_decode_step_does_not_sync(policy):
-    engine = cuda_engine(_tiny_llama, policy=policy, budget=0.2)
-    try:
+    with cuda_engine(_tiny_llama, policy=policy, budget=0.2) as engine:
         engine.prefill(random_tokens(300, seed=1))
         engine.prepare(8)
         engine.decode(3)
@@ -95,22 +91,17 @@ def test_a_decode_step_does_not_sync(policy):
             engine.decode(4)  # the logits stay on the device: reading the token is the caller's one read
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    finally:
-        engine.close()
 
 
 def test_real_model_full_budget_matches_full_on_cuda():
     from infinigen_core.calibration import calibration_text
 
-    engine = _real_engine(config=EngineConfig(policy="full"))
-    try:
+    with _real_engine(config=EngineConfig(policy="full")) as engine:
         ids = engine.tokenizer(calibration_text())["input_ids"][:300]
         expected = engine.prefill(ids[:280]), engine.score(ids[280:])
         engine.reset()
         engine.configure(EngineConfig(policy="infinigen", budget=1.0, alpha=1e9))
         actual = engine.prefill(ids[:280]), engine.score(ids[280:])
-    finally:
-        engine.close()
     torch.testing.assert_close(actual[1], expected[1], rtol=0, atol=2e-2)  # fp16 on the GPU
 
 
@@ -120,10 +111,7 @@ def test_quantized_weights_answer_a_question(bits):
     from infinigen_core.config import SamplingConfig
     from infinigen_core.generation import chat_token_ids, generate
 
-    engine = _real_engine(config=EngineConfig(), quantize=bits)
-    try:
+    with _real_engine(config=EngineConfig(), quantize=bits) as engine:
         ids = chat_token_ids(engine.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
         events = list(generate(engine, ids, SamplingConfig(max_new_tokens=24)))
-    finally:
-        engine.close()
     assert "Paris" in events[-1].full_text

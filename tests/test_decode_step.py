@@ -29,13 +29,10 @@ def counted_decode_step(engine, token=5):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_decode_step_reads_nothing_back_from_the_device(tiny_llama, policy):
-    engine = make_tiny_engine(tiny_llama, policy=policy, budget=0.2)
-    try:
+    with make_tiny_engine(tiny_llama, policy=policy, budget=0.2) as engine:
         engine.prefill(random_tokens(300, seed=1))
         engine.decode(3)  # the first step after a prefill may grow per-slot state
         ops, host_copies = counted_decode_step(engine)
-    finally:
-        engine.close()
     assert ops.syncs == 0, ops.sync_counts()
     # InfiniGen's alpha counts go to the host in one copy per step; the other policies send nothing
     assert host_copies == (1 if policy == "infinigen" else 0)
@@ -68,8 +65,7 @@ def test_infinigen_launches_few_operations_more_than_full(real_engine):
 
 
 def test_no_pool_growth_inside_a_prepared_reply(tiny_llama):
-    engine = make_tiny_engine(tiny_llama, policy="infinigen", budget=0.2)
-    try:
+    with make_tiny_engine(tiny_llama, policy="infinigen", budget=0.2) as engine:
         engine.prefill(random_tokens(40, seed=1))
         engine.prepare(300)
         storage = engine.pool._storage.layers[0].keys.data_ptr()
@@ -77,13 +73,10 @@ def test_no_pool_growth_inside_a_prepared_reply(tiny_llama):
         engine.score(random_tokens(250, seed=2))
         assert engine.pool._storage.layers[0].keys.data_ptr() == storage
         assert engine.policy.partial_keys_t[3].data_ptr() == partial
-    finally:
-        engine.close()
 
 
 def test_settings_changes_keep_the_pool(tiny_llama):
-    engine = make_tiny_engine(tiny_llama, policy="infinigen")
-    try:
+    with make_tiny_engine(tiny_llama, policy="infinigen") as engine:
         engine.prefill(random_tokens(50, seed=1))
         pool = engine.pool
         engine.configure(EngineConfig(policy="offload", min_fetch_tokens=0))
@@ -94,8 +87,6 @@ def test_settings_changes_keep_the_pool(tiny_llama):
         pool = engine.pool
         engine.configure(EngineConfig(policy="full", pool_limit_tokens=128))
         assert engine.pool is not pool and engine.pool.total_tokens == 50  # a limit is a different pool
-    finally:
-        engine.close()
 
 
 @torch.inference_mode()
@@ -124,8 +115,7 @@ def test_the_fused_rotary_rehearsal_equals_the_adapters(tiny_llama):
 
 def test_truncate_keeps_the_partial_key_cache_in_place(tiny_llama):
     """An edit or regenerate without eviction forgets tokens by length alone: nothing is regrown or recomputed."""
-    engine = make_tiny_engine(tiny_llama, policy="infinigen", budget=0.2)
-    try:
+    with make_tiny_engine(tiny_llama, policy="infinigen", budget=0.2) as engine:
         engine.prefill(random_tokens(120, seed=1))
         cache = engine.policy.partial_keys_t[3]
         before = cache[:, :, :80].clone()
@@ -133,8 +123,6 @@ def test_truncate_keeps_the_partial_key_cache_in_place(tiny_llama):
         assert engine.policy.partial_keys_t[3] is cache and torch.equal(cache[:, :, :80], before)
         engine.score(random_tokens(5, seed=2))  # and decoding goes on from there
         assert engine.num_tokens == 85
-    finally:
-        engine.close()
 
 
 @pytest.mark.parametrize("policy", ["infinigen", "h2o", "streaming"])
@@ -171,8 +159,7 @@ def test_under_the_budget_sparse_layers_attend_densely_as_full_does(tiny_llama, 
 
 
 def test_past_the_budget_the_sparse_path_runs_again(tiny_llama):
-    engine = make_tiny_engine(tiny_llama, policy="infinigen", budget=0.15, min_fetch_tokens=32)
-    try:
+    with make_tiny_engine(tiny_llama, policy="infinigen", budget=0.15, min_fetch_tokens=32) as engine:
         engine.prefill(random_tokens(30, seed=3))
         engine.decode(4)
         assert engine.history[-1].dense_reason is not None
@@ -180,5 +167,3 @@ def test_past_the_budget_the_sparse_path_runs_again(tiny_llama):
         step = engine.history[-1]
         assert step.dense_reason is None and step.sparse_layers()
         assert step.fetched_ratio() < 1.0
-    finally:
-        engine.close()

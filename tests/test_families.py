@@ -188,11 +188,8 @@ def test_the_full_policy_gives_the_models_own_logits(family):
     """Sliding windows, soft-capping, NoPE layers and scalings as the family's own attention applies them."""
     _, model, _ = family
     expected, _, _ = run_recorded(model, PROMPT + CONTINUATION)
-    engine = engine_for(family, policy="full", prefill_chunk=32)
-    try:
+    with engine_for(family, policy="full", prefill_chunk=32) as engine:
         actual = teacher_forced(engine)
-    finally:
-        engine.close()
     torch.testing.assert_close(actual, expected[len(PROMPT) - 1 :].float(), rtol=0, atol=2e-4)
 
 
@@ -221,12 +218,9 @@ def test_at_the_defaults_infinigen_really_selects_on_global_layers(family):
     context, which is what a blind pick of the same size would get on average."""
     model_type, model, _ = family
     adapter = ModelAdapter.for_model(model)
-    engine = engine_for(family, min_fetch_tokens=0, record_recall=True)
-    try:
+    with engine_for(family, min_fetch_tokens=0, record_recall=True) as engine:
         teacher_forced(engine)
         steps = [s for s in engine.history if s.is_decode]
-    finally:
-        engine.close()
     sparse = [layer for s in steps for layer in s.layers if layer.sparse]
     assert sparse and all(adapter.is_global(layer.layer) for layer in sparse)
     assert all(layer.fetched < layer.context_len for layer in sparse), model_type

@@ -73,14 +73,11 @@ def test_a_local_llama_checkpoint_loads_calibrates_once_and_generates(tmp_path, 
     LlamaForCausalLM(config).save_pretrained(checkpoint)
     real_engine.tokenizer.save_pretrained(checkpoint)
     messages = []
-    engine = load_engine(str(checkpoint), device="cpu", cache_dir=tmp_path / "cache", progress=messages.append)
-    try:
+    with load_engine(str(checkpoint), device="cpu", cache_dir=tmp_path / "cache", progress=messages.append) as engine:
         assert any("Calibrating" in m for m in messages)
         assert engine.model_name == "tiny-llama" and engine.adapter.num_kv_heads == 1
         engine.prefill(engine.tokenizer("hello there")["input_ids"])
         engine.decode(5)
-    finally:
-        engine.close()
     messages.clear()
     load_engine(str(checkpoint), device="cpu", cache_dir=tmp_path / "cache", progress=messages.append).close()
     assert not any("Calibrating" in m for m in messages)  # the skew cache was reused

@@ -73,10 +73,7 @@ def test_a_reset_gives_memory_back_and_the_next_conversation_matches_a_fresh_one
 
 def test_an_edit_near_the_end_keeps_the_storage(tiny_llama, separate_devices):
     """Hysteresis: regenerating the last turn of a long session must not reallocate the pool."""
-    engine = long_session(tiny_llama, "infinigen")
-    try:
+    with long_session(tiny_llama, "infinigen") as engine:
         keys, partial = engine.pool._storage.layers[0].keys, engine.policy._partial_all
         engine.sync_to(PROMPT[:250] + random_tokens(30, seed=14))
         assert engine.pool._storage.layers[0].keys is keys and engine.policy._partial_all is partial
-    finally:
-        engine.close()

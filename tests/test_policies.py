@@ -18,11 +18,8 @@ def decode_some(engine, steps=4):
 @pytest.mark.parametrize("policy", ["infinigen", "h2o", "streaming"])
 @pytest.mark.parametrize("budget,is_tokens", [(0.1, False), (16, True)])
 def test_sparse_policies_stay_within_budget(tiny_llama, policy, budget, is_tokens):
-    engine = make_tiny_engine(tiny_llama, policy=policy, budget=budget, budget_is_tokens=is_tokens, alpha=1e9)
-    try:
+    with make_tiny_engine(tiny_llama, policy=policy, budget=budget, budget_is_tokens=is_tokens, alpha=1e9) as engine:
         steps = decode_some(engine)
-    finally:
-        engine.close()
     for step in steps:
         for layer in step.layers:
             cap = int(budget) if is_tokens else math.ceil(budget * layer.context_len)
@@ -35,11 +32,8 @@ def test_sparse_policies_stay_within_budget(tiny_llama, policy, budget, is_token
 
 def test_infinigen_fetches_fewer_than_the_budget_when_attention_is_peaked(tiny_llama):
     # random weights: flat attention; a budget under the whole context (one covering it attends densely)
-    engine = make_tiny_engine(tiny_llama, policy="infinigen", budget=0.9, alpha=0.002)
-    try:
+    with make_tiny_engine(tiny_llama, policy="infinigen", budget=0.9, alpha=0.002) as engine:
         steps = decode_some(engine)
-    finally:
-        engine.close()
     layer = steps[-1].layers[-1]
     # k rows are fetched (the budget: a length the host knows); attention keeps the alpha count of them
     assert layer.fetched == engine.config.budget_tokens_for(layer.context_len) < layer.context_len
@@ -47,11 +41,8 @@ def test_infinigen_fetches_fewer_than_the_budget_when_attention_is_peaked(tiny_l
 
 
 def test_streaming_keeps_sinks_and_the_most_recent(tiny_llama):
-    engine = make_tiny_engine(tiny_llama, policy="streaming", budget=20, budget_is_tokens=True, sink_tokens=4)
-    try:
+    with make_tiny_engine(tiny_llama, policy="streaming", budget=20, budget_is_tokens=True, sink_tokens=4) as engine:
         step = decode_some(engine, steps=1)[-1]
-    finally:
-        engine.close()
     expected = set(range(4)) | set(range(step.position - 16, step.position))
     for layer in step.sparse_layers():
         for head in layer.selected_positions:
@@ -59,12 +50,9 @@ def test_streaming_keeps_sinks_and_the_most_recent(tiny_llama):
 
 
 def test_h2o_keeps_the_recent_half_and_heavy_hitters(tiny_llama):
-    engine = make_tiny_engine(tiny_llama, policy="h2o", budget=20, budget_is_tokens=True)
-    try:
+    with make_tiny_engine(tiny_llama, policy="h2o", budget=20, budget_is_tokens=True) as engine:
         step = decode_some(engine, steps=3)[-1]
         scores = [engine.policy.scores[layer.layer] for layer in step.sparse_layers()]
-    finally:
-        engine.close()
     for layer, layer_scores in zip(step.sparse_layers(), scores):
         for head, positions in enumerate(layer.selected_positions.tolist()):
             recent = set(range(step.position - 10, step.position))
@@ -77,18 +65,14 @@ def test_h2o_keeps_the_recent_half_and_heavy_hitters(tiny_llama):
 
 def test_dense_policies_fetch_everything(tiny_llama):
     for policy in ("full", "offload"):
-        engine = make_tiny_engine(tiny_llama, policy=policy)
-        try:
+        with make_tiny_engine(tiny_llama, policy=policy) as engine:
             steps = decode_some(engine, steps=2)
-        finally:
-            engine.close()
         assert all(layer.fetched == layer.context_len for step in steps for layer in step.layers)
         assert all(step.fetched_ratio() == 1.0 for step in steps)
 
 
 def test_recent_decode_steps_is_a_snapshot_of_the_decode_steps(tiny_llama):
-    engine = make_tiny_engine(tiny_llama, policy="infinigen", budget=0.2)
-    try:
+    with make_tiny_engine(tiny_llama, policy="infinigen", budget=0.2) as engine:
         engine.prefill(random_tokens(60, seed=5))
         for token in random_tokens(3, seed=6):
             engine.decode(token)
@@ -96,5 +80,3 @@ def test_recent_decode_steps_is_a_snapshot_of_the_decode_steps(tiny_llama):
         assert [s.is_decode for s in steps] == [True] * 3 and len(engine.history) == 4  # the prefill left out
         engine.decode(7)
         assert len(steps) == 3 and len(engine.recent_decode_steps()) == 4  # a copy, not a live view
-    finally:
-        engine.close()
