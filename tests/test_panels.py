@@ -126,7 +126,7 @@ class FakeService:
 
     def __init__(self, engine):
         self.busy = False  # no turn is running
-        self.host = SimpleNamespace(engine=engine, model_summary=lambda: "model")
+        self.host = SimpleNamespace(engine=engine, model_summary=lambda: "model", remote=False)  # a local engine
         self.open_sessions = SimpleNamespace(page=SimpleNamespace(id="s1"))
         self.api = SimpleNamespace(turns_run=0)
         self.turns = SimpleNamespace(progress=SimpleNamespace(tokens_per_second=lambda: 9.0), busy=lambda: self.busy)
