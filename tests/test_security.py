@@ -243,7 +243,8 @@ def test_a_disk_limit_below_the_open_session_is_recorded_logged_once_and_said(tm
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "3.0 MiB" in warnings[0] and "over its limit of 2.0 MiB" in warnings[0]
 
-        service = SimpleNamespace(host=SimpleNamespace(engine=object(), status="Ready"), store=store,
+        service = SimpleNamespace(host=SimpleNamespace(engine=object(), status="Ready", remote=False,
+                                                        is_ready=lambda: True), store=store,
                                   pages=SimpleNamespace(restore_message=""),
                                   turns=SimpleNamespace(progress=SimpleNamespace(phase="idle")))
         line = status_text(service)
