@@ -15,7 +15,11 @@ last message and presses Enter; the browser is closed after the reply.
 Both rates are measured as the client sees the server generate: (tokens - 1) / (seconds from the first
 streamed text to the last), so the prefill is left out. The API's client times its stream chunks; the page
 records, with a MutationObserver, when the reply's text last grew. Tokens are the API's
-usage.completion_tokens; the page's reply is the same greedy reply (checked: `same_reply`), so it has as many.
+usage.completion_tokens. The page's reply is usually the same greedy reply (`same_reply`), so it has as many;
+where it is not (the long case's page turn reads the conversation's KV back from its stored int8 chunks, the API
+continues from the KV it holds, and a rounding apart can change a greedy choice), the page's count is its text's
+tokens scaled by the API's usage over the API text's tokens (the model's own tokenizer; the scaling cancels what
+re-tokenising decoded text adds or loses).
 Beside each rate, the CPU (in cores) of the app's process and of the browser while the reply streamed: where
 the time goes. The machine's speed drifts between rounds, so the figure to quote per case is the median of
 the rounds' own ratios.
@@ -218,22 +222,43 @@ def _same(a: str, b: str) -> bool:
     return " ".join(a.split()) == " ".join(b.split())
 
 
-def _round_row(number: int, case: Case, api: dict, page: dict) -> dict:
+def _page_tokens(api: dict, page: dict, count_tokens) -> int:
+    """The page reply's tokens: the API's count where the replies are the same, else counted from its text."""
+    if _same(api["text"], page["text"]):
+        return api["tokens"]
+    return round(count_tokens(page["text"]) * api["tokens"] / max(1, count_tokens(api["text"])))
+
+
+def _round_row(number: int, case: Case, api: dict, page: dict, count_tokens) -> dict:
+    page_tokens = _page_tokens(api, page, count_tokens)
     row = {"round": number, "case": case.name, "prompt_tokens": api["prompt_tokens"], "tokens": api["tokens"],
-           "api_tokens_per_s": (api["tokens"] - 1) / api["seconds"],
-           "page_tokens_per_s": (api["tokens"] - 1) / page["seconds"],
+           "page_tokens": page_tokens, "api_tokens_per_s": (api["tokens"] - 1) / api["seconds"],
+           "page_tokens_per_s": (page_tokens - 1) / page["seconds"],
            "api_app_cores": api["app_cores"], "page_app_cores": page["app_cores"],
-           "page_browser_cores": page["browser_cores"], "same_reply": _same(api["text"], page["text"])}
+           "page_browser_cores": page["browser_cores"], "same_reply": _same(api["text"], page["text"]),
+           "api_text": api["text"], "page_text": page["text"]}
     row["ratio"] = row["page_tokens_per_s"] / row["api_tokens_per_s"]
     return row
 
 
-HEADER = ("| round | case | prompt tokens | tokens | API (tokens/s) | page (tokens/s) | page / API | app CPU, API | "
+def _token_counter():
+    """Counts a text's tokens with the default model's tokenizer (the one `python app.py` loads)."""
+    from transformers import AutoTokenizer
+
+    from infinigen_core.loading import default_cache_dir, ensure_default_gguf
+
+    gguf = ensure_default_gguf(default_cache_dir(), progress=lambda message: None)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+HEADER = ("| round | case | prompt tokens | tokens (API / page where they differ) | API (tokens/s) | page (tokens/s) | page / API | app CPU, API | "
           "app CPU, page | browser CPU | same reply |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _row_line(r: dict) -> str:
-    return (f"| {r['round']} | {r['case']} | {r['prompt_tokens']} | {r['tokens']} | {r['api_tokens_per_s']:.2f} | "
+    tokens = r["tokens"] if r["page_tokens"] == r["tokens"] else f"{r['tokens']} / {r['page_tokens']}"
+    return (f"| {r['round']} | {r['case']} | {r['prompt_tokens']} | {tokens} | {r['api_tokens_per_s']:.2f} | "
             f"{r['page_tokens_per_s']:.2f} | {r['ratio']:.3f} | {r['api_app_cores']:.2f} | {r['page_app_cores']:.2f} | "
             f"{r['page_browser_cores']:.2f} | {r['same_reply']} |")
 
@@ -249,6 +274,7 @@ def measure_rounds(max_new_tokens: int, rounds: int, cases: tuple[str, ...] = ("
     if not Path(CHROMIUM).exists():
         raise RuntimeError("Debian chromium is not installed (apt-get install chromium)")
     chosen = [CASES[name] for name in cases]
+    count_tokens = _token_counter()
     rows: list[dict] = []
     show(HEADER)
     with tempfile.TemporaryDirectory(prefix="page-bench-") as folder, running_app(Path(folder)) as app, \
@@ -266,7 +292,7 @@ def measure_rounds(max_new_tokens: int, rounds: int, cases: tuple[str, ...] = ("
                 time.sleep(2)
                 page = _page_reply(app.url, case, long_session, playwright, clock)
                 time.sleep(2)
-                rows.append(_round_row(number, case, api, page))
+                rows.append(_round_row(number, case, api, page, count_tokens))
                 show(_row_line(rows[-1]))
     summary = {}
     for case in chosen:
