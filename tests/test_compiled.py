@@ -123,9 +123,8 @@ def _failing_backend(graph_module, example_inputs):
 
 
 def test_a_step_that_fails_to_compile_runs_eager_with_the_reason_logged(tiny_model, caplog):
-    engine, reference = make_tiny_engine(tiny_model), make_tiny_engine(tiny_model)
     messages = []
-    try:
+    with make_tiny_engine(tiny_model) as engine, make_tiny_engine(tiny_model) as reference:
         with caplog.at_level(logging.WARNING, logger="infinigen_core.compiled"):
             reason = compile_decode(engine, progress=messages.append, backend=_failing_backend)
         assert "no compiler here" in reason and engine.decode_step.label == "eager decode"
@@ -139,9 +138,6 @@ def test_a_step_that_fails_to_compile_runs_eager_with_the_reason_logged(tiny_mod
         assert tokens == expected
         torch.testing.assert_close(torch.stack(logits), torch.stack(expected_logits), rtol=0, atol=0)
         assert caplog.text.count("decode steps run eager") == 1  # logged once, not per step
-    finally:
-        engine.close()
-        reference.close()
 
 
 def test_where_torch_compile_itself_raises_decoding_stays_eager(tiny_model, monkeypatch, caplog):

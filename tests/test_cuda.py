@@ -50,12 +50,9 @@ def _logits_on(device: str, conversation, **settings) -> torch.Tensor:
     select from the same projections)."""
     model = _tiny_llama()
     skew = calibrate(model, random_tokens(256, seed=1))
-    engine = InfiniGenEngine(model.to(device), None, EngineConfig(min_fetch_tokens=0, prefill_chunk=40, **settings),
-                             skew_set=skew, device=device)
-    try:
+    with InfiniGenEngine(model.to(device), None, EngineConfig(min_fetch_tokens=0, prefill_chunk=40, **settings),
+                         skew_set=skew, device=device) as engine:
         return torch.stack(conversation(engine))
-    finally:
-        engine.close()
 
 
 @pytest.mark.parametrize("case", ["configure-after-prefill", "restore", "one-token-restore", "streaming"])

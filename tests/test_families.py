@@ -273,9 +273,8 @@ def test_the_panels_and_the_inspector_say_which_layers_slide():
     from ui import inspector, panels
 
     model = build("gemma3_text")
-    engine = InfiniGenEngine(model, None, EngineConfig(min_fetch_tokens=0),
-                             skew_set=calibrate(model, random_tokens(100, seed=1, vocab=VOCAB)), fingerprint="tiny")
-    try:
+    with InfiniGenEngine(model, None, EngineConfig(min_fetch_tokens=0),
+                         skew_set=calibrate(model, random_tokens(100, seed=1, vocab=VOCAB)), fingerprint="tiny") as engine:
         teacher_forced(engine)
         data = panels.collect(engine)
         assert data.sliding_layers() == [0, 1, 3, 4]
@@ -283,8 +282,6 @@ def test_the_panels_and_the_inspector_say_which_layers_slide():
         assert "sliding-window layers (whole window read): 0, 1, 3, 4" in panels.fetch_table(data)[1]
         page = inspector.render(engine, 0, 3)
         assert "sliding-window layer" in page and f"last {WINDOW} tokens" in page and "global layer: 2, 5" in page
-    finally:
-        engine.close()
 
 
 # ------------------------------------------------------------------------------------ loading by name

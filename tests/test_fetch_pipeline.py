@@ -74,13 +74,10 @@ def run(model, monkeypatch, attended, delay_s=None, restore=False, **settings):
             streamed(patch, delay_s)
         else:
             patch.delenv(SEPARATE_DEVICES_ENV, raising=False)
-        engine = make_tiny_engine(model, prefill_chunk=40, **settings)
         attended.clear()
-        try:
+        with make_tiny_engine(model, prefill_chunk=40, **settings) as engine:
             assert type(engine.fetcher) is (DirectFetcher if delay_s is None else StreamFetcher)
             logits = conversation(engine, restore)
-        finally:
-            engine.close()
     return logits, list(attended)
 
 
