@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from conftest import _tiny_llama, make_tiny_engine, random_tokens
 from infinigen_core.calibration import calibrate
 from infinigen_core.compiled import compile_decode
 from infinigen_core.config import EngineConfig
+
+from conftest import _tiny_llama, make_tiny_engine, random_tokens
 
 POOL_START = 256  # KVPool's first capacity: a conversation crossing it regrows the pool
 
@@ -164,9 +165,9 @@ def test_without_a_cpp_compiler_decoding_stays_eager_without_trying(tiny_model, 
 
 
 def test_the_model_summary_and_the_options_say_whether_decode_is_compiled(first_compile):
+    from chat_service.model_host import ModelHost
     from infinigen_core.cli import build_parser
     from ui.cli import parse_args
-    from chat_service.model_host import ModelHost
 
     compiled = first_compile[0]
     compiled.model_name = "tiny"

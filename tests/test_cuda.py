@@ -7,10 +7,12 @@ Exactness at a 100% budget, issue 29's first-run paths against the CPU, a decode
 import pytest
 import torch
 
-from conftest import _tiny_llama, _tiny_opt, random_tokens
 from infinigen_core.calibration import calibrate
 from infinigen_core.config import EngineConfig
 from infinigen_core.engine import InfiniGenEngine
+
+from conftest import _tiny_llama, _tiny_opt, random_tokens
+
 
 def _real_engine(**kwargs):
     """The default model on the GPU, or a skip where it cannot be had (the device image has no network and no

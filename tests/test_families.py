@@ -21,12 +21,13 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask
 
-from conftest import random_tokens
 from infinigen_core.arch import FAMILIES, ModelAdapter, UnsupportedModelError
 from infinigen_core.calibration import calibrate
 from infinigen_core.config import EngineConfig
 from infinigen_core.engine import InfiniGenEngine
 from infinigen_core.skew import is_orthogonal
+
+from conftest import random_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128

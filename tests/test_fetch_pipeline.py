@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import infinigen_core.engine as engine_module
-from conftest import make_tiny_engine, random_tokens
 from infinigen_core.devices import SEPARATE_DEVICES_ENV
 from infinigen_core.fetch import DirectFetcher, PendingFetch, StreamFetcher, make_fetcher
 from infinigen_core.kv_pool import KVPool
 from infinigen_core.transfer import ThreadedCpuOps
+
+from conftest import make_tiny_engine, random_tokens
 
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 

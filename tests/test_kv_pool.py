@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from conftest import make_tiny_engine, random_tokens
 from infinigen_core.config import ConfigError, EngineConfig
 from infinigen_core.kv_pool import KVPool, PoolCapacityError
+
+from conftest import make_tiny_engine, random_tokens
 
 
 def filled_pool(n, limit=None, sink=2, recent=4):

@@ -8,11 +8,21 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import make_tiny_engine, random_tokens
 from infinigen_core.loading import ModelLoadError, resolve_weights
-from infinigen_core.weights import (GROUP, Bf16DecodeLinear, Int4DecodeLinear, Int8DecodeLinear, decode_weight_kinds,
-                                    int4_codes, plain_fp32_weights, restore_fp32_weights, use_decode_weights,
-                                    weights_label)
+from infinigen_core.weights import (
+    GROUP,
+    Bf16DecodeLinear,
+    Int4DecodeLinear,
+    Int8DecodeLinear,
+    decode_weight_kinds,
+    int4_codes,
+    plain_fp32_weights,
+    restore_fp32_weights,
+    use_decode_weights,
+    weights_label,
+)
+
+from conftest import make_tiny_engine, random_tokens
 
 
 def _four_bit_linear(out_features=96, in_features=128, seed=0) -> nn.Linear:
