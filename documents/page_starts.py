@@ -69,7 +69,9 @@ def docx_page_starts(text: str, data: bytes) -> list[int] | None:
 
 def _docx_paragraphs(xml) -> list[tuple[int, str]]:
     """(page it starts on, its text) per paragraph of word/document.xml, streamed."""
-    paragraphs, parts, page, starts_on = [], [], 1, 1
+    paragraphs: list[tuple[int, str]] = []
+    parts: list[str] = []
+    page = starts_on = 1
     for event, element in ElementTree.iterparse(xml, events=("start", "end")):
         tag = element.tag
         if event == "start":

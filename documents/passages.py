@@ -121,8 +121,9 @@ def describe_read(name: str, passages: Sequence[Passage]) -> str:
     """What was read of a file, ranges merged: 'report.pdf: pages 1, 36-38' or 'notes.txt: lines 1-12, 840-861'."""
     if not passages:
         return f"{name}: nothing"
-    if all(p.page is not None for p in passages):
-        ranges = _merged([(p.page, p.page) for p in passages], gap=1)
+    pages = [p.page for p in passages if p.page is not None]
+    if len(pages) == len(passages):
+        ranges = _merged([(page, page) for page in pages], gap=1)
         unit = "page" if len(ranges) == 1 and ranges[0][0] == ranges[0][1] else "pages"
     else:
         ranges = _merged([(p.first_line, p.last_line) for p in passages], gap=2)  # a blank line between

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import zipfile
 from pathlib import PurePath
+from typing import cast
 
 from documents.document import DocumentError, DocumentKind
 from documents.limits import MAX_UNZIPPED_BYTES
@@ -84,7 +85,8 @@ def detect_kind(name: str, data: bytes, max_unzipped_bytes: int = MAX_UNZIPPED_B
             f"(a spreadsheet or presentation can be saved as PDF; an archive, unpacked)."
         )
     if expected is None:
-        return "html" if actual == "text" and _looks_like_html(data) else actual
+        # binary, legacy text and a zip that is no DOCX were refused above: what is left is a DocumentKind
+        return "html" if actual == "text" and _looks_like_html(data) else cast(DocumentKind, actual)
     if expected == "html" and actual == "text":
         return "html"
     if expected != actual:

@@ -37,8 +37,15 @@ from typing import Any
 import torch
 
 from .errors import ImportValidationError
-from .snapshots import (EXACT_FORMAT, INT8_FORMAT, INT8_PER_TOKEN_FORMAT, ChunkError, ChunkRecord, parse_chunk,
-                        read_chunk_bytes)
+from .snapshots import (
+    EXACT_FORMAT,
+    INT8_FORMAT,
+    INT8_PER_TOKEN_FORMAT,
+    ChunkError,
+    ChunkRecord,
+    parse_chunk,
+    read_chunk_bytes,
+)
 
 ARCHIVE_FORMAT = "infinigen-chat-session/1"
 # A manifest holds the history that fits one context window (the app drops the oldest turns beyond it): a

@@ -39,8 +39,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as save_safetensors
 
-from infinigen_core.rows import (KEY_CHANNEL_SCALES, KEY_SCALES, KEYS, POSITIONS, TOKEN_IDS, VALUE_SCALES, VALUES,
-                                 layers_in, tensor_name)
+from infinigen_core.rows import (
+    KEY_CHANNEL_SCALES,
+    KEY_SCALES,
+    KEYS,
+    POSITIONS,
+    TOKEN_IDS,
+    VALUE_SCALES,
+    VALUES,
+    layers_in,
+    tensor_name,
+)
 
 from .paths import atomic_write_bytes
 

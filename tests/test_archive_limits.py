@@ -19,11 +19,12 @@ import psutil
 import pytest
 import torch
 
-from conftest import make_tiny_engine, random_tokens
 from sessions import ImportValidationError, SessionStore
 from sessions import archive as archive_module
 from sessions.archive import MAX_MANIFEST_BYTES, _header_bound, max_chunk_bytes
 from sessions.snapshots import KEY_SMOOTHING_MIN_ROWS, read_chunk, write_chunk
+
+from conftest import make_tiny_engine, random_tokens
 
 BOMB_BYTES = 256 * 2**20
 ZEROS = bytes(2**20)

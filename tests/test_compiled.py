@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from conftest import _tiny_llama, make_tiny_engine, random_tokens
 from infinigen_core.calibration import calibrate
 from infinigen_core.compiled import compile_decode
 from infinigen_core.config import EngineConfig
+
+from conftest import _tiny_llama, make_tiny_engine, random_tokens
 
 POOL_START = 256  # KVPool's first capacity: a conversation crossing it regrows the pool
 
@@ -123,9 +124,8 @@ def _failing_backend(graph_module, example_inputs):
 
 
 def test_a_step_that_fails_to_compile_runs_eager_with_the_reason_logged(tiny_model, caplog):
-    engine, reference = make_tiny_engine(tiny_model), make_tiny_engine(tiny_model)
     messages = []
-    try:
+    with make_tiny_engine(tiny_model) as engine, make_tiny_engine(tiny_model) as reference:
         with caplog.at_level(logging.WARNING, logger="infinigen_core.compiled"):
             reason = compile_decode(engine, progress=messages.append, backend=_failing_backend)
         assert "no compiler here" in reason and engine.decode_step.label == "eager decode"
@@ -139,9 +139,6 @@ def test_a_step_that_fails_to_compile_runs_eager_with_the_reason_logged(tiny_mod
         assert tokens == expected
         torch.testing.assert_close(torch.stack(logits), torch.stack(expected_logits), rtol=0, atol=0)
         assert caplog.text.count("decode steps run eager") == 1  # logged once, not per step
-    finally:
-        engine.close()
-        reference.close()
 
 
 def test_where_torch_compile_itself_raises_decoding_stays_eager(tiny_model, monkeypatch, caplog):
@@ -168,9 +165,9 @@ def test_without_a_cpp_compiler_decoding_stays_eager_without_trying(tiny_model, 
 
 
 def test_the_model_summary_and_the_options_say_whether_decode_is_compiled(first_compile):
+    from chat_service.model_host import ModelHost
     from infinigen_core.cli import build_parser
     from ui.cli import parse_args
-    from chat_service.model_host import ModelHost
 
     compiled = first_compile[0]
     compiled.model_name = "tiny"

@@ -7,12 +7,13 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from test_speculation import _chooser
+
+from infinigen_core import cpu_kernels
+from infinigen_core.config import EngineConfig
+from infinigen_core.engine import InfiniGenEngine
 
 from conftest import make_tiny_engine, random_tokens
-from infinigen_core import cpu_kernels
-from infinigen_core.engine import InfiniGenEngine
-from infinigen_core.config import EngineConfig
-from test_speculation import _chooser
 
 
 @pytest.fixture(scope="session")
@@ -135,9 +136,9 @@ def test_a_build_that_fails_leaves_the_eager_path_with_a_reason(tmp_path, monkey
 
 
 def test_the_summary_and_the_options_say_whether_the_kernels_run(tiny_llama, kernels):
+    from chat_service.model_host import ModelHost
     from infinigen_core.cli import build_parser
     from ui.cli import parse_args
-    from chat_service.model_host import ModelHost
 
     model, skew = tiny_llama
     host = ModelHost()

@@ -7,10 +7,12 @@ Exactness at a 100% budget, issue 29's first-run paths against the CPU, a decode
 import pytest
 import torch
 
-from conftest import _tiny_llama, _tiny_opt, random_tokens
 from infinigen_core.calibration import calibrate
 from infinigen_core.config import EngineConfig
 from infinigen_core.engine import InfiniGenEngine
+
+from conftest import _tiny_llama, _tiny_opt, random_tokens
+
 
 def _real_engine(**kwargs):
     """The default model on the GPU, or a skip where it cannot be had (the device image has no network and no
@@ -50,12 +52,9 @@ def _logits_on(device: str, conversation, **settings) -> torch.Tensor:
     select from the same projections)."""
     model = _tiny_llama()
     skew = calibrate(model, random_tokens(256, seed=1))
-    engine = InfiniGenEngine(model.to(device), None, EngineConfig(min_fetch_tokens=0, prefill_chunk=40, **settings),
-                             skew_set=skew, device=device)
-    try:
+    with InfiniGenEngine(model.to(device), None, EngineConfig(min_fetch_tokens=0, prefill_chunk=40, **settings),
+                         skew_set=skew, device=device) as engine:
         return torch.stack(conversation(engine))
-    finally:
-        engine.close()
 
 
 @pytest.mark.parametrize("case", ["configure-after-prefill", "restore", "one-token-restore", "streaming"])

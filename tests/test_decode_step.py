@@ -7,9 +7,10 @@ and the syncing ops are the ones that would stall the CPU until the GPU caught u
 import pytest
 import torch
 
-from conftest import make_tiny_engine, random_tokens
 from bench.opcount import OpCounter
 from infinigen_core import EngineConfig, devices
+
+from conftest import make_tiny_engine, random_tokens
 
 POLICIES = ["full", "offload", "infinigen", "h2o", "streaming"]
 

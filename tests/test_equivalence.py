@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from conftest import make_tiny_engine, random_tokens
 from infinigen_core.config import EngineConfig
+
+from conftest import make_tiny_engine, random_tokens
 
 PROMPT, CONTINUATION = random_tokens(96, seed=3), random_tokens(12, seed=4)
 

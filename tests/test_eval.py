@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 
-from conftest import make_tiny_engine, random_tokens
 from bench import cli
 from bench.agree import agreement
 from bench.common import EvalError, format_table, load_prefix, parse_policies, read_text, to_json, windows
@@ -20,6 +19,8 @@ from bench.weights import compare_weights
 from infinigen_core import EngineConfig
 from infinigen_core.calibration import calibration_text
 from infinigen_core.weights import decode_weight_kinds
+
+from conftest import make_tiny_engine, random_tokens
 
 CONTEXT = 160
 PREFILL = 128

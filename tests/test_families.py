@@ -21,12 +21,13 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask
 
-from conftest import random_tokens
 from infinigen_core.arch import FAMILIES, ModelAdapter, UnsupportedModelError
 from infinigen_core.calibration import calibrate
 from infinigen_core.config import EngineConfig
 from infinigen_core.engine import InfiniGenEngine
 from infinigen_core.skew import is_orthogonal
+
+from conftest import random_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128
@@ -273,9 +274,8 @@ def test_the_panels_and_the_inspector_say_which_layers_slide():
     from ui import inspector, panels
 
     model = build("gemma3_text")
-    engine = InfiniGenEngine(model, None, EngineConfig(min_fetch_tokens=0),
-                             skew_set=calibrate(model, random_tokens(100, seed=1, vocab=VOCAB)), fingerprint="tiny")
-    try:
+    with InfiniGenEngine(model, None, EngineConfig(min_fetch_tokens=0),
+                         skew_set=calibrate(model, random_tokens(100, seed=1, vocab=VOCAB)), fingerprint="tiny") as engine:
         teacher_forced(engine)
         data = panels.collect(engine)
         assert data.sliding_layers() == [0, 1, 3, 4]
@@ -283,8 +283,6 @@ def test_the_panels_and_the_inspector_say_which_layers_slide():
         assert "sliding-window layers (whole window read): 0, 1, 3, 4" in panels.fetch_table(data)[1]
         page = inspector.render(engine, 0, 3)
         assert "sliding-window layer" in page and f"last {WINDOW} tokens" in page and "global layer: 2, 5" in page
-    finally:
-        engine.close()
 
 
 # ------------------------------------------------------------------------------------ loading by name

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import infinigen_core.engine as engine_module
-from conftest import make_tiny_engine, random_tokens
 from infinigen_core.devices import SEPARATE_DEVICES_ENV
 from infinigen_core.fetch import DirectFetcher, PendingFetch, StreamFetcher, make_fetcher
 from infinigen_core.kv_pool import KVPool
 from infinigen_core.transfer import ThreadedCpuOps
+
+from conftest import make_tiny_engine, random_tokens
 
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 
@@ -74,13 +75,10 @@ def run(model, monkeypatch, attended, delay_s=None, restore=False, **settings):
             streamed(patch, delay_s)
         else:
             patch.delenv(SEPARATE_DEVICES_ENV, raising=False)
-        engine = make_tiny_engine(model, prefill_chunk=40, **settings)
         attended.clear()
-        try:
+        with make_tiny_engine(model, prefill_chunk=40, **settings) as engine:
             assert type(engine.fetcher) is (DirectFetcher if delay_s is None else StreamFetcher)
             logits = conversation(engine, restore)
-        finally:
-            engine.close()
     return logits, list(attended)
 
 

@@ -2,9 +2,10 @@
 
 import threading
 
-from conftest import make_tiny_engine, random_tokens
 from infinigen_core.config import SamplingConfig
 from infinigen_core.generation import generate
+
+from conftest import make_tiny_engine, random_tokens
 
 
 def test_cancel_stops_a_long_prefill_at_the_next_chunk_and_keeps_what_was_read(tiny_llama):

@@ -5,7 +5,14 @@ import json
 import pytest
 
 from bench.gpu import SHAPES
-from bench.gpu_predict import PROFILES, kv_bytes_per_token_layer, predict_step, predict_table, profile_named, weight_bytes
+from bench.gpu_predict import (
+    PROFILES,
+    kv_bytes_per_token_layer,
+    predict_step,
+    predict_table,
+    profile_named,
+    weight_bytes,
+)
 
 
 def test_weight_and_kv_bytes_match_the_published_shapes():

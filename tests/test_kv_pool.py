@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from conftest import make_tiny_engine, random_tokens
 from infinigen_core.config import ConfigError, EngineConfig
 from infinigen_core.kv_pool import KVPool, PoolCapacityError
+
+from conftest import make_tiny_engine, random_tokens
 
 
 def filled_pool(n, limit=None, sink=2, recent=4):
@@ -194,9 +195,8 @@ def test_pool_limit_errors_are_clear():
 
 
 def test_engine_eviction_removes_rows_from_the_pool_and_the_partial_keys(tiny_llama):
-    engine = make_tiny_engine(tiny_llama, policy="infinigen", budget=0.3, pool_limit_tokens=64, sink_tokens=4,
-                              recent_window=16, prefill_chunk=16)
-    try:
+    with make_tiny_engine(tiny_llama, policy="infinigen", budget=0.3, pool_limit_tokens=64, sink_tokens=4,
+                          recent_window=16, prefill_chunk=16) as engine:
         engine.prefill(random_tokens(48, seed=2))
         engine.score(random_tokens(60, seed=3))
         pool = engine.pool
@@ -209,5 +209,3 @@ def test_engine_eviction_removes_rows_from_the_pool_and_the_partial_keys(tiny_ll
                 expected = pool.keys(layer).to(engine.device).float() @ engine.policy.projections[layer]
                 torch.testing.assert_close(engine.policy.partial_keys(layer), expected)
         assert all(layer.fetched <= 64 for step in engine.history for layer in step.layers)
-    finally:
-        engine.close()

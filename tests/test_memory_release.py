@@ -38,9 +38,8 @@ def decode_after(engine, prompt):
 @pytest.mark.parametrize("policy", ["infinigen", "h2o"])  # the policies with per-slot state
 def test_a_truncate_to_a_few_tokens_gives_memory_back_and_decodes_as_a_fresh_engine(tiny_llama, separate_devices,
                                                                                        policy):
-    engine, fresh = long_session(tiny_llama, policy), make_tiny_engine(tiny_llama, policy=policy, budget=0.3,
-                                                                        prefill_chunk=40)
-    try:
+    with long_session(tiny_llama, policy) as engine, \
+            make_tiny_engine(tiny_llama, policy=policy, budget=0.3, prefill_chunk=40) as fresh:
         capacity, held, device_bytes = engine.pool.capacity, held_bytes(engine), engine.policy.device_bytes()
         assert capacity >= len(PROMPT)
         engine.truncate(KEPT)
@@ -52,23 +51,16 @@ def test_a_truncate_to_a_few_tokens_gives_memory_back_and_decodes_as_a_fresh_eng
         logits, reference = decode_after(engine, []), decode_after(fresh, [])
         assert engine.history[-1].layers[-1].sparse  # the sparse path ran after the shrink
         torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
-    finally:
-        engine.close()
-        fresh.close()
 
 
 def test_a_reset_gives_memory_back_and_the_next_conversation_matches_a_fresh_one(tiny_llama, separate_devices):
-    engine, fresh = long_session(tiny_llama, "infinigen"), make_tiny_engine(tiny_llama, budget=0.3, prefill_chunk=40)
-    try:
+    with long_session(tiny_llama, "infinigen") as engine, make_tiny_engine(tiny_llama, budget=0.3, prefill_chunk=40) as fresh:
         held = held_bytes(engine)
         engine.reset()
         assert engine.pool.capacity == GROWTH and engine.num_tokens == 0
         assert held_bytes(engine) * 8 < held
         prompt = random_tokens(KEPT, seed=13)
         torch.testing.assert_close(decode_after(engine, prompt), decode_after(fresh, prompt), rtol=0, atol=1e-5)
-    finally:
-        engine.close()
-        fresh.close()
 
 
 def test_an_edit_near_the_end_keeps_the_storage(tiny_llama, separate_devices):

@@ -101,13 +101,8 @@ def separated(model, **settings):
 
 def both(monkeypatch, model, conversation, **settings) -> tuple[torch.Tensor, torch.Tensor]:
     """The conversation's logits on the plain CPU and on the separated devices."""
-    results = []
-    for engine in (plain(monkeypatch, model, **settings), separated(model, **settings)):
-        try:
-            results.append(torch.stack(conversation(engine)))
-        finally:
-            engine.close()
-    return results[0], results[1]
+    with plain(monkeypatch, model, **settings) as on_cpu, separated(model, **settings) as apart:
+        return torch.stack(conversation(on_cpu)), torch.stack(conversation(apart))
 
 
 @pytest.mark.parametrize("policy", ["full", "offload", "infinigen", "h2o"])

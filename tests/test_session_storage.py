@@ -12,13 +12,23 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from conftest import make_tiny_engine, random_tokens
 from infinigen_core.config import SamplingConfig
 from sessions import ChatSession, SessionStore, StorageConfig, parse_size
 from sessions.budget import enforce_disk_limit
 from sessions.lock import session_lock
-from sessions.snapshots import (EXACT_FORMAT, INT8_PER_TOKEN_FORMAT, KEY_SMOOTHING_MIN_ROWS, KV_FORMATS, ChunkError,
-                                ChunkRecord, quantize_rows, read_chunk, write_chunk)
+from sessions.snapshots import (
+    EXACT_FORMAT,
+    INT8_PER_TOKEN_FORMAT,
+    KEY_SMOOTHING_MIN_ROWS,
+    KV_FORMATS,
+    ChunkError,
+    ChunkRecord,
+    quantize_rows,
+    read_chunk,
+    write_chunk,
+)
+
+from conftest import make_tiny_engine, random_tokens
 
 
 @pytest.fixture

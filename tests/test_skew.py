@@ -2,9 +2,10 @@
 
 import torch
 
-from conftest import random_tokens
 from infinigen_core.calibration import RECORDING_ATTENTION
 from infinigen_core.skew import SkewSet, load_skew, save_skew, skew_from_states
+
+from conftest import random_tokens
 
 
 def test_skews_are_orthogonal(tiny_llama, tiny_opt):

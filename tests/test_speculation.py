@@ -5,8 +5,9 @@ import math
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from conftest import make_tiny_engine, random_tokens
 from infinigen_core.policies.infinigen import InfiniGenPolicy
+
+from conftest import make_tiny_engine, random_tokens
 
 
 def _chooser(**settings):

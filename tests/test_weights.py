@@ -8,11 +8,21 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import make_tiny_engine, random_tokens
 from infinigen_core.loading import ModelLoadError, resolve_weights
-from infinigen_core.weights import (GROUP, Bf16DecodeLinear, Int4DecodeLinear, Int8DecodeLinear, decode_weight_kinds,
-                                    int4_codes, plain_fp32_weights, restore_fp32_weights, use_decode_weights,
-                                    weights_label)
+from infinigen_core.weights import (
+    GROUP,
+    Bf16DecodeLinear,
+    Int4DecodeLinear,
+    Int8DecodeLinear,
+    decode_weight_kinds,
+    int4_codes,
+    plain_fp32_weights,
+    restore_fp32_weights,
+    use_decode_weights,
+    weights_label,
+)
+
+from conftest import make_tiny_engine, random_tokens
 
 
 def _four_bit_linear(out_features=96, in_features=128, seed=0) -> nn.Linear:
@@ -95,8 +105,8 @@ def test_compact_decoding_keeps_the_greedy_tokens_and_the_prefill_cache_exact(ti
     compact = _compact_copy(tiny_llama, monkeypatch, choice)
     assert weights_label(compact[0]).endswith("(head bf16)") and weights_label(tiny_llama[0]) == "fp32 weights"
     prompt = random_tokens(60, seed=2)
-    engines = [make_tiny_engine(m, policy="full") for m in (tiny_llama, compact)]
-    try:
+    with make_tiny_engine(tiny_llama, policy="full") as fp32, make_tiny_engine(compact, policy="full") as small:
+        engines = [fp32, small]
         first = [engine.prefill(prompt) for engine in engines]
         # prefill runs the fp32 model: the first reply token's logits and the prompt's K/V (what sessions
         # save) are fp32's bit for bit, also when only the last prompt token runs again (a cached prompt)
@@ -118,9 +128,6 @@ def test_compact_decoding_keeps_the_greedy_tokens_and_the_prefill_cache_exact(ti
             agree += int(logits[0].argmax() == logits[1].argmax())
             token = [int(logits[0].argmax())] * 2  # teacher-forced on the fp32 tokens
         assert agree >= 15
-    finally:
-        for engine in engines:
-            engine.close()
 
 
 def test_the_fp32_layers_come_back_and_the_compact_ones_return_unchanged(tiny_llama, monkeypatch):
