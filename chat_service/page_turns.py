@@ -10,10 +10,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 from documents import Document, attachment_record, displayed_message, message_with_attachments
 from infinigen_core import GenerationEvent
-from sessions import SessionError
+from sessions import ChatSession, SessionError
+from sessions.overflow import OVERFLOW_LABEL
 
 from .document_reading import DocumentReader
 from .errors import UserError
+from .out_of_window import OutOfWindow
 from .page_sessions import PageSessions
 from .remote_chat import OpenChat
 from .titles import session_title
@@ -33,6 +35,7 @@ class PageTurns:
         self.pages, self.documents = pages, documents
         self.turns, self.open, self.store, self.settings = pages.turns, pages.open, pages.store, pages.settings
         self.waiting_for_model = 0  # messages sent while the model loads, sent once it is ready
+        self.out_of_window = OutOfWindow()  # the turns the overflow setting dropped, for the context meter
 
     def send(self, text: str, attachments: Sequence[Document] = ()) -> Iterator[list[dict]]:
         """Send `text` after the attached documents' text (a document that does not fit the window: the passages
@@ -49,13 +52,17 @@ class PageTurns:
         chat = self.pages.require_chat()
         attachments = self.documents.for_page(chat, text, attachments)
         content, records = chat.user_message(text, attachments)
+        overflow = self.settings.current.overflow
         check = chat.check_window(content)
-        if not check.fits:
-            raise UserError(check.explain(attached=bool(attachments)))
+        if not check.fits and (overflow == "stop" or not chat.messages):
+            setting = f" Or let Settings' “{OVERFLOW_LABEL}” drop them for you." if check.droppable_turns else ""
+            raise UserError(check.explain(attached=bool(attachments)) + setting)
         if not chat.messages and self.store.get(chat.id).title == "New chat":
             self.store.rename(chat.id, session_title(text, attachments))  # a title worth listing
 
         def generate(chat: OpenChat, progress: Progress) -> Iterator[GenerationEvent]:
+            if overflow != "stop" and isinstance(chat, ChatSession):  # before the message is read: whole turns go
+                self.out_of_window.drop(chat, content, overflow)
             if not chat.messages:
                 self.open.start_from_stored_prefix(chat, chat.prompt_ids(content))
             return chat.send(text, self._sampling(), self.turns.cancel, progress, attachments=tuple(attachments))
@@ -93,7 +100,11 @@ class PageTurns:
         chat = self.pages.require_chat()
         with self.turns.exclusive():
             try:
-                dropped = chat.drop_oldest_turns(text or "")
+                if isinstance(chat, ChatSession):
+                    dropped = self.out_of_window.drop(chat, text or "", "drop_oldest")
+                else:
+                    chat.drop_oldest_turns(text or "")  # a remote session says why it cannot
+                    dropped = 0
             except SessionError as error:
                 raise UserError(str(error)) from None
         return f"Dropped the {dropped} oldest turn(s); the system prompt was kept."

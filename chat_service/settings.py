@@ -14,6 +14,7 @@ from infinigen_core import ConfigError, EngineConfig, SamplingConfig
 from infinigen_core.config import parse_budget, pool_limit_tokens
 from sessions import SessionStore, StorageConfig, format_size, parse_size
 from sessions.budget import enforce_disk_limit
+from sessions.overflow import DEFAULT_OVERFLOW, OVERFLOW_POLICIES, check_overflow
 
 from .errors import UserError
 
@@ -30,6 +31,7 @@ class Settings:
     inspect: bool = False  # recording the true attention costs a dense pass per layer
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=256))
     min_fetch_tokens: int = EngineConfig.min_fetch_tokens
+    overflow: str = DEFAULT_OVERFLOW  # when the chat outgrows the window (sessions/overflow.py): a page setting
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class SettingsForm:
     repetition_penalty: float = 1.0
     max_new_tokens: float = 256
     min_fetch_tokens: float = EngineConfig.min_fetch_tokens
+    overflow: str = DEFAULT_OVERFLOW  # a key or label of OVERFLOW_POLICIES
 
 
 def engine_config(settings: Settings, engine=None) -> EngineConfig:
@@ -79,7 +82,8 @@ class SettingsKeeper:
                                       max_new_tokens=int(form.max_new_tokens))
             candidate = Settings(form.policy, float(form.alpha), str(form.budget).strip(), float(form.partial_ratio),
                                  str(form.pool_limit or ""), bool(form.inspect), sampling,
-                                 float(form.min_fetch_tokens))  # type: ignore[arg-type]  # checked just below
+                                 float(form.min_fetch_tokens),  # type: ignore[arg-type]  # checked just below
+                                 check_overflow(form.overflow))
             config = engine_config(candidate, engine)  # validates every engine setting, the floor included
             candidate.min_fetch_tokens = config.min_fetch_tokens
         except (ConfigError, ValueError, TypeError) as error:
@@ -87,8 +91,9 @@ class SettingsKeeper:
         self.current = candidate
         self._pending = config
         return (f"Settings saved: {config.policy}, alpha {config.alpha:g}, budget {candidate.budget}, "
-                f"at least {config.min_fetch_tokens} tokens, partial ratio {config.partial_ratio:g}; they apply "
-                "from the next message.")
+                f"at least {config.min_fetch_tokens} tokens, partial ratio {config.partial_ratio:g}; when the chat "
+                f"outgrows the window: {OVERFLOW_POLICIES[candidate.overflow].lower()}; they apply from the next "
+                "message.")
 
     def apply_pending(self, engine, store: SessionStore, session_id: str) -> None:
         """Before a turn: configure the engine with settings applied since the last one, and record them."""

@@ -18,6 +18,7 @@ import gradio as gr
 from chat_service import ChatService
 from infinigen_core.config import POLICY_NAMES
 from sessions import format_size
+from sessions.overflow import OVERFLOW_LABEL, OVERFLOW_POLICIES
 
 from . import panels
 from .chat_view import ChatView
@@ -125,6 +126,8 @@ class ChatPage:
                                             max_lines=12, elem_id="ig-message", submit_btn=False)
         # each attachment's card and the share of the model's window the message would take, before sending
         self.attachment_info = gr.Markdown(elem_id="ig-attachments")
+        # the context meter: the session's share of the window and the turns dropped to fit (refresh_sessions)
+        self.context_meter = gr.Markdown(elem_id="ig-context")
         with gr.Row():
             self.send_button = gr.Button("Send", variant="primary", elem_id="ig-send")
             self.stop_button = gr.Button("Stop", elem_id="ig-stop")
@@ -155,13 +158,16 @@ class ChatPage:
                 top_k = gr.Number(value=0, precision=0, label="top-k (0 = off)")
                 repetition = gr.Slider(0.8, 2.0, value=1.0, step=0.05, label="repetition penalty")
                 max_new = gr.Number(value=256, precision=0, label="max new tokens")
+            with gr.Row(visible=not self.service.host.remote):  # a remote server counts its own window
+                overflow = gr.Radio([(label, key) for key, label in OVERFLOW_POLICIES.items()], value=shown.overflow,
+                                    label=OVERFLOW_LABEL, elem_id="ig-overflow")
             self.apply_button = gr.Button("Apply settings")
             self.settings_status = gr.Markdown()
         # by the name of PageActions.apply_settings's parameter each one fills
         self.settings_inputs = {"policy": policy, "alpha": alpha, "budget": budget, "partial_ratio": partial_ratio,
                                 "pool_limit": pool_limit, "inspect": record, "temperature": temperature,
                                 "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition,
-                                "max_new_tokens": max_new, "min_fetch_tokens": min_fetch}
+                                "max_new_tokens": max_new, "min_fetch_tokens": min_fetch, "overflow": overflow}
 
     def _storage_box(self) -> None:
         storage = self.service.store.storage
@@ -221,7 +227,7 @@ class ChatPage:
         """After `event`, the sidebar shows the sessions as they are now, and the status line the app's state."""
         return event.then(self.actions.refresh_sessions, None, [self.session_picker, self.title_box,
                                                                 self.system_box, self.session_info, self.status,
-                                                                self.file_chat_button], **options)
+                                                                self.file_chat_button, self.context_meter], **options)
 
     def _bind(self, demo: gr.Blocks) -> None:
         # scripts and tests (gradio_client, logged in with the key when the app has one) may call the events
@@ -251,7 +257,7 @@ class ChatPage:
                                                         **replying), **hidden)
         self._then_refresh(self.edit_button.click(act.edit, self.message, [self.chatbot, self.message], **quiet),
                            **hidden)
-        self.drop_button.click(act.drop, self.message, self.chatbot, **private)
+        self._then_refresh(self.drop_button.click(act.drop, self.message, self.chatbot, **private), **hidden)
         opened = [self.chatbot, self.status]
         self._then_refresh(self.session_picker.input(act.open, self.session_picker, opened, **hidden), **hidden)
         self.open_api.change(act.open, self.open_api, opened, api_name="open_session")
@@ -272,8 +278,9 @@ class ChatPage:
         self.system_button.click(act.system_prompt, self.system_box, self.settings_status, **private)
         self._then_refresh(self.storage_button.click(act.storage, [self.kv_format, self.kv_limit],
                                                      self.storage_status, **private), **hidden)
-        self.apply_button.click(act.apply_settings, in_parameter_order(act.apply_settings, self.settings_inputs),
-                                self.settings_status, api_name="apply_settings")
+        self._then_refresh(self.apply_button.click(act.apply_settings,
+                                                   in_parameter_order(act.apply_settings, self.settings_inputs),
+                                                   self.settings_status, api_name="apply_settings"), **hidden)
         self.inspect_button.click(act.inspect, [self.step_picker, self.layer_picker], self.inspector_html, **hidden)
         self.inspect_api_button.click(act.inspect_index, [self.step_index_api, self.layer_api], self.inspector_html,
                                       api_name="inspect")

@@ -18,7 +18,7 @@ from documents.convert import attachment_digest
 from documents.reading import window_note
 
 from . import inspector
-from .page_text import find, search_snippets, session_choices, session_details, status_text
+from .page_text import context_meter, find, search_snippets, session_choices, session_details, status_text
 from .temp_folders import remove_upload
 
 ERROR_SECONDS = 12
@@ -138,7 +138,8 @@ class PageActions:
         has_file = chat is not None and any(message.attachments for message in chat.messages)
         return gr.update(choices=session_choices(summaries), value=current), \
             (summary.title if summary else ""), (summary.system_prompt if summary else ""), \
-            session_details(summary), status_text(self.service), gr.update(visible=has_file)
+            session_details(summary), status_text(self.service), gr.update(visible=has_file), \
+            context_meter(self.service)
 
     def _session_picker(self):
         """The session list as it is now (a turn that has just started has stored its message and title)."""
@@ -281,13 +282,14 @@ class PageActions:
 
     @shows_errors
     def apply_settings(self, policy, alpha, budget, partial_ratio, pool_limit, inspect, temperature, top_p, top_k,
-                       repetition_penalty, max_new_tokens, min_fetch_tokens=SettingsForm.min_fetch_tokens) -> str:
+                       repetition_penalty, max_new_tokens, min_fetch_tokens=SettingsForm.min_fetch_tokens,
+                       overflow=SettingsForm.overflow) -> str:
         """The page's settings inputs, bound by these parameters' names (ChatPage.settings_inputs); scripts
         call /apply_settings with the values in this order."""
         form = SettingsForm(policy=policy, alpha=alpha, budget=budget, partial_ratio=partial_ratio,
                             pool_limit=pool_limit, inspect=inspect, temperature=temperature, top_p=top_p, top_k=top_k,
                             repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
-                            min_fetch_tokens=min_fetch_tokens)
+                            min_fetch_tokens=min_fetch_tokens, overflow=overflow)
         return self.service.settings.apply(self.service.host.engine, form)
 
     @shows_errors

@@ -6,7 +6,12 @@ import html
 import time
 
 from chat_service import ChatService
-from sessions import SessionSummary, format_size
+from infinigen_core import chat_token_ids
+from sessions import ChatSession, SessionSummary, format_size
+from sessions.chat import conversation
+from sessions.overflow import OVERFLOW_LABEL, OVERFLOW_POLICIES
+
+METER_LISTED = 5  # dropped turns the context meter names; the rest are counted
 
 
 def session_choices(summaries: list[SessionSummary]) -> list[tuple[str, str]]:
@@ -86,3 +91,24 @@ def search_snippets(hits, text: str) -> str:
         return f"<p>No saved chat holds “{html.escape(text.strip())}”.</p>"
     rows = "".join(f"<li><b>{html.escape(hit.title)}</b><br>{hit.snippet}</li>" for hit in hits)
     return f"<ul class='ig-search-hits'>{rows}</ul>"
+
+
+def context_meter(service: ChatService) -> str:
+    """The open session's share of the model's window, the overflow setting, and the turns dropped from it to
+    fit ('3 turns out of the window: “…”, …'), which the model no longer reads. Empty for a remote session
+    (the server counts its own tokens) and while no model is loaded."""
+    chat, engine = service.open_sessions.page, service.host.engine
+    if not isinstance(chat, ChatSession) or engine is None:
+        return ""
+    turns = conversation(chat.system_prompt, [(m.role, m.content) for m in chat.messages])
+    used, window = (len(chat_token_ids(engine.tokenizer, turns)) if turns else 0), engine.max_context
+    policy = OVERFLOW_POLICIES[service.settings.current.overflow]
+    meter = f"Context: {used:,} of {window:,} tokens ({100 * used / window:.0f}%) · {OVERFLOW_LABEL.lower()}: " \
+            f"{policy.lower()}."
+    dropped = service.page_turns.out_of_window.listed(chat.id)
+    if dropped:
+        named = ", ".join(f"“{html.escape(question)}”" for question in dropped[:METER_LISTED])
+        more = f" and {len(dropped) - METER_LISTED} more" if len(dropped) > METER_LISTED else ""
+        meter += f" **{len(dropped)} turn{'s' if len(dropped) != 1 else ''} out of the window** (dropped to fit; " \
+                 f"the model no longer reads them): {named}{more}."
+    return meter

@@ -1,0 +1,61 @@
+"""When a chat outgrows the model's window: which whole turns go so that the next message and a short reply fit.
+
+    OVERFLOW_POLICIES["drop_oldest"]            # 'Drop the oldest turns' (the page's label)
+    kept = turns_kept(messages, fits, keep_first=False)   # None: nothing the policy may drop makes it fit
+
+A turn is a user message and what follows it up to the next user message (its reply). The system prompt is
+not a message and always stays. The most recent turn stays too, so the new message still reads as an answer
+to what was just said: the same rule as the "Drop oldest turns" button and the window error's "N can go".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+OVERFLOW_LABEL = "When the chat outgrows the window"  # the setting's name on the page
+# its choices: the value stored with a session's settings, and the page's label
+OVERFLOW_POLICIES = {
+    "stop": "Stop and ask",
+    "drop_oldest": "Drop the oldest turns",
+    "keep_first": "Keep the first turn, drop the middle",
+}
+DEFAULT_OVERFLOW = "stop"
+
+M = TypeVar("M")  # a stored message (sessions.store.Message): anything with a `role`
+
+
+def check_overflow(policy: str) -> str:
+    """`policy` as stored (a key of OVERFLOW_POLICIES; the page's label is taken too); ValueError otherwise."""
+    text = str(policy or "").strip()
+    for key, label in OVERFLOW_POLICIES.items():
+        if text in (key, label):
+            return key
+    choices = ", ".join(f"{key!r} ({label})" for key, label in OVERFLOW_POLICIES.items())
+    raise ValueError(f"“{OVERFLOW_LABEL}” must be one of {choices}, not {policy!r}")
+
+
+def turns_kept(messages: Sequence[M], fits: Callable[[list[M]], bool], keep_first: bool = False) -> list[M] | None:
+    """The fewest whole turns dropped from `messages` so that `fits(kept)`: the oldest first, or with
+    `keep_first` those after the first turn. `messages` themselves when they fit; None when even the
+    shortest history the policy allows does not."""
+    kept = list(messages)
+    if fits(kept):
+        return kept
+    starts = [index for index, message in enumerate(kept) if getattr(message, "role") == "user"]
+    first = 1 if keep_first else 0  # the turns before this one never go
+    head = kept[: starts[1]] if keep_first and len(starts) > 1 else []
+    for cut in range(first + 1, len(starts)):  # drop turns [first, cut); the last turn always stays
+        candidate = head + kept[starts[cut]:]
+        if fits(candidate):
+            return candidate
+    return None
+
+
+def dropped_turns(before: Sequence[M], kept: Sequence[M]) -> list[M]:
+    """The messages of `before` that `kept` (a result of turns_kept: a head and a tail of it) lost."""
+    if len(kept) == len(before):
+        return []
+    head = next((n for n, (a, b) in enumerate(zip(before, kept)) if a is not b), min(len(before), len(kept)))
+    tail = len(kept) - head
+    return list(before[head: len(before) - tail])

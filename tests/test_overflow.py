@@ -1,0 +1,182 @@
+"""When the chat outgrows the window: whole turns dropped (the oldest, or the middle ones), the KV kept consistent
+with what is left, the setting on the page, the context meter, and the API left to its client.
+
+A tiny random Llama with a 160-token window and a word-level chat tokenizer: a few turns outgrow it, and greedy
+replies are exact, so "the same as a fresh engine reading the shortened conversation" is an equality.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from chat_service import ChatService, UserError
+from chat_service.settings import SettingsForm
+from infinigen_core import EngineConfig, SamplingConfig, chat_token_ids, generate
+from infinigen_core.engine import InfiniGenEngine
+from sessions import ChatSession, ContextWindowError, SessionStore
+from sessions.chat import conversation
+from sessions.overflow import check_overflow, dropped_turns, turns_kept
+from ui.api.protocol import ApiError, ChatRequest
+from ui.api.serving import checked_prompt_ids
+from ui.page_text import context_meter
+
+WINDOW = 160  # the reply reserve (64) leaves 96 tokens for the conversation: about three of these turns
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu red green blue amber").split()
+SPECIALS = ("<|im_start|>", "<|im_end|>")
+TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+GREEDY = SamplingConfig(max_new_tokens=4)
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: index for index, token in enumerate(SPECIALS + ("[UNK]", "system", "user", "assistant") + tuple(WORDS))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", unk_token="[UNK]",
+                                        chat_template=TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    tokenizer = word_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=WINDOW,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(config).eval(), tokenizer
+
+
+def small_engine(model_and_tokenizer) -> InfiniGenEngine:
+    model, tokenizer = model_and_tokenizer
+    return InfiniGenEngine(model, tokenizer, EngineConfig(policy="full"), fingerprint="tiny-words")
+
+
+def words(seed: int, count: int = 16) -> str:
+    return " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] for i in range(count))
+
+
+def reply_of_fresh_engine(model_and_tokenizer, system: str, turns: list[tuple[str, str]]):
+    """What an engine that never saw the dropped turns answers to `turns`: (reply text, token ids after it)."""
+    engine = small_engine(model_and_tokenizer)
+    prompt = chat_token_ids(engine.tokenizer, conversation(system, turns), add_generation_prompt=True)
+    events = list(generate(engine, prompt, GREEDY))
+    return events[-1].full_text, list(engine.token_ids)
+
+
+def test_turns_kept_drops_whole_turns_and_keeps_the_last_one():
+    said = [SimpleNamespace(role=role, n=n) for n, role in enumerate("user assistant user assistant user assistant "
+                                                                       "user".split())]
+    short_enough = lambda kept: len(kept) <= 3  # noqa: E731
+    oldest = turns_kept(said, short_enough)
+    assert [m.n for m in oldest] == [4, 5, 6]  # two whole turns went, the oldest first
+    assert [m.n for m in dropped_turns(said, oldest)] == [0, 1, 2, 3]
+    middle = turns_kept(said, lambda kept: len(kept) <= 4, keep_first=True)
+    assert [m.n for m in middle] == [0, 1, 6] and [m.n for m in dropped_turns(said, middle)] == [2, 3, 4, 5]
+    assert turns_kept(said, lambda kept: len(kept) <= 3, keep_first=True) == [said[0], said[1], said[6]]
+    assert turns_kept(said, lambda kept: len(kept) <= 2, keep_first=True) is None  # the first and last stay
+    assert turns_kept(said, lambda kept: False) is None and turns_kept(said, lambda kept: True) == said
+    assert check_overflow("Keep the first turn, drop the middle") == "keep_first" == check_overflow(" keep_first ")
+    with pytest.raises(ValueError, match="When the chat outgrows the window"):
+        check_overflow("drop everything")
+
+
+@pytest.mark.parametrize("keep_first", [False, True])
+def test_a_session_with_turns_dropped_answers_as_if_they_were_never_said_and_reopens_shortened(
+        tmp_path, model_and_tokenizer, keep_first):
+    store, system = SessionStore(tmp_path / "data"), "blue amber"
+    session_id = store.create("Overflow", system_prompt=system)
+    engine = small_engine(model_and_tokenizer)
+    with ChatSession.open(store, engine, session_id) as chat:
+        for seed in range(3):
+            list(chat.send(words(seed), GREEDY))
+        new = words(9)
+        assert not chat.check_window(new).fits
+        gone = chat.fit_window(new, keep_first=keep_first)
+        assert [m.content for m in gone if m.role == "user"] == [words(1) if keep_first else words(0)]
+        kept = [(m.role, m.content) for m in chat.messages]
+        assert (kept[0][1] == words(0)) is keep_first and kept[-2][1] == words(2)
+        reply = list(chat.send(new, GREEDY))[-1].full_text
+        expected_reply, expected_ids = reply_of_fresh_engine(model_and_tokenizer, system, kept + [("user", new)])
+        assert reply == expected_reply and engine.token_ids == expected_ids  # no dropped token is attended to
+        shortened = [(m.role, m.content) for m in chat.messages]
+    reopened_engine = small_engine(model_and_tokenizer)
+    with ChatSession.open(store, reopened_engine, session_id) as chat:
+        assert [(m.role, m.content) for m in chat.messages] == shortened == kept + [("user", new), ("assistant", reply)]
+        assert chat.restore.tokens_restored == len(expected_ids) and not chat.restore.rebuilt
+        assert reopened_engine.token_ids == expected_ids
+        follow_up = list(chat.send(words(4, 4), GREEDY))[-1].full_text
+    assert follow_up == reply_of_fresh_engine(model_and_tokenizer, system, shortened + [("user", words(4, 4))])[0]
+
+
+def test_nothing_is_dropped_when_even_the_shortest_history_does_not_fit(tmp_path, model_and_tokenizer):
+    store = SessionStore(tmp_path / "data")
+    session_id = store.create("Too long")
+    with ChatSession.open(store, small_engine(model_and_tokenizer), session_id) as chat:
+        for seed in range(2):
+            list(chat.send(words(seed), GREEDY))
+        with pytest.raises(ContextWindowError):
+            chat.fit_window(words(5, 90))
+        assert len(chat.messages) == 4
+
+
+@pytest.fixture
+def service(tmp_path, model_and_tokenizer):
+    engine = small_engine(model_and_tokenizer)
+    controller = ChatService(tmp_path / "data", loader=lambda *args, **kwargs: engine)
+    controller.load(progress=lambda message: None)
+    assert controller.host.load_error is None, controller.host.load_error
+    return controller
+
+
+def page_send(service: ChatService, text: str) -> list[dict]:
+    history: list[dict] = []
+    for history in service.page_turns.send(text):
+        pass
+    return history
+
+
+def apply_overflow(service: ChatService, overflow: str) -> str:
+    return service.settings.apply(service.host.engine, SettingsForm(policy="full", overflow=overflow,
+                                                                    max_new_tokens=4))
+
+
+def test_the_page_setting_stops_and_asks_by_default_then_drops_turns_and_the_meter_names_them(service):
+    apply_overflow(service, "stop")
+    for seed in range(3):
+        page_send(service, words(seed))
+    chat = service.open_sessions.page
+    assert "Context:" in context_meter(service) and "out of the window" not in context_meter(service)
+    with pytest.raises(UserError, match="When the chat outgrows the window"):  # says the setting exists
+        page_send(service, words(9, 20))
+    assert len(chat.messages) == 6  # nothing sent or lost
+    with pytest.raises(UserError, match="When the chat outgrows the window"):
+        apply_overflow(service, "sometimes")  # validated in one place, the old setting kept
+    assert "drop the oldest turns" in apply_overflow(service, "Drop the oldest turns")
+    shown = page_send(service, words(9, 20))
+    assert [m["content"] for m in shown if m["role"] == "user"] == [words(1), words(2), words(9, 20)]
+    meter = context_meter(service)
+    assert "1 turn out of the window" in meter and words(0)[:20] in meter and words(1)[:20] not in meter
+    assert service.store.get(chat.id).settings["overflow"] == "drop_oldest"  # kept with the session's settings
+    apply_overflow(service, "keep_first")
+    page_send(service, words(10, 20))
+    assert [m.content for m in chat.messages if m.role == "user"][0] == words(1)  # the first left now stays
+    assert "2 turns out of the window" in context_meter(service)
+
+
+def test_the_api_leaves_its_messages_to_its_client_whatever_the_page_setting(service):
+    apply_overflow(service, "drop_oldest")
+    turns = []
+    for seed in range(4):
+        turns += [("user", words(seed)), ("assistant", words(seed + 20, 4))]
+    asked = SimpleNamespace(system="", turns=tuple(turns + [("user", words(9))]), documents=())
+    with pytest.raises(ApiError) as refused:
+        checked_prompt_ids(service, ChatRequest(conversation=asked, stream=False, include_usage=False))
+    assert refused.value.status == 400 and "drop the oldest turns" in str(refused.value.message)
