@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     from ui.head_script import HeadScript
     from ui.request_limits import MAX_UPLOAD_BYTES
     from ui.site_checks import HostPolicy
+    from ui.slow_senders import use_head_deadline
 
+    use_head_deadline()  # a client trickling a request's headers is cut off (uvicorn itself waits for ever)
     remove_stale_staging(service.store.data_dir)  # an import killed mid-way left chunks no session names
 
     # the key guards the page (Gradio's login: any user name, the key as password), Gradio's routes and /v1;

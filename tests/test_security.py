@@ -3,9 +3,12 @@ the openai client and a headless Chromium (the login page, the CSP, remote image
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import json
+import select
+import socket
 import threading
 import time
 import urllib.error
@@ -142,6 +145,37 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(app):
     assert connection.getresponse().status == 413
     status, _, _ = call("GET", app.url + "v1/models", headers={"authorization": f"Bearer {KEY}"})
     assert status == 200  # still up
+
+
+def test_clients_trickling_their_headers_are_cut_off_while_the_api_answers(app):
+    """A slowloris: connections that send a request head a byte a second. uvicorn alone waited for ever."""
+    from ui.slow_senders import HEAD_DEADLINE_S
+
+    host, port = app.url.split("//")[1].rstrip("/").split(":")
+    head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"a" * 100
+    slow = [socket.create_connection((host, int(port)), timeout=5) for _ in range(8)]
+    started, answers, api_seconds = time.monotonic(), {}, []
+    for byte in head:
+        for connection in slow:
+            if connection not in answers:
+                with contextlib.suppress(OSError):  # the server may close it between our sends
+                    connection.send(bytes([byte]))
+        before = time.monotonic()
+        status, _, _ = call("GET", app.url + "v1/models", headers={"authorization": f"Bearer {KEY}"})
+        api_seconds.append(time.monotonic() - before)
+        assert status == 200
+        readable, _, _ = select.select([c for c in slow if c not in answers], [], [], max(0.0, 1 - api_seconds[-1]))
+        for connection in readable:
+            answers[connection] = (time.monotonic() - started, connection.recv(4096))
+        if len(answers) == len(slow) or time.monotonic() - started > HEAD_DEADLINE_S + 5:
+            break
+    for connection in slow:
+        connection.close()
+    assert len(answers) == len(slow), "a connection trickling its head was still open"
+    for seconds, answer in answers.values():
+        assert HEAD_DEADLINE_S - 1 <= seconds <= HEAD_DEADLINE_S + 3
+        assert answer.startswith(b"HTTP/1.1 408 ")
+    assert max(api_seconds) < 1.0, api_seconds  # every other request was answered meanwhile
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):

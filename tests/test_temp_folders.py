@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 from ui.temp_folders import EXPORT_PREFIX, fresh_export_folder, remove_upload
@@ -24,6 +26,19 @@ def test_a_new_export_folder_removes_stale_ones_of_earlier_runs_only(tmp_path):
     folder = fresh_export_folder(tmp_path)
     assert folder.is_dir() and folder.name.startswith(EXPORT_PREFIX)
     assert not stale.exists() and running.is_dir() and unrelated.is_dir()
+
+
+def test_an_export_folder_whose_app_is_gone_is_removed_at_once_and_a_live_ones_kept(tmp_path):
+    """A run killed with kill -9 leaves its folder: the next start removes it, not an hour later."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"{EXPORT_PREFIX}{int(ended.stdout)}-k1ll3d"
+    dead.mkdir()
+    (dead / "chat.igchat").write_bytes(b"x" * 1000)
+    live = tmp_path / f"{EXPORT_PREFIX}{os.getppid()}-l1ve"  # the process that started this test runs
+    live.mkdir()
+    folder = fresh_export_folder(tmp_path)
+    assert folder.name.startswith(f"{EXPORT_PREFIX}{os.getpid()}-")
+    assert not dead.exists() and live.is_dir()
 
 
 def test_an_upload_is_removed_with_its_folder_but_nothing_outside_the_cache(tmp_path):

@@ -6,8 +6,10 @@
 Gradio keeps each upload in its cache folder (GRADIO_TEMP_DIR, by default <tmp>/gradio) until its own
 `delete_cache` runs (ui/request_limits.UPLOAD_CACHE_CLEANUP), so an upload the app has used is removed at
 once. An export folder lives as long as the app (the file must stay downloadable); one left by a killed
-run is removed by the next start once it is older than `STALE_AFTER_S` (a running app's own folder is
-fresh: it is touched at every export, and recreated by the export if another start removed it).
+run is removed by the next start: its name carries its app's process id, and that process is gone (a
+folder without one, or whose id another process now has, once it is older than `STALE_AFTER_S`; a running
+app's own folder is fresh: it is touched at every export, and recreated by the export if another start
+removed it).
 """
 
 from __future__ import annotations
@@ -25,19 +27,36 @@ STALE_AFTER_S = 3600
 
 def fresh_export_folder(parent: Path | None = None, stale_after_s: float = STALE_AFTER_S) -> Path:
     """A new export folder in `parent` (the system's temp folder), removed when the app exits; export folders
-    of earlier runs there, untouched for `stale_after_s`, are removed first."""
+    of earlier runs there are removed first: one whose app is gone (its name carries the process id), or one
+    untouched for `stale_after_s` (a name without an id, or an id since taken by another process)."""
     parent = Path(parent if parent is not None else tempfile.gettempdir())
     now = time.time()
     for folder in parent.glob(f"{EXPORT_PREFIX}*"):
         try:
-            stale = folder.is_dir() and not folder.is_symlink() and now - _newest_change(folder) > stale_after_s
+            stale = folder.is_dir() and not folder.is_symlink() and (
+                not _owner_alive(folder.name) or now - _newest_change(folder) > stale_after_s)
         except OSError:  # gone meanwhile, or not ours to read
             continue
         if stale:
             shutil.rmtree(folder, ignore_errors=True)
-    folder = Path(tempfile.mkdtemp(prefix=EXPORT_PREFIX, dir=parent))
+    folder = Path(tempfile.mkdtemp(prefix=f"{EXPORT_PREFIX}{os.getpid()}-", dir=parent))
     atexit.register(shutil.rmtree, folder, True)
     return folder
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether the process named in an export folder's name ("infinigen-export-<pid>-<random>") still runs;
+    True when the name carries no id (an earlier version's: only its age tells)."""
+    pid, dash, _ = name[len(EXPORT_PREFIX):].partition("-")
+    if not (dash and pid.isdigit()):
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process, or no process id at all
+        return True
+    return True
 
 
 def _newest_change(folder: Path) -> float:
