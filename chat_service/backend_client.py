@@ -57,6 +57,11 @@ class BackendConfig:
     def base(self) -> str:
         return self.url.rstrip("/")
 
+    @property
+    def root(self) -> str:
+        """The server's own root, beside its OpenAI base: where vLLM and llama.cpp serve /tokenize."""
+        return self.base[: -len("/v1")] if self.base.endswith("/v1") else self.base
+
 
 class BackendError(UserError):
     """A backend failure, said for the user; `status`, `code` and `retry_after` are what our API answers with."""
@@ -144,9 +149,14 @@ class BackendClient:
             raise BackendError(f"The backend at {self.config.url} serves no model {wanted!r}; it serves "
                                f"{', '.join(map(repr, names))}. Fix --backend-model.", 502, "model_not_found")
         entry = next((entry for entry in listed if entry["id"] == wanted), {})
-        window = entry.get("max_model_len")
-        self.model = BackendModel(wanted, int(window) if isinstance(window, int) and window > 0 else None)
+        self.model = BackendModel(wanted, None)
+        self.learn_window(entry.get("max_model_len"))
         return self.model
+
+    def learn_window(self, window) -> None:
+        """Take the model's window where the server says it (its model list, or vLLM's /tokenize answer)."""
+        if self.model is not None and self.model.window is None and isinstance(window, int) and window > 0:
+            self.model = BackendModel(self.model.name, window)
 
     def model_name(self) -> str:
         return self.model.name if self.model is not None else (self.config.model or "")
@@ -184,7 +194,7 @@ class BackendClient:
                         time.sleep(wait)
                         continue
                 if response.status_code != 200:
-                    raise self._refusal(response)
+                    raise self.refusal(response)
                 self.last = TurnFigures(started=started)
                 yield ReplyStream(response, self.last, self.config.url)
                 return
@@ -197,13 +207,21 @@ class BackendClient:
         except httpx.HTTPError as error:
             raise self._transport_error(error) from None
 
+    def server_post(self, path: str, body: dict) -> httpx.Response:
+        """POST `body` to `path` at the server's root (not under /v1) and return the answer whatever its status;
+        only a failed connection is a BackendError here."""
+        try:
+            return self._http.post(self.config.root + path, json=body)
+        except httpx.HTTPError as error:
+            raise self._transport_error(error) from None
+
     def _send(self, method: str, path: str) -> httpx.Response:
         try:
             response = self._http.request(method, path)
         except httpx.HTTPError as error:
             raise self._transport_error(error) from None
         if response.status_code != 200:
-            raise self._refusal(response)
+            raise self.refusal(response)
         return response
 
     # ------------------------------------------------------------------ what went wrong, in words
@@ -222,7 +240,7 @@ class BackendClient:
         return BackendError(f"The connection to the backend at {url} failed ({type(error).__name__}: {error}).",
                             502, "backend_connection_lost")
 
-    def _refusal(self, response: httpx.Response) -> BackendError:
+    def refusal(self, response: httpx.Response) -> BackendError:
         status, url = response.status_code, self.config.url
         message, code = _error_text(response)
         said = f"(HTTP {status}: {message})" if message else f"(HTTP {status})"

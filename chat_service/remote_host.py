@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable
 
 from infinigen_core import EngineConfig
-from sessions import SessionStore
+from sessions import SessionStore, WindowCheck
 
 from .backend_client import BackendClient, BackendConfig, BackendError, TurnFigures
+from .backend_tokens import BackendTokens
 from .errors import UserError
 from .model_host import ModelHost, Report
 from .remote_chat import RemoteChat
@@ -26,6 +27,7 @@ class RemoteHost(ModelHost):
     def __init__(self, config: BackendConfig) -> None:
         super().__init__()
         self.client = BackendClient(config)
+        self.tokens = BackendTokens(self.client)  # the server's tokenizer, where it serves one
         self.connected = False  # start-up has asked the server (whatever it answered)
         self.backend_problem: str | None = None  # why the server could not be asked at start-up
 
@@ -75,7 +77,12 @@ class RemoteHost(ModelHost):
         return f"remote:{self.client.model_name()}"
 
     def open_chat(self, store: SessionStore, session_id: str, progress=None) -> RemoteChat:
-        return RemoteChat.open(store, self.client, session_id)
+        return RemoteChat.open(store, self.client, session_id, self.tokens)
+
+    def window_check(self, turns: list[dict]) -> WindowCheck:
+        """Whether an API request's whole conversation and a short reply fit the server model's window."""
+        users = sum(1 for turn in turns if turn["role"] == "user")
+        return self.tokens.window_check(turns, max(users - 1, 0))
 
     def turn_figures(self) -> TurnFigures | None:
         return self.client.last

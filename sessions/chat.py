@@ -34,6 +34,7 @@ from .overflow import dropped_turns, turns_kept
 from .restore import ChunkChoice, missing_cache, read_chunks, which_chunks
 from .snapshots import ChunkError, ChunkRecord, read_chunk
 from .store import Message, SessionStore
+from .stored_conversation import StoredConversation, conversation  # noqa: F401  (callers import it from here)
 
 Progress = Callable[[int, int], None]
 # room the next reply needs at least: the one reserve of the one window rule (WindowCheck.of), which the page
@@ -92,12 +93,6 @@ class WindowCheck:
                 f"oldest turns ({self.droppable_turns} can go; the system prompt stays). Nothing was sent.")
 
 
-def conversation(system: str, turns: list[tuple[str, str]]) -> list[dict]:
-    """(role, content) turns after the system prompt (when there is one), as the chat template takes them."""
-    head = [{"role": "system", "content": system}] if system else []
-    return head + [{"role": role, "content": content} for role, content in turns]
-
-
 def reply_prompt_ids(tokenizer, turns: list[dict], window: int) -> list[int]:
     """`turns` templated for the model's reply, which must fit the window with room for a short reply; raises
     ContextWindowError (its check says how many turns could go).
@@ -111,7 +106,7 @@ def reply_prompt_ids(tokenizer, turns: list[dict], window: int) -> list[int]:
     return prompt_ids
 
 
-class ChatSession:
+class ChatSession(StoredConversation):
     def __init__(self, store: SessionStore, engine, session_id: str, lock: SessionLock) -> None:
         self.store, self.engine, self.id, self._lock = store, engine, session_id, lock
         self._chunks = SessionChunks(store, session_id)  # its chunks on disk, kept in step with the engine
@@ -197,25 +192,7 @@ class ChatSession:
         self._chunks.persist(self.engine)
         return engine.num_tokens - min(before, engine.num_tokens)
 
-    # ------------------------------------------------------------------ conversation
-    @property
-    def messages(self) -> list[Message]:
-        return self.store.messages(self.id)
-
-    @property
-    def system_prompt(self) -> str:
-        return self.store.get(self.id).system_prompt
-
-    def set_system_prompt(self, text: str) -> None:
-        self.store.update(self.id, system_prompt=text)  # the cache diverges at once; the next turn re-syncs
-
-    def _conversation(self, messages: list[Message] | None = None, extra_user: str | None = None) -> list[dict]:
-        history = self.messages if messages is None else messages
-        turns = conversation(self.system_prompt, [(m.role, m.content) for m in history])
-        if extra_user is not None:
-            turns.append({"role": "user", "content": extra_user})
-        return turns
-
+    # ------------------------------------------------------------------ conversation (its messages: StoredConversation)
     def _conversation_ids(self, messages: list[Message] | None = None, extra_user: str | None = None,
                           generation_prompt: bool = False) -> list[int]:
         turns = self._conversation(messages, extra_user)

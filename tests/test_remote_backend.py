@@ -2,12 +2,14 @@
 
 The backend is a second instance of this app (a real OpenAI-compatible server with the real default model),
 one subprocess for the module, with a key. The front runs as a subprocess with `--backend` (its /v1 and its
-page), or in-process where only the service is under test. The test that kills the backend runs last.
+page; one test restarts it), or in-process where only the service is under test. The test that kills the
+backend runs last.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 import sqlite3
@@ -17,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from chat_service import ChatService
+from chat_service import ChatService, UserError
 from chat_service.api_turns import ApiTurn, Conversation
 from chat_service.backend_client import BackendConfig, BackendError
 from infinigen_core import SamplingConfig
-from sessions import ChatSession
+from sessions import ChatSession, WindowCheck
 
 from app_server import RunningApp, chromium_page, free_port, running_app
 
@@ -31,10 +33,23 @@ COUNTING = "Write the numbers from 1 to 300, separated by commas."  # greedy Smo
 
 
 class Front:
-    """The front app as a subprocess."""
+    """The front app as a subprocess, which `restart` stops and starts again on the same data dir."""
 
-    def __init__(self, app: RunningApp) -> None:
-        self.app, self.data_dir, self.api = app, app.data_dir, f"{app.url}v1"
+    def __init__(self, data_dir: Path, args: tuple[str, ...]) -> None:
+        self.data_dir, self._args, self._running = data_dir, args, contextlib.ExitStack()
+        self._start()
+
+    def _start(self) -> None:
+        self.app: RunningApp = self._running.enter_context(running_app(self.data_dir, args=self._args))
+        self.api = f"{self.app.url}v1"
+
+    def restart(self) -> None:
+        self._running.close()  # the process ends (SIGTERM, then its exit)
+        assert self.app.process.poll() is not None
+        self._start()
+
+    def stop(self) -> None:
+        self._running.close()
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +61,16 @@ def backend(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def front(backend, tmp_path_factory):
-    args = ("--backend", f"{backend.url}v1", "--backend-key", KEY)
-    with running_app(tmp_path_factory.mktemp("front"), args=args) as app:
-        yield Front(app)
+    front = Front(tmp_path_factory.mktemp("front"), ("--backend", f"{backend.url}v1", "--backend-key", KEY))
+    yield front
+    front.stop()
+
+
+def backend_tokens(backend: RunningApp, messages: list[dict], for_reply: bool = True) -> dict:
+    response = httpx.post(f"{backend.url}tokenize", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                          json={"messages": messages, "add_generation_prompt": for_reply})
+    assert response.status_code == 200, response.text
+    return response.json()
 
 
 def rows(data_dir: Path, sql: str, *params) -> list[tuple]:
@@ -139,18 +161,50 @@ def test_front_streams_a_reply_from_the_backend_and_stores_it_here(front, backen
     assert not (front.data_dir / "kv").exists() or not any((front.data_dir / "kv").rglob("*.*"))  # KV is remote
     # the backend answered that very reply (it stores its own API sessions)
     assert ("assistant", text) in rows(backend.data_dir, "SELECT role, content FROM messages")
+    # the backend's /tokenize (vLLM's shape) counts the prompt exactly as its turn read it
+    asked = backend_tokens(backend, [{"role": "user", "content": COUNTING}])
+    assert asked["count"] == len(asked["tokens"]) == usage["prompt_tokens"] and asked["max_model_len"] == 8192
+    # the sidebar's count of the stored session is the server's count of the whole conversation
+    whole = backend_tokens(backend, [{"role": "user", "content": COUNTING}, {"role": "assistant", "content": text}],
+                           for_reply=False)["count"]
+    assert whole != usage["prompt_tokens"] + usage["completion_tokens"]  # so the reply's usage would not give it
+    assert rows(front.data_dir, "SELECT token_count FROM sessions WHERE id = ?", session) == [(whole,)]
 
 
-def test_prompt_over_the_backends_window_is_refused_and_nothing_stored(front):
-    before = rows(front.data_dir, "SELECT count(*) FROM messages")
+def test_tokenize_is_behind_the_key_and_says_what_is_wrong(backend):
+    url, headers = f"{backend.url}tokenize", {"Authorization": f"Bearer {KEY}"}
+    assert httpx.post(url, json={"prompt": "Hello"}, timeout=30).status_code == 401
+    text = httpx.post(url, json={"prompt": "Hello there"}, headers=headers, timeout=30).json()
+    assert text["count"] == len(text["tokens"]) > 1
+    refused = httpx.post(url, json={"prompt": "Hi", "messages": []}, headers=headers, timeout=30)
+    assert refused.status_code == 400 and "either messages" in refused.json()["error"]["message"]
+    wrong_model = httpx.post(url, json={"model": "gpt-4", "prompt": "Hi"}, headers=headers, timeout=30)
+    assert wrong_model.status_code == 404 and wrong_model.json()["error"]["code"] == "model_not_found"
+
+
+def test_prompt_over_the_backends_window_is_refused_before_sending_and_nothing_stored(front, backend, tmp_path):
+    long = " ".join(["word"] * 9000)  # as the page stores it (stripped), so both faces count the same text
+    over = backend_tokens(backend, [{"role": "user", "content": long}])["count"]
+    said = WindowCheck.of(over, 8192, 0).explain()  # the local engine's rule and words, with the server's count
+    before, sent_before = (rows(app.data_dir, "SELECT count(*) FROM messages") for app in (front, backend))
     reply = httpx.post(f"{front.api}/chat/completions", timeout=120,
-                       json={"messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 4})
+                       json={"messages": [{"role": "user", "content": long}], "max_tokens": 4})
     assert reply.status_code == 400
     error = reply.json()["error"]
-    assert error["code"] == "context_length_exceeded" and "window" in error["message"]
+    assert error["code"] == "context_length_exceeded" and error["message"] == said
     assert rows(front.data_dir, "SELECT count(*) FROM messages") == before
     assert not rows(front.data_dir, "SELECT id FROM sessions WHERE origin = 'api' AND id NOT IN "
                                     "(SELECT session_id FROM messages)")
+    # the page refuses it in the same words; neither face sent it (the backend would have stored its turn)
+    service = remote_service(tmp_path, BackendConfig(f"{backend.url}v1", key=KEY))
+    try:
+        with pytest.raises(UserError) as refusal:
+            list(service.page_turns.send(long))
+        assert str(refusal.value) == said
+        assert_nothing_stored(service)
+    finally:
+        service.open_sessions.close_all()
+    assert rows(backend.data_dir, "SELECT count(*) FROM messages") == sent_before
 
 
 def test_client_going_away_cancels_the_upstream_request(front, backend):
@@ -172,23 +226,50 @@ def test_client_going_away_cancels_the_upstream_request(front, backend):
     assert len(spans) == 2 and 0 < spans[0][0] <= 24  # the cancelled one stopped early, upstream too
 
 
-def test_restarted_front_continues_the_stored_conversation_and_the_local_engine_reads_it(backend, tmp_path,
-                                                                                          real_engine):
-    config = BackendConfig(f"{backend.url}v1", key=KEY)
-    first, turn = remote_service(tmp_path, config), ApiTurn()
-    answer = ask(first, "Say hello.", turn=turn)
-    first.open_sessions.close_all()  # the process ends: its sessions' locks go
-    again, restarted = ApiTurn(), remote_service(tmp_path, config)
+def test_restarted_front_process_continues_the_stored_conversation(front):
+    def ask_front(*turns: str) -> httpx.Response:
+        roles = itertools.cycle(("user", "assistant"))
+        return httpx.post(f"{front.api}/chat/completions", timeout=120, json={
+            "messages": [{"role": role, "content": text} for role, text in zip(roles, turns)], "max_tokens": 6})
+
+    first = ask_front("Say hello.")
+    answer, session = first.json()["choices"][0]["message"]["content"], first.headers["x-infinigen-session"]
+    front.restart()  # a new process on the same data dir: nothing of the first one's memory is left
+    again = ask_front("Say hello.", answer, "Again.")
+    assert again.status_code == 200
+    assert again.headers["x-infinigen-session"] == session and again.headers["x-infinigen-continued"] == "true"
+    stored = rows(front.data_dir, "SELECT role, content FROM messages WHERE session_id = ? ORDER BY position", session)
+    assert stored[:3] == [("user", "Say hello."), ("assistant", answer), ("user", "Again.")]
+    assert stored[3] == ("assistant", again.json()["choices"][0]["message"]["content"]) and len(stored) == 4
+    assert not rows(front.data_dir, "SELECT * FROM chunks WHERE session_id = ?", session)  # the KV is the server's
+
+
+def test_the_pages_stop_cancels_the_upstream_request_and_the_local_engine_reads_what_was_kept(backend, tmp_path,
+                                                                                            real_engine):
+    service = remote_service(tmp_path, BackendConfig(f"{backend.url}v1", key=KEY))
+    service.settings.current.sampling = SamplingConfig(max_new_tokens=48)  # greedy: runs to 48 unless stopped
+    asked = COUNTING + " Stop me."
     try:
-        ask(restarted, "Say hello.", answer, "Again.", turn=again)
+        for history in service.page_turns.send(asked):
+            if history[-1]["role"] == "assistant" and len(history[-1]["content"]) > 6:
+                service.turns.stop()  # what the page's Stop button does
+        session = service.open_sessions.page.id
     finally:
-        restarted.open_sessions.close_all()
-    assert again.session_id == turn.session_id and again.continued
-    store = restarted.store
-    assert [m.role for m in store.messages(turn.session_id)] == ["user", "assistant", "user", "assistant"]
-    assert store.chunks(turn.session_id) == []  # the KV is the server's
-    # the local engine opens the remote session by reading its conversation
-    with ChatSession.open(store, real_engine, turn.session_id) as chat:
+        service.open_sessions.close_all()
+    store = service.store
+    assert [m.role for m in store.messages(session)] == ["user", "assistant"]
+    kept = store.messages(session)[1].content
+    assert kept and store.chunks(session) == []
+    # a one-token request queues behind the backend's turn: once answered, that turn has ended and been stored
+    httpx.post(f"{backend.url}v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+               json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).raise_for_status()
+    spans = rows(backend.data_dir, "SELECT m.token_end - m.token_start, m.content FROM messages m JOIN messages u "
+                                   "ON u.session_id = m.session_id AND u.position = m.position - 1 "
+                                   "WHERE m.role = 'assistant' AND u.content = ?", asked)
+    assert len(spans) == 1 and 0 < spans[0][0] <= 24  # of 48: the server stopped too
+    assert spans[0][1].startswith(kept)
+    # the local engine opens the remote session by reading its conversation (there are no chunks to read)
+    with ChatSession.open(store, real_engine, session) as chat:
         assert chat.restore.rebuilt and chat.restore.tokens_prefilled == real_engine.num_tokens > 20
         assert real_engine.token_ids == chat._conversation_ids()
 

@@ -136,15 +136,17 @@ class PageActions:
         summaries = self.service.store.list()
         summary = find(summaries, current)
         has_file = chat is not None and any(message.attachments for message in chat.messages)
-        return gr.update(choices=session_choices(summaries), value=current), \
+        remote = self.service.host.remote
+        return gr.update(choices=session_choices(summaries, remote), value=current), \
             (summary.title if summary else ""), (summary.system_prompt if summary else ""), \
-            session_details(summary), status_text(self.service), gr.update(visible=has_file), \
+            session_details(summary, remote), status_text(self.service), gr.update(visible=has_file), \
             context_meter(self.service)
 
     def _session_picker(self):
         """The session list as it is now (a turn that has just started has stored its message and title)."""
         chat = self.service.open_sessions.page
-        return gr.update(choices=session_choices(self.service.store.list()), value=chat.id if chat else None)
+        return gr.update(choices=session_choices(self.service.store.list(), self.service.host.remote),
+                         value=chat.id if chat else None)
 
     def history(self) -> list[dict]:
         return self.service.pages.chat_history()

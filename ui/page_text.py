@@ -14,15 +14,16 @@ from sessions.overflow import OVERFLOW_LABEL, OVERFLOW_POLICIES
 METER_LISTED = 5  # dropped turns the context meter names; the rest are counted
 
 
-def session_choices(summaries: list[SessionSummary]) -> list[tuple[str, str]]:
+def session_choices(summaries: list[SessionSummary], remote: bool = False) -> list[tuple[str, str]]:
     """Short labels that fit the sidebar: title, tokens, KV size on disk or "re-read" when its KV is not on
-    disk (opening it re-reads the text), last used (the open session's details sit below)."""
+    disk (opening it re-reads the text) or "server" when a remote server holds the KV (`remote`), last used (the
+    open session's details sit below)."""
     choices = []
     for s in summaries:
         title = s.title if len(s.title) <= 20 else s.title[:19] + "…"
         used = time.strftime("%d %b", time.localtime(s.last_used))
         source = "API · " if s.origin == "api" else ""  # a conversation an OpenAI-API client had
-        disk = format_size(s.bytes_on_disk) if s.reopens_instantly else "re-read"
+        disk = "server" if remote else format_size(s.bytes_on_disk) if s.reopens_instantly else "re-read"
         choices.append((f"{source}{title} · {s.token_count:,} tok · {disk} · {used}", s.id))
     return choices
 
@@ -31,12 +32,15 @@ def find(summaries: list[SessionSummary], session_id: str | None) -> SessionSumm
     return next((s for s in summaries if s.id == session_id), None)
 
 
-def session_details(summary: SessionSummary | None) -> str:
+def session_details(summary: SessionSummary | None, remote: bool = False) -> str:
+    """The open session's line below the list; `remote`: a remote server generates (and holds the KV)."""
     if summary is None:
         return ""
     used = time.strftime("%d %b %Y %H:%M", time.localtime(summary.last_used))
     source = "from the API · " if summary.origin == "api" else ""
-    if summary.reopens_instantly:
+    if remote:
+        reopening = "its KV cache is the server's (its prefix cache): opening it reads nothing here"
+    elif summary.reopens_instantly:
         reopening = "reopens instantly (its KV cache is on disk)"
     elif summary.kv_dropped:
         reopening = "its KV cache was dropped to stay within the disk limit: opening it re-reads the text"

@@ -152,8 +152,8 @@ class PageTick:
             update.chatbot = service.pages.chat_history()
             update.model_info = service.host.model_summary()
         summaries = service.store.list()
-        update.session_picker = gr.update(choices=session_choices(summaries), value=seen.session_id)
-        update.session_info = session_details(find(summaries, seen.session_id))
+        update.session_picker = gr.update(choices=session_choices(summaries, remote=True), value=seen.session_id)
+        update.session_info = session_details(find(summaries, seen.session_id), remote=True)
         return update
 
     def _next_panel(self, engine, update: TickUpdate, candidates: tuple[str, ...] = panels.PANELS) -> None:

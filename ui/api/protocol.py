@@ -1,7 +1,9 @@
-"""An OpenAI chat-completions request body, checked in one place and turned into what the app runs.
+"""An OpenAI chat-completions request body (and vLLM's POST /tokenize body), checked in one place and turned
+into what the app runs.
 
     request = parse_chat_request(body, model_id="SmolLM2-135M-Instruct", defaults=SamplingConfig())
     request.conversation.system, request.conversation.turns, request.conversation.sampling, request.stream
+    parse_tokenize_request({"messages": [{"role": "user", "content": "Hi"}]}, "SmolLM2-135M-Instruct").conversation
 
 It converts attached files (PDF, DOCX...), which can take seconds: the route calls it off the event loop.
 
@@ -188,14 +190,18 @@ def _refuse_unsupported(body: dict) -> None:
             raise _bad(f"{name} is not supported (only 0)", name, "unsupported_value")
 
 
-def parse_chat_request(body, model_id: str, defaults: SamplingConfig) -> ChatRequest:
-    """Check a POST /v1/chat/completions body; what it leaves out comes from `defaults` (the app's settings)."""
+def _check_body(body, model_id: str) -> None:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
     model = body.get("model")
     if model is not None and model != model_id:
         raise ApiError(404, f"the model {model!r} is not served here; this server runs {model_id!r}", "model",
                        "model_not_found")
+
+
+def parse_chat_request(body, model_id: str, defaults: SamplingConfig) -> ChatRequest:
+    """Check a POST /v1/chat/completions body; what it leaves out comes from `defaults` (the app's settings)."""
+    _check_body(body, model_id)
     conversation = _messages(body.get("messages"), defaults)
     _refuse_unsupported(body)
     stream = body.get("stream")
@@ -221,3 +227,38 @@ def parse_chat_request(body, model_id: str, defaults: SamplingConfig) -> ChatReq
     except ConfigError as error:  # a combination the sampler refuses
         raise _bad(str(error), None) from None
     return ChatRequest(replace(conversation, sampling=sampling), bool(stream), bool(options.get("include_usage")))
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """POST /tokenize as vLLM takes it: a chat (`messages`, templated as a turn templates them, with the reply's
+    opening unless add_generation_prompt is false) or a bare text (`prompt`)."""
+
+    conversation: Conversation | None
+    prompt: str | None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # for a bare text: the tokenizer's own (BOS...) around it
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise _bad(f"{name} must be true or false", name, "invalid_type")
+    return value
+
+
+def parse_tokenize_request(body, model_id: str) -> TokenizeRequest:
+    """Check a POST /tokenize body (vLLM's shape); attached files in `messages` are converted, as in a chat."""
+    _check_body(body, model_id)
+    if ("messages" in body) == ("prompt" in body):
+        raise _bad("give either messages (a chat, templated) or prompt (a text), not both", None)
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise _bad("prompt must be a string", "prompt", "invalid_type")
+        return TokenizeRequest(None, body["prompt"], add_special_tokens=_flag(body, "add_special_tokens", True))
+    for name in ("continue_final_message", "add_special_tokens"):
+        if _flag(body, name, False):
+            raise _bad(f"{name} is not supported for messages: the chat template places the special tokens",
+                       name, "unsupported_value")
+    return TokenizeRequest(_messages(body.get("messages"), SamplingConfig()), None,
+                           _flag(body, "add_generation_prompt", True))

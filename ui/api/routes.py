@@ -1,5 +1,5 @@
-"""The API's routes: GET /v1/models and POST /v1/chat/completions, to be handed to the Gradio app's FastAPI
-constructor (so they exist from the start).
+"""The API's routes: GET /v1/models, POST /v1/chat/completions and POST /tokenize (vLLM's, beside /v1), to be
+handed to the Gradio app's FastAPI constructor (so they exist from the start).
 
     demo.launch(app_kwargs={"routes": api_routes(service, ApiOptions(key="secret"))})
 
@@ -19,7 +19,7 @@ from starlette.routing import BaseRoute
 from chat_service import ChatService
 
 from . import serving
-from .protocol import ApiError, parse_chat_request
+from .protocol import ApiError, parse_chat_request, parse_tokenize_request
 
 
 @dataclass(frozen=True)
@@ -72,5 +72,17 @@ def api_routes(service: ChatService, options: ApiOptions) -> list[BaseRoute]:
         except ApiError as error:
             return serving.error_response(error)
         return JSONResponse(reply.completion(), headers=reply.headers())
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's shape, where vLLM serves it: a front app (--backend) counts its window with it."""
+        try:
+            serving.check_key(request, options.key)
+            body = await serving.json_body(request)
+            model_id = await asyncio.to_thread(serving.served_model, service)
+            asked = await asyncio.to_thread(parse_tokenize_request, body, model_id)  # files are converted
+            return await asyncio.to_thread(serving.tokenize, service, asked)
+        except ApiError as error:
+            return serving.error_response(error)
 
     return list(router.routes)

@@ -26,12 +26,12 @@ from chat_service.backend_client import BackendError, TurnFigures
 from chat_service.remote_host import RemoteHost
 from documents import attachment_text
 from documents.fitting import reading_summary
-from infinigen_core import GenerationEvent
+from infinigen_core import GenerationEvent, chat_token_ids
 from sessions import ContextWindowError
 from sessions.chat import conversation, reply_prompt_ids
 
 from ..request_limits import JsonTooDeep, check_json_nesting
-from .protocol import ApiError, ChatRequest
+from .protocol import ApiError, ChatRequest, TokenizeRequest
 
 LOADING_RETRY_S = 5
 BUSY_RETRY_S = 2
@@ -63,7 +63,7 @@ def served_model(service: ChatService) -> str:
         try:
             return host.served_model()
         except BackendError as error:
-            raise ApiError(error.status, str(error), None, error.code, "server_error", error.retry_after) from None
+            raise backend_api_error(error) from None
     if not host.ready.is_set():
         raise ApiError(503, f"the model is still loading ({host.status}); retry shortly", None,
                        "model_loading", "server_error", retry_after=LOADING_RETRY_S)
@@ -154,8 +154,8 @@ def with_documents_read(service: ChatService, chat_request: ChatRequest) -> tupl
 def checked_prompt_ids(service: ChatService, chat_request: ChatRequest) -> list[int]:
     """The templated conversation, checked against the model's window (the page's rule and wording) before
     anything is stored. With a remote backend the app has no tokenizer: the server checks its own window."""
-    if service.host.remote:
-        return []
+    if isinstance(service.host, RemoteHost):
+        return _check_remote_window(service.host, chat_request)
     engine, asked = service.host.require_engine_loaded(), chat_request.conversation
     characters = len(asked.system) + sum(len(content) for _, content in asked.turns)
     most = engine.max_context * longest_token_characters(engine.tokenizer)
@@ -169,6 +169,40 @@ def checked_prompt_ids(service: ChatService, chat_request: ChatRequest) -> list[
     except ContextWindowError as error:
         attached = bool(asked.documents and asked.documents[-1])
         raise ApiError(400, error.check.explain(attached), "messages", "context_length_exceeded") from None
+
+
+def _check_remote_window(host: RemoteHost, chat_request: ChatRequest) -> list[int]:
+    """The page's window rule and wording, counted by the server's tokenizer where it serves one; no ids (the
+    server templates the conversation itself)."""
+    asked = chat_request.conversation
+    try:
+        check = host.window_check(conversation(asked.system, list(asked.turns)))
+    except BackendError as error:
+        raise backend_api_error(error) from None
+    if not check.fits:
+        attached = bool(asked.documents and asked.documents[-1])
+        raise ApiError(400, check.explain(attached), "messages", "context_length_exceeded")
+    return []
+
+
+def backend_api_error(error: BackendError) -> ApiError:
+    return ApiError(error.status, str(error), None, error.code, "invalid_request_error" if error.status == 400
+                    else "server_error", error.retry_after)
+
+
+def tokenize(service: ChatService, asked: TokenizeRequest) -> dict:
+    """vLLM's answer to POST /tokenize: the served model's tokens for a chat (exactly those a turn would read,
+    attached files whole) or a text, their count and the model's window."""
+    if isinstance(service.host, RemoteHost):
+        raise ApiError(501, f"this app's replies come from the backend at {service.host.client.config.url}; ask "
+                            "that server to count tokens", None, "not_implemented", "server_error")
+    engine = service.host.require_engine_loaded()
+    if asked.conversation is not None:
+        chat = asked.conversation
+        ids = chat_token_ids(engine.tokenizer, conversation(chat.system, list(chat.turns)), asked.add_generation_prompt)
+    else:
+        ids = list(engine.tokenizer.encode(asked.prompt or "", add_special_tokens=asked.add_special_tokens))
+    return {"count": len(ids), "tokens": ids, "max_model_len": engine.max_context}
 
 
 _longest_token: dict[int, tuple[object, int]] = {}
@@ -219,8 +253,7 @@ class Generation:
         except Abandoned as error:
             put(ApiError(499, str(error), None, "client_closed_request"))
         except BackendError as error:  # the remote server's refusal or failure, said for the client
-            kind = "invalid_request_error" if error.status == 400 else "server_error"
-            put(ApiError(error.status, str(error), None, error.code, kind, error.retry_after))
+            put(backend_api_error(error))
         except UserError as error:
             put(ApiError(500, str(error), None, "generation_failed", "server_error"))
         except Exception as error:  # noqa: BLE001  the client gets a message instead of a dropped connection

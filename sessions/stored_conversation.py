@@ -1,0 +1,45 @@
+"""The conversation an open session keeps in the store, as both kinds of open session read it: the local
+engine's (ChatSession, chat.py) and a remote server's (chat_service/remote_chat.py).
+
+    class MySession(StoredConversation):
+        def __init__(self, store, session_id): self.store, self.id = store, session_id
+    MySession(store, session_id)._conversation(extra_user="Hi")   # [{"role": "system", ...}, ..., {"role": "user", ...}]
+"""
+
+from __future__ import annotations
+
+from .store import Message, SessionStore
+
+
+def conversation(system: str, turns: list[tuple[str, str]]) -> list[dict]:
+    """(role, content) turns after the system prompt (when there is one), as the chat template takes them."""
+    head = [{"role": "system", "content": system}] if system else []
+    return head + [{"role": role, "content": content} for role, content in turns]
+
+
+class StoredConversation:
+    """Its messages and system prompt, read from the store each time (another window may have changed them), and
+    the turn list a chat template (or an OpenAI-compatible server) takes."""
+
+    store: SessionStore
+    id: str
+
+    @property
+    def messages(self) -> list[Message]:
+        return self.store.messages(self.id)
+
+    @property
+    def system_prompt(self) -> str:
+        return self.store.get(self.id).system_prompt
+
+    def set_system_prompt(self, text: str) -> None:
+        self.store.update(self.id, system_prompt=text)  # whatever holds the KV follows at the next turn
+
+    def _conversation(self, messages: list[Message] | None = None, extra_user: str | None = None) -> list[dict]:
+        """The turns of `messages` (all stored ones by default) after the system prompt, then `extra_user` as a
+        user turn when given."""
+        history = self.messages if messages is None else messages
+        turns = conversation(self.system_prompt, [(m.role, m.content) for m in history])
+        if extra_user is not None:
+            turns.append({"role": "user", "content": extra_user})
+        return turns
