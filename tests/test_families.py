@@ -302,8 +302,11 @@ def save_tiny_checkpoint(model_type: str, directory: Path) -> Path:
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "infinigen_core", "generate", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **(env or {})})
+    """`python -m infinigen_core generate ARGS`, eager and without the CPU kernels: in a fresh cache directory
+    each would be built first (about a minute on 2 cores), and both have their own tests."""
+    command = [sys.executable, "-m", "infinigen_core", "generate", "--no-compile", "--no-cpu-kernels", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
 
 
 PROMPT_TEXT = " ".join(f"w{i % 90}" for i in range(60))

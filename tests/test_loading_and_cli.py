@@ -64,6 +64,13 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
         load_engine(str(tmp_path / "gpt2"), device="cpu", cache_dir=tmp_path, progress=lambda m: None)
 
 
+def load(checkpoint: Path, cache: Path, messages: list[str]):
+    """The checkpoint's engine, eager and without the CPU kernels: in a fresh cache each would be built first
+    (about a minute on 2 cores), and both have their own tests."""
+    return load_engine(str(checkpoint), device="cpu", cache_dir=cache, compile_decode=False, cpu_kernels=False,
+                       progress=messages.append)
+
+
 def test_a_local_llama_checkpoint_loads_calibrates_once_and_generates(tmp_path, real_engine):
     torch.manual_seed(0)
     checkpoint = tmp_path / "tiny-llama"
@@ -73,19 +80,19 @@ def test_a_local_llama_checkpoint_loads_calibrates_once_and_generates(tmp_path, 
     LlamaForCausalLM(config).save_pretrained(checkpoint)
     real_engine.tokenizer.save_pretrained(checkpoint)
     messages = []
-    with load_engine(str(checkpoint), device="cpu", cache_dir=tmp_path / "cache", progress=messages.append) as engine:
+    with load(checkpoint, tmp_path / "cache", messages) as engine:
         assert any("Calibrating" in m for m in messages)
         assert engine.model_name == "tiny-llama" and engine.adapter.num_kv_heads == 1
         engine.prefill(engine.tokenizer("hello there")["input_ids"])
         engine.decode(5)
     messages.clear()
-    load_engine(str(checkpoint), device="cpu", cache_dir=tmp_path / "cache", progress=messages.append).close()
+    load(checkpoint, tmp_path / "cache", messages).close()
     assert not any("Calibrating" in m for m in messages)  # the skew cache was reused
     # a skew an earlier version cached under the model's older fingerprint is found and renamed, not redone
     (skew_file,) = (tmp_path / "cache" / "skew").iterdir()
     legacy_name = skew_file.name.replace(engine.fingerprint, engine.legacy_fingerprints[0])
     skew_file.rename(skew_file.with_name(legacy_name))
-    load_engine(str(checkpoint), device="cpu", cache_dir=tmp_path / "cache", progress=messages.append).close()
+    load(checkpoint, tmp_path / "cache", messages).close()
     assert not any("Calibrating" in m for m in messages)
     assert [f.name for f in (tmp_path / "cache" / "skew").iterdir()] == [skew_file.name]
 
@@ -107,17 +114,22 @@ def test_the_fingerprint_follows_the_weights_not_the_path_or_how_they_were_read(
     assert model_fingerprint(moved) != model_fingerprint(here)
 
 
-def test_cli_rejects_bad_input_before_loading_anything():
-    result = run_cli("--prompt", "hi", "--alpha", "-2")
-    assert result.returncode == 2 and "alpha must be a positive number" in result.stderr
-    result = run_cli("--prompt", "hi", "--pool-limit", "huge")
-    assert result.returncode == 2 and "pool limit" in result.stderr
-    result = run_cli("--prompt-file", "/nonexistent/prompt.txt")
-    assert result.returncode == 2 and "cannot read the prompt file" in result.stderr
-    result = run_cli("--prompt", "hi", "--model", "/nonexistent/model")
-    assert result.returncode == 2 and "does not exist" in result.stderr
-    result = run_cli("--prompt", "hi", "--device", "cpu", "--quantize", "8bit")
-    assert result.returncode == 2 and "need a CUDA device" in result.stderr
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "hi", "--alpha", "-2"], "alpha must be a positive number"),
+    (["--prompt", "hi", "--pool-limit", "huge"], "pool limit"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read the prompt file"),
+    (["--prompt", "hi", "--model", "/nonexistent/model"], "does not exist"),
+    (["--prompt", "hi", "--device", "cpu", "--quantize", "8bit"], "need a CUDA device"),
+])
+def test_cli_rejects_bad_input_before_loading_anything(args, message, capsys, monkeypatch):
+    """The command's own entry point, in this process (test_cli_generates_and_reports_json runs it as a
+    process): exit status 2 and the reason, and no model read."""
+    from infinigen_core import cli, loading
+
+    for reader in ("ensure_packaged_gguf", "_load_gguf", "_load_checkpoint"):
+        monkeypatch.setattr(loading, reader, lambda *a, **k: pytest.fail("a model was read"))
+    assert cli.main(["generate", *args]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_rehearsed_query_is_the_layers_own_query(tiny_llama):
@@ -146,7 +158,7 @@ def test_rehearsed_query_is_the_layers_own_query(tiny_llama):
 
 def test_cli_generates_and_reports_json():
     result = run_cli("--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "12",
-                     "--device", "cpu", "--json", "--pool-limit", "4MiB")
+                     "--device", "cpu", "--json", "--pool-limit", "4MiB", "--no-compile")  # compiling: 20-60 s
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert "Paris" in report["text"] and report["text"] in result.stdout  # streamed, then reported
