@@ -130,11 +130,15 @@ def test_rows_gathered_in_place_never_overtake_a_delayed_write(tiny_llama, monke
     torch.testing.assert_close(logits, direct_logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_opt"])
-def test_full_budget_streamed_equals_full(request, monkeypatch, attended, model_fixture):
+@pytest.mark.parametrize("model_fixture, zero_copy", [("tiny_llama", False), ("tiny_opt", False), ("tiny_llama", True)],
+                         ids=["llama", "opt", "llama-zero-copy"])
+def test_full_budget_streamed_equals_full(request, monkeypatch, attended, model_fixture, zero_copy):
+    """Every row fetched gives `full`'s logits; with `zero_copy` every row is selected and gathered in place
+    (dense_under_budget off: the selecting path runs although the budget covers every token)."""
     model = request.getfixturevalue(model_fixture)
     full_logits, _ = run(model, monkeypatch, attended, policy="full")
-    logits, _ = run(model, monkeypatch, attended, delay_s=jitter(seed=3), policy="infinigen", budget=1.0, alpha=1e9)
+    logits, _ = run(model, monkeypatch, attended, delay_s=jitter(seed=3), zero_copy=zero_copy, policy="infinigen",
+                    budget=1.0, alpha=1e9, dense_under_budget=not zero_copy)
     torch.testing.assert_close(logits, full_logits, rtol=0, atol=1e-5)
 
 
