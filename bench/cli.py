@@ -405,7 +405,7 @@ def run_gpu(args) -> tuple[str, dict]:
                                emulate=args.emulate)
     if not result["cuda"] and not result.get("predicted") and not result.get("emulated"):
         return NO_CUDA_MESSAGE, result
-    table = format_table(result["rows"], ["model", "context", "policy", "budget", "tokens_per_s", "speedup_vs_offload",
+    table = format_table(result["rows"], ["model", "context", "policy", "budget", "fetch", "tokens_per_s", "speedup_vs_offload",
                                           "speedup_vs_hf_offload", "ratio_to_full", "ms_per_token",
                                           "bytes_fetched_per_token", "fetch_wait_ms_per_step", "h2d_gbps",
                                           "peak_h2d_gbps", "peak_gpu_bytes"])

@@ -263,7 +263,8 @@ def _measure_context(engine, model, shape, ids, context, policies, budgets, deco
         if target.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         step_ms, fetched, wait_ms = _decode_ms(engine, ids[context : context + decode_steps], target.device)
-        writer.add(_row(shape.name, context, policy, budget, step_ms, fetched / decode_steps, wait_ms, target))
+        writer.add({**_row(shape.name, context, policy, budget, step_ms, fetched / decode_steps, wait_ms, target),
+                    "fetch": _fetch_label(engine) if policy == "infinigen" else None})
         progress(f"  {policy} (budget {budget}): {writer.rows[-1]['ms_per_token']:.1f} ms/token")
     engine.truncate(0)
     if "hf-offload" in policies:
@@ -273,6 +274,12 @@ def _measure_context(engine, model, shape, ids, context, policies, budgets, deco
         step_ms = _hf_offload_ms(model, ids, context, decode_steps)
         writer.add(_row(shape.name, context, "hf-offload", None, step_ms, None, None, target))
         progress(f"  hf-offload: {writer.rows[-1]['ms_per_token']:.1f} ms/token")
+
+
+def _fetch_label(engine) -> str:
+    """How the selected rows reached the compute side: in place (zero_copy.py) or staged (and why)."""
+    reason = getattr(engine.fetcher, "zero_copy_reason", "the pool is on the compute device")
+    return "zero-copy" if reason is None else f"staged ({reason})"
 
 
 def _row(model: str, context: int, policy: str, budget, step_ms, bytes_per_token, wait_ms,

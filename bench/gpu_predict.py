@@ -5,27 +5,32 @@
 
 The bytes each policy moves per decode step are the engine's own count (`fetcher.bytes_fetched`, held to
 it by tests/test_gpu_bench.py): the pool holds the new token when a layer is fetched, InfiniGen fetches
-`EngineConfig.budget_tokens_for(context)` rows per KV head of each sparse layer; its dense layers stay on
-the GPU (`dense_layers_on_device`, resident.py) and move nothing.
-Time per step, eager PyTorch, per decoder layer (what the code does on CUDA today, audit §1.3 and §2.1):
+`EngineConfig.budget_tokens_for(context)` rows per KV head of each sparse layer; with
+`dense_layers_on_device` (the default) its dense layers stay on the GPU and move nothing, and `offload`
+keeps the very same layers resident (fetch.DeviceKeeping.for_policy: the fair baseline).
+Time per step, eager PyTorch (no CUDA graph: the CUDA step is not captured), per decoder layer:
 
 - the host launches every layer's kernels (`host_ms_per_layer`); the GPU reads the layer's weights (and
-  under `full` its KV) from HBM; the step is bound by the slower of the two, layer by layer;
-- `offload` copies each whole layer from pinned memory by DMA one layer ahead on a side stream: a layer
-  takes the longest of launch, compute and its copy, and the first layer's copy hides behind nothing;
-- `hf-offload` (transformers' `DynamicCache(offloading=True)`) prefetches the next layer the same way
-  (pinned, non-blocking, on its own stream) and sends the layer back to the host after use: as `offload`
-  with the copy back in the other direction of the full-duplex link;
-- `infinigen` keeps its dense layers on the GPU (they cost what `full`'s layers cost); for each sparse layer the host waits on the
-  fetch worker, which waits for the GPU's indices (`round_trip_ms`) and gathers the rows into pinned
-  staging (`host_gather_gbps`) before the copy up: the host never runs more than a layer ahead, so the
-  round trip and the gather add to the layer's time; its speculation adds launches
-  (`sparse_extra_host_ms`) and reads the partial keys from HBM.
+  the KV of a layer kept on the GPU) from HBM; a layer is bound by the slower of the two;
+- `offload` copies each layer it does not keep whole from pinned memory by DMA one layer ahead on a side
+  stream: such a layer takes the longest of launch, compute and its copy; the first copied layer's copy
+  hides only behind the layer before it;
+- `hf-offload` (transformers' `DynamicCache(offloading=True)`) prefetches every layer the same way (pinned,
+  non-blocking, on its own stream) and sends it back after use: as `offload` with nothing resident and the
+  copy back on the other direction of the full-duplex link;
+- `infinigen`, zero-copy fetch (`EngineConfig.zero_copy_fetch`, the CUDA default; zero_copy.py): dense
+  layers cost what `full`'s cost; a sparse layer's selected rows are gathered by the GPU straight from the
+  pinned pool over PCIe (`zero_copy_gather_gbps`, a scattered read of one row per KV head and slot), on a
+  side stream while the layer before computes; no host gather, no host round trip. A sparse layer takes the
+  longest of its launches (+ speculation's, `sparse_extra_host_ms`), its HBM reads (weights, partial keys,
+  rows) and its gather;
+- `infinigen`, staged fetch (`zero_copy_fetch=False`, or a failed probe at load): the host waits per sparse
+  layer for the GPU's indices (`round_trip_ms`) and gathers the rows into pinned staging
+  (`host_gather_gbps`) before the copy up: both add to the layer's time.
 
 Rates come from a profile (stated: vendor sheets and the audit's estimates) or from a measured-rates JSON
-written by scripts/gpu_probe.py. No CUDA graph and no zero-copy gather: this design has neither yet, so the
-prediction does not either. The GPU cache of selected rows (`selected_rows_cache`) is off by default and
-its hit rate unmeasured on real attention, so no row assumes it.
+written by scripts/gpu_probe.py. The GPU cache of selected rows (`selected_rows_cache`) is off by default
+and its hit rate unmeasured on real attention, so no row assumes it.
 """
 
 from __future__ import annotations
@@ -48,18 +53,29 @@ class DeviceProfile:
     host_ms_per_layer: float  # eager: the host's time to launch one decoder layer's kernels
     sparse_extra_host_ms: float  # InfiniGen per sparse layer: speculation's launches, the fetch hand-off
     round_trip_ms: float  # per sparse layer: indices to the host, the worker's event wait, the hand-off back
+    zero_copy_gather_gbps: float  # the GPU gathering selected rows (256-byte rows) straight from pinned memory
     rates: str = "stated"  # or the measured-rates file they came from
 
 
 PROFILES = {
     "h100": DeviceProfile("H100 SXM (predicted)", hbm_gbps=3350.0, pinned_h2d_gbps=50.0, pinned_d2h_gbps=50.0,
                           host_gather_gbps=25.0, host_ms_per_layer=0.6, sparse_extra_host_ms=0.3,
-                          round_trip_ms=0.05),
+                          round_trip_ms=0.05, zero_copy_gather_gbps=25.0),
     "h200": DeviceProfile("H200 (predicted)", hbm_gbps=4800.0, pinned_h2d_gbps=50.0, pinned_d2h_gbps=50.0,
                           host_gather_gbps=25.0, host_ms_per_layer=0.6, sparse_extra_host_ms=0.3,
-                          round_trip_ms=0.05),
+                          round_trip_ms=0.05, zero_copy_gather_gbps=25.0),
 }
 FP16_BYTES = 2
+FETCHES = ("zero-copy", "staged")  # how InfiniGen's selected rows reach the GPU (EngineConfig.zero_copy_fetch)
+
+
+def resident_layers(shape: ModelShape, policy: str) -> int:
+    """Layers whose KV stays on the GPU under the benchmark's settings: InfiniGen's dense first layers and, for
+    the fair baseline, as many for `offload` (fetch.DeviceKeeping.for_policy; Llama shapes: no sliding layers)."""
+    config = bench_config(0.1)
+    if policy not in ("offload", "infinigen") or not config.dense_layers_on_device:
+        return 0
+    return min(config.dense_layers, shape.layers)
 
 
 def weight_bytes(shape: ModelShape, element_bytes: int = FP16_BYTES) -> int:
@@ -84,7 +100,7 @@ def fetched_bytes(shape: ModelShape, context: int, policy: str, budget: float | 
     if policy in ("full", "hf-offload"):
         return 0  # full reads its cache in place; hf-offload is not the engine (its copies: see predict_step)
     if policy == "offload":
-        return shape.layers * held * per_token
+        return (shape.layers - resident_layers(shape, policy)) * held * per_token
     if policy != "infinigen":
         raise ValueError(f"no prediction for policy {policy!r}")
     if budget is None:
@@ -92,47 +108,53 @@ def fetched_bytes(shape: ModelShape, context: int, policy: str, budget: float | 
     config = bench_config(budget)
     dense = min(config.dense_layers, shape.layers)
     rows = config.budget_tokens_for(context)
-    dense_bytes = 0 if config.dense_layers_on_device else dense * held * per_token
+    dense_bytes = (dense - resident_layers(shape, policy)) * held * per_token
     return dense_bytes + (shape.layers - dense) * rows * per_token
 
 
 def predict_step(shape: ModelShape, context: int, policy: str, budget: float | None, profile: DeviceProfile,
-                 element_bytes: int = FP16_BYTES) -> dict:
-    """One row in the measured table's shape: ms_per_token, bytes_fetched_per_token, fetch wait, memory."""
+                 element_bytes: int = FP16_BYTES, fetch: str = "zero-copy") -> dict:
+    """One row in the measured table's shape: ms_per_token, bytes_fetched_per_token, fetch wait, memory;
+    `fetch` (InfiniGen only): how its selected rows reach the GPU, one of FETCHES."""
     per_token = kv_bytes_per_token_layer(shape, element_bytes)
     layer_kv = (context + 1) * per_token
     weights = weight_bytes(shape, element_bytes)
-    layer_weights_s = weights / shape.layers / (profile.hbm_gbps * 1e9)
+    hbm = profile.hbm_gbps * 1e9
+    layer_weights_s = weights / shape.layers / hbm
     host_s = profile.host_ms_per_layer / 1e3
     h2d_s, d2h_s = layer_kv / (profile.pinned_h2d_gbps * 1e9), layer_kv / (profile.pinned_d2h_gbps * 1e9)
+    resident_s = max(host_s, layer_weights_s + layer_kv / hbm)  # a layer whose KV is on the GPU (`full`'s)
     fetched = fetched_bytes(shape, context, policy, budget, element_bytes)
-    gpu_bytes = weights
+    resident = resident_layers(shape, policy)
+    gpu_bytes = weights + resident * layer_kv
     if policy == "full":
-        step_s = shape.layers * max(host_s, layer_weights_s + layer_kv / (profile.hbm_gbps * 1e9))
+        step_s = busy_s = shape.layers * resident_s
         gpu_bytes += shape.layers * layer_kv
-        busy_s = step_s
     elif policy in ("offload", "hf-offload"):
         back_s = d2h_s if policy == "hf-offload" else 0.0
-        step_s = h2d_s + shape.layers * max(host_s, layer_weights_s, h2d_s, back_s)
-        busy_s = shape.layers * max(host_s, layer_weights_s)
+        copied = shape.layers - resident
+        first_copy_s = max(0.0, h2d_s - (resident_s if resident else 0.0))  # hidden behind the layer before
+        step_s = resident * resident_s + first_copy_s + copied * max(host_s, layer_weights_s, h2d_s, back_s)
+        busy_s = resident * resident_s + copied * max(host_s, layer_weights_s)
         gpu_bytes += 2 * layer_kv  # two layers in flight
     else:
-        step_s, busy_s, partial_bytes = _infinigen_step(shape, context, budget, profile, element_bytes)
-        dense = min(bench_config(budget).dense_layers, shape.layers)
-        gpu_bytes += partial_bytes + dense * layer_kv  # the dense layers' KV, resident
+        if fetch not in FETCHES:
+            raise ValueError(f"unknown fetch {fetch!r}: one of {', '.join(FETCHES)}")
+        step_s, busy_s, partial_bytes = _infinigen_step(shape, context, budget, profile, element_bytes, fetch)
+        gpu_bytes += partial_bytes
     ms = step_s * 1e3
     moved = fetched or (2 * shape.layers * layer_kv if policy == "hf-offload" else 0)
     return {"model": shape.name, "context": context, "policy": policy,
-            "budget": budget if policy == "infinigen" else None, "ms_per_token": ms, "tokens_per_s": 1e3 / ms,
-            "bytes_fetched_per_token": fetched,
+            "budget": budget if policy == "infinigen" else None, "fetch": fetch if policy == "infinigen" else None,
+            "ms_per_token": ms, "tokens_per_s": 1e3 / ms, "bytes_fetched_per_token": fetched,
             "fetch_wait_ms_per_step": (step_s - busy_s) * 1e3 if policy != "full" else None,
             "h2d_gbps": moved / step_s / 1e9 if moved else None, "peak_h2d_gbps": profile.pinned_h2d_gbps,
-            "peak_gpu_bytes": gpu_bytes}
+            "resident_layers": resident if policy != "full" else shape.layers, "peak_gpu_bytes": gpu_bytes}
 
 
 def _infinigen_step(shape: ModelShape, context: int, budget: float | None, profile: DeviceProfile,
-                    element_bytes: int) -> tuple[float, float, int]:
-    """(step seconds, seconds the layers' own work takes, partial-key bytes on the GPU) for InfiniGen."""
+                    element_bytes: int, fetch: str) -> tuple[float, float, int]:
+    """(step seconds, seconds the layers' own work takes, GPU bytes of the partial keys and gather buffers)."""
     if budget is None:
         raise ValueError("infinigen needs a budget")
     config = bench_config(budget)
@@ -148,11 +170,16 @@ def _infinigen_step(shape: ModelShape, context: int, budget: float | None, profi
     host_s = profile.host_ms_per_layer / 1e3
     dense_s = max(host_s, layer_weights_s + layer_kv / hbm)  # resident: read from HBM as `full` does
     sparse_busy_s = max(host_s + profile.sparse_extra_host_ms / 1e3, layer_weights_s + (partial_layer + rows_bytes) / hbm)
-    sparse_s = (max(sparse_busy_s, rows_bytes / (profile.pinned_h2d_gbps * 1e9)) + profile.round_trip_ms / 1e3
-                + rows_bytes / (profile.host_gather_gbps * 1e9))
+    if fetch == "zero-copy":  # the GPU's own gather over PCIe, one layer ahead on a side stream
+        sparse_s = max(sparse_busy_s, rows_bytes / (profile.zero_copy_gather_gbps * 1e9))
+        buffers = 2 * rows_bytes  # zero_copy.MappedRows: two gather buffers, used in turn
+    else:  # the host waits for the indices and gathers before the copy up
+        sparse_s = (max(sparse_busy_s, rows_bytes / (profile.pinned_h2d_gbps * 1e9)) + profile.round_trip_ms / 1e3
+                    + rows_bytes / (profile.host_gather_gbps * 1e9))
+        buffers = 0
     step_s = dense * dense_s + sparse * sparse_s  # the first layer is dense and resident: no copy to wait for
-    busy_s = dense * max(host_s, layer_weights_s) + sparse * sparse_busy_s
-    return step_s, busy_s, int(sparse * partial_layer)
+    busy_s = dense * dense_s + sparse * sparse_busy_s
+    return step_s, busy_s, int(sparse * partial_layer + buffers)
 
 
 def predict_table(shape_names: Sequence[str], contexts: Sequence[int], policies: Sequence[str],
@@ -162,7 +189,8 @@ def predict_table(shape_names: Sequence[str], contexts: Sequence[int], policies:
         for context in contexts:
             for policy in policies:
                 for budget in (budgets if policy == "infinigen" else [None]):
-                    rows.append(predict_step(SHAPES[shape_name], context, policy, budget, profile))
+                    for fetch in (FETCHES if policy == "infinigen" else FETCHES[:1]):
+                        rows.append(predict_step(SHAPES[shape_name], context, policy, budget, profile, fetch=fetch))
     add_ratios(rows)
     return {"cuda": False, "predicted": True, "device": profile.name, "profile": vars(profile), "rows": rows}
 

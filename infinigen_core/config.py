@@ -48,6 +48,10 @@ class EngineConfig:
     selected_rows_cache: where the pool is in host memory, each sparse layer keeps this many recently
         fetched rows per KV head on the compute device, and a row selected again is not fetched again
         (0: no cache).
+    zero_copy_fetch: where the pool is in pinned host memory (a GPU), the compute device gathers a sparse
+        layer's selected rows from it in place (zero_copy.py: no host gather, no host round trip) once a
+        probe at load agreed with the staged path; False, or a failed probe, gathers them on the host and
+        copies them up (the staged path). Layers under `selected_rows_cache` and a limited pool stay staged.
     """
 
     policy: str = "infinigen"
@@ -66,6 +70,7 @@ class EngineConfig:
     history_steps: int = 64
     dense_layers_on_device: bool = True
     selected_rows_cache: int = 0
+    zero_copy_fetch: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -103,6 +108,8 @@ class EngineConfig:
         if self.selected_rows_cache < 0 or self.selected_rows_cache != int(self.selected_rows_cache):
             raise ConfigError(f"selected_rows_cache must be a whole number of rows >= 0 (0: off), got "
                               f"{self.selected_rows_cache}")
+        if not isinstance(self.zero_copy_fetch, bool):
+            raise ConfigError(f"zero_copy_fetch must be True or False, got {self.zero_copy_fetch!r}")
 
     def budget_tokens_for(self, context_len: int) -> int:
         """The fetch cap for a layer whose past holds `context_len` tokens (at least 1)."""

@@ -16,7 +16,11 @@ computed from) and the mode refuses, with the op's name:
 - an op that mixes host-tagged and compute-tagged tensors outside `crossing()` (the transfer layer's
   copies are the only crossing; an explicit `.to(device)` is a copy too and allowed);
 - a host read of a compute tensor inside `decode_step()` (the engine's one-token forward): no exemption,
-  so a decode step that passes under the mode makes no host wait on a GPU.
+  so a decode step that passes under the mode makes no host wait on a GPU;
+- anything but a gather through a `mapped_view` of host memory (on CUDA: pinned memory the GPU reads in
+  place over UVA, zero-copy). The compute side may read such a view with a gather (`index_select`,
+  `index`, `embedding`) whose indices are compute tensors, and take views of it; a write through it, any
+  other op that reads it, and a gather with host indices are refused.
 
 Tensors made outside the mode or on the plain CPU carry no tag and mix with either side.
 
@@ -27,6 +31,7 @@ Tensors made outside the mode or on the plain CPU carry no tag and mix with eith
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Iterator
@@ -40,11 +45,14 @@ SEPARATE_DEVICES_ENV = "INFINIGEN_SEPARATE_DEVICES"
 EMULATED_COMPUTE = torch.device("cpu", 0)
 EMULATED_HOST = torch.device("cpu", 1)
 HOST, COMPUTE = "host", "compute"
+MAPPED = "mapped"  # host memory the compute side may gather from in place (mapped_view)
 
 _SIDE = "_infinigen_side"  # the attribute a tagged storage carries (a storage's Python object lives as long as it)
 _local = threading.local()
 
 aten = torch.ops.aten
+# what the compute side may do with a mapped view: gather rows out of it, or take a view of it
+_MAPPED_GATHERS = {aten.index_select.default, aten.index_select.out, aten.index.Tensor, aten.embedding.default}
 # ops that read a tensor's values on the host (on a GPU: wait for it, then copy)
 _HOST_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
                aten.equal.default, aten.is_nonzero.default, aten._unique2.default, aten.unique_consecutive.default,
@@ -105,6 +113,19 @@ def is_host_tensor(tensor: torch.Tensor) -> bool:
     if not _mode_active():
         return True
     return side_of(tensor) != COMPUTE
+
+
+def mapped_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A second tensor over `tensor`'s memory (a host tensor, contiguous) that the compute side may gather
+    from in place: the emulation of a CUDA view of pinned memory (transfer.CudaOps.mapped). It keeps no
+    reference to `tensor`: its owner keeps that alive as long as the view."""
+    if not tensor.is_contiguous():
+        raise ValueError("a mapped view needs contiguous host memory")
+    size = tensor.numel() * tensor.element_size()
+    raw = (ctypes.c_uint8 * max(size, 1)).from_address(tensor.data_ptr())
+    view = torch.frombuffer(raw, dtype=torch.uint8, count=size).view(tensor.dtype).view(tensor.shape)
+    tag(view, MAPPED)
+    return view
 
 
 @contextmanager
@@ -210,6 +231,11 @@ class _DispatchChecks(TorchDispatchMode):
         kwargs = kwargs or {}
         inputs = _tensors(args, kwargs)
         sides = {side for side in map(side_of, inputs) if side is not None}
+        if MAPPED in sides:
+            _check_mapped_read(func, args, kwargs, inputs)
+            out = func(*args, **kwargs)
+            self._tag_outputs(out, inputs, {COMPUTE}, None)  # a gather's rows land on the compute side
+            return out
         crossing_now = getattr(_local, "crossing", False)
         if len(sides) > 1 and not crossing_now:
             described = ", ".join(f"{side_of(t) or 'untagged'} {tuple(t.shape)}" for t in inputs)
@@ -252,6 +278,36 @@ class _DispatchChecks(TorchDispatchMode):
                     tag(tensor, side)
                 continue
             tag(tensor, side)
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors `func` writes to (its schema's mutable arguments: `self` of an in-place op, `out=`)."""
+    written = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = kwargs.get(argument.name, args[position] if position < len(args) else None)
+        written.extend(_tensors((value,), {}))
+    return written
+
+
+def _check_mapped_read(func, args, kwargs, inputs) -> None:
+    """An op touching a mapped view: only a gather with compute-side indices, or a view of it, passes."""
+    def describe() -> str:
+        return ", ".join(f"{side_of(t) or 'untagged'} {tuple(t.shape)}" for t in inputs)
+
+    if any(side_of(t) == MAPPED for t in _written(func, args, kwargs)):
+        raise SeparateDevicesError(f"{func} writes through a mapped view of host memory ({describe()}): the compute "
+                                   "side only reads it; new rows reach the pool through the transfer layer")
+    if func in _MAPPED_GATHERS:
+        if any(side_of(t) == HOST for t in inputs):
+            raise SeparateDevicesError(f"{func} gathers from a mapped view with host memory in the op ({describe()}): "
+                                       "the indices must be on the compute device")
+        return
+    if all(side_of(t) == MAPPED for t in inputs) and func.is_view:
+        return  # a view of the mapped memory is mapped memory
+    raise SeparateDevicesError(f"{func} reads a mapped view of host memory ({describe()}): the compute side may only "
+                               "gather rows from it (index_select), each read crossing the link")
 
 
 @contextmanager

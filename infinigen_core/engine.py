@@ -153,8 +153,8 @@ class InfiniGenEngine:
         if self.fetcher is not None:
             self.fetcher.close()
         self.fetcher = make_fetcher(self.pool, self.device, max_rows=config.budget_tokens_for(self.max_context) + 1,
-                                    rows_in_place=self.kernels is not None,
-                                    keep=DeviceKeeping.for_policy(self.policy, self.adapter.num_layers, config))
+                                    rows_in_place=self.kernels is not None, zero_copy=config.zero_copy_fetch,
+                                    keep=DeviceKeeping.for_policy(self.policy, self.adapter, config))
         self.work = LayerWork(self.pool, self.policy, self.fetcher, self.attention, self.adapter, config)
 
     def prepare(self, new_tokens: int) -> None:
@@ -301,9 +301,9 @@ class InfiniGenEngine:
         weights differ from the ones it was compiled for, runs a one-token chunk too)."""
         n, first = len(token_ids), self.pool.total_tokens
         # prefill reads the pool from this thread, and a growth copies it into new storage: pending writes
-        # (the fetch worker's, of the previous token) land first, or they would land in the old storage
-        if n > 1 or self.pool.grows_for(n):
-            self.fetcher.flush()
+        # (the fetch worker's, of the previous token) land first, or they would land in the old storage; a
+        # one-token step waits at least for the writes that its in-place gathers read (settle)
+        self.fetcher.flush() if n > 1 or self.pool.grows_for(n) else self.fetcher.settle()
         stats = StepStats(step=self.steps_run, position=first, new_tokens=n)
         slots = self.pool.reserve(n)
         step = Step(

@@ -8,9 +8,11 @@ the new token was written), a whole layer with the new token in its reserved slo
 - `DirectFetcher`: the pool lives on the compute device (the CPU; `full` on a GPU). A whole layer is the
   pool's own view, selected rows are one gather, done at `wait`, after the new token has been written.
 - `StreamFetcher`: the pool lives in host memory and the model on another device. One worker thread does
-  all host-side work in order: it copies new K/V into the pool once their copy to the host has landed, and
-  gathers selected rows into double-buffered staging (`index_select(..., out=)`) once their indices have
-  reached the host, then copies them up on a side stream. Whole layers (the `offload` baseline and the
+  all host-side work in order: it copies new K/V into the pool once their copy to the host has landed.
+  Selected rows are gathered by the compute side straight from the pool (zero_copy.py: no host gather, no
+  host round trip) where `zero_copy` allows; otherwise (staged) the worker gathers them into
+  double-buffered staging (`index_select(..., out=)`) once their indices have reached the host, then
+  copies them up on a side stream. Whole layers (the `offload` baseline and the
   dense layers under sparse policies) are copied contiguously, one layer ahead. The compute side waits for
   a fetch's event, never for the device as a whole. It knows devices only through a
   `transfer.DeviceOps`: `CudaOps` on a GPU (pinned memory, CUDA streams), `ThreadedCpuOps` to run the very
@@ -32,6 +34,7 @@ from . import devices
 from .kv_pool import KVPool
 from .resident import ResidentLayers, SelectedRowCache
 from .transfer import CudaOps, DeviceOps, ThreadedCpuOps, Worker
+from .zero_copy import Gathered, MappedRows, refuse_reason_logged, validate
 
 
 @dataclass
@@ -128,6 +131,9 @@ class DirectFetcher:
     def rebuild(self) -> None:
         """The pool's rows changed under the fetcher: nothing here keeps a copy of them."""
 
+    def settle(self) -> None:
+        """Writes land at once here: nothing to wait for before a step."""
+
     def device_bytes(self) -> int:
         return 0
 
@@ -189,6 +195,19 @@ class _StreamedThroughCache(PendingFetch):
         return torch.cat([new_keys, keys], dim=1), torch.cat([new_values, values], dim=1)
 
 
+class _GatheredInPlace(PendingFetch):
+    """Selected rows the compute side gathers straight from the pool's memory (zero_copy.py)."""
+
+    def __init__(self, ops: DeviceOps, gathered: Gathered) -> None:
+        self.ops, self.gathered = ops, gathered
+
+    def _rows(self, new_keys, new_values, new_slots):
+        rows = self.gathered
+        self.ops.wait(rows.ready, rows.keys, rows.values)
+        keys, values = rows.keys.view(rows.shape), rows.values.view(rows.shape)
+        return torch.cat([new_keys, keys], dim=1), torch.cat([new_values, values], dim=1)
+
+
 class _ResidentView(PendingFetch):
     """A layer whose rows stay on the compute device (resident.ResidentLayers): nothing to move."""
 
@@ -202,7 +221,8 @@ class _ResidentView(PendingFetch):
 class StreamFetcher:
     """The pool is in host memory, the model on a device reached through `ops` (see the module docstring)."""
 
-    def __init__(self, pool: KVPool, ops: DeviceOps, max_rows: int, keep: DeviceKeeping | None = None) -> None:
+    def __init__(self, pool: KVPool, ops: DeviceOps, max_rows: int, keep: DeviceKeeping | None = None,
+                 zero_copy: bool = False) -> None:
         self.pool, self.ops, self.device = pool, ops, ops.device
         self.host = HostChannel(ops)
         self.bytes_fetched = 0  # K/V rows that crossed to the compute device
@@ -223,6 +243,22 @@ class StreamFetcher:
         self.resident = ResidentLayers(pool, ops, keep.resident_layers)
         self.cache = SelectedRowCache(pool, ops.device, keep.cached_layers, keep.cache_lines)
         self._plan_staging = ops.host_empty((2, 3, pool.num_kv_heads * max_rows), torch.int64) if keep.cache_lines else None
+        self._last_write: Future | None = None
+        # selected rows gathered by the compute side in place (zero_copy.py); eviction counts each fetch on
+        # the host, so a limited pool keeps the staged path, as the cached layers and host-chosen slots do
+        self.zero_copy_reason = self._zero_copy_refused(zero_copy)
+        self.mapped = MappedRows(pool, ops, self._stream, max_rows) if self.zero_copy_reason is None else None
+
+    def _zero_copy_refused(self, wanted: bool) -> str | None:
+        """Why selected rows are fetched staged (None: they are gathered in place)."""
+        if not wanted:
+            return "off (EngineConfig.zero_copy_fetch)"
+        if self.pool.counts_fetches:
+            return "a limited pool counts every fetch on the host"
+        if isinstance(self.ops, CudaOps) and (reason := validate(self.ops, self.pool.dtype, self.pool.head_dim)):
+            refuse_reason_logged(reason)
+            return reason
+        return None
 
     # -- writes: device -> host (non-blocking) -> pool, in the worker once the copy has landed
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -232,8 +268,16 @@ class StreamFetcher:
         host_keys, _ = self.host.to_host(keys)
         host_values, ready = self.host.to_host(values)  # the later copy on the same stream: both have landed
         written = self._worker.submit(self._write_rows, layer, slots, host_keys, host_values, ready)
+        self._last_write = written
         if self._prefill_reads_pool and keys.shape[1] > 1:
             written.result()
+
+    def settle(self) -> None:
+        """Before a decode step: the rows written so far are in the pool, where the compute side gathers in
+        place (zero_copy.py). Host work only, once per step: the previous step's copies to the host landed
+        when its token was sampled."""
+        if self.mapped is not None and self._last_write is not None:
+            self._last_write.result()
 
     def _write_rows(self, layer, slots, host_keys, host_values, ready) -> None:
         if ready is not None:
@@ -243,6 +287,9 @@ class StreamFetcher:
 
     # -- selected rows: indices -> host, gather into staging, upload on the side stream
     def start_rows(self, layer: int, slots: torch.Tensor) -> PendingFetch:
+        if self.mapped is not None and layer not in self.cache and not devices.is_host_tensor(slots):
+            self.bytes_fetched += slots.numel() * self._row_bytes
+            return _GatheredInPlace(self.ops, self.mapped.start(layer, slots))
         host_slots, ready = self.host.to_host(slots)
         if layer in self.cache:  # the worker counts what crosses: only the misses
             return _StreamedThroughCache(self.ops, self.cache, layer,
@@ -326,8 +373,8 @@ class StreamFetcher:
         self.cache.clear()
 
     def device_bytes(self) -> int:
-        """Compute-device memory the resident layers and the cache hold."""
-        return self.resident.bytes() + self.cache.bytes()
+        """Compute-device memory the resident layers, the cache and the in-place gathers' buffers hold."""
+        return self.resident.bytes() + self.cache.bytes() + (self.mapped.bytes() if self.mapped else 0)
 
     def pending_host_work(self) -> int:
         """Writes and fetches whose host side has not finished yet."""
@@ -367,25 +414,33 @@ class DeviceKeeping:
             object.__setattr__(self, "cached_layers", frozenset())
 
     @staticmethod
-    def for_policy(policy, num_layers: int, config) -> DeviceKeeping:
-        """What `policy` keeps on the device under `config` (EngineConfig): nothing for a dense policy
-        (`offload` is the whole-layer baseline, `full` keeps the pool there anyway)."""
-        sparse_layers = frozenset(layer for layer in range(num_layers) if policy.is_sparse(layer))
+    def for_policy(policy, adapter, config) -> DeviceKeeping:
+        """What `policy` keeps on the device under `config` (EngineConfig) for a model (arch.ModelAdapter).
+
+        With `dense_layers_on_device`, a sparse policy keeps the layers it reads whole (the dense first layers,
+        sliding-window layers) and `offload` keeps the very same layers, so the two compare at equal resident
+        layers (FlexGen's users keep resident what fits); `full` keeps the whole pool there anyway."""
+        layers = range(adapter.num_layers)
+        sparse_layers = frozenset(layer for layer in layers if policy.is_sparse(layer))
+        read_whole = frozenset(layer for layer in layers
+                               if layer < config.dense_layers or not adapter.is_global(layer))
+        resident = read_whole if config.dense_layers_on_device else frozenset()
         if not sparse_layers:
-            return DeviceKeeping()
-        resident = frozenset(range(num_layers)) - sparse_layers if config.dense_layers_on_device else frozenset()
-        return DeviceKeeping(resident, sparse_layers, config.selected_rows_cache)
+            return DeviceKeeping() if policy.keeps_pool_on_device else DeviceKeeping(resident_layers=resident)
+        return DeviceKeeping(frozenset(layers) - sparse_layers if config.dense_layers_on_device else frozenset(),
+                             sparse_layers, config.selected_rows_cache)
 
 
 def make_fetcher(pool: KVPool, device: torch.device, max_rows: int, ops: DeviceOps | None = None,
-                 rows_in_place: bool = False, keep: DeviceKeeping | None = None):
+                 rows_in_place: bool = False, keep: DeviceKeeping | None = None, zero_copy: bool = False):
     """The fetcher for a pool and a compute device; `ops` forces the streamed pipeline over those device
     operations (tests run it on the CPU with `transfer.ThreadedCpuOps`); `rows_in_place` asks a pool on the
-    compute device to hand selected rows over by slot (attention reads them with the CPU kernels)."""
+    compute device to hand selected rows over by slot (attention reads them with the CPU kernels); `zero_copy`
+    lets a streamed fetcher's compute side gather selected rows from the pool in place (zero_copy.py)."""
     if ops is not None:
-        return StreamFetcher(pool, ops, max_rows, keep)
+        return StreamFetcher(pool, ops, max_rows, keep, zero_copy)
     if device.type == "cuda" and pool.device.type == "cpu":
-        return StreamFetcher(pool, CudaOps(device), max_rows, keep)
+        return StreamFetcher(pool, CudaOps(device), max_rows, keep, zero_copy)
     if devices.is_emulated(device) and pool.device != device:  # CUDA's pipeline, its copies run by threads
-        return StreamFetcher(pool, ThreadedCpuOps(device=device), max_rows, keep)
+        return StreamFetcher(pool, ThreadedCpuOps(device=device), max_rows, keep, zero_copy)
     return DirectFetcher(pool, device, rows_in_place)

@@ -91,6 +91,12 @@ class KVPool(RowRestore):
         return CapacityRule(self.growth_tokens, self.limit_tokens)
 
     @property
+    def storage(self) -> PoolStorage:
+        """The tensors holding the rows now (a new object whenever the pool reallocates)."""
+        assert self._storage is not None, "the pool's storage was dropped"
+        return self._storage
+
+    @property
     def capacity(self) -> int:
         return self._positions.shape[1]
 

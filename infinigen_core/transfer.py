@@ -72,6 +72,16 @@ class DeviceOps(Protocol):
         """The compute side goes on only once `event` is reached; `tensors` (filled on a side stream) are
         then read by the compute side."""
 
+    def mapped(self, host: torch.Tensor) -> torch.Tensor:
+        """A compute-side view of contiguous host memory that gathers read in place (on CUDA: pinned memory
+        over UVA, zero-copy); valid while `host` lives, never written to."""
+
+    def follow(self, stream: object) -> None:
+        """Work enqueued on `stream` from now on runs after the compute side's work enqueued so far."""
+
+    def gather(self, stream: object, source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+        """Enqueue `index_select(source, 0, index, out=out)` on `stream` (source: a `mapped` view); returns at once."""
+
     def close(self) -> bool:
         """Stop the streams (what was enqueued still runs, without delays); later copies raise.
         Returns whether every stream stopped in time."""
@@ -185,8 +195,34 @@ class CudaOps:
         for tensor in tensors:  # allocated on a side stream, read on the compute stream: tell the allocator
             tensor.record_stream(compute)
 
+    def mapped(self, host) -> torch.Tensor:
+        if not (host.is_pinned() and host.is_contiguous()):
+            raise ValueError("a CUDA view of host memory needs contiguous pinned memory")
+        # Under unified addressing pinned memory has the same address on the device: a CUDA tensor over it
+        # (bytes, then the dtype: the array interface knows no bfloat16). Validated once per fetcher
+        # (zero_copy.validate), never assumed.
+        size = host.numel() * host.element_size()
+        raw = torch.as_tensor(_DeviceBytes(host.data_ptr(), size), device=self.device)
+        return raw.view(host.dtype).view(host.shape)
+
+    def follow(self, stream) -> None:
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def gather(self, stream, source, index, out) -> None:
+        with torch.cuda.stream(stream):
+            torch.index_select(source, 0, index, out=out)
+        index.record_stream(stream)  # made on the compute stream, read on this one
+
     def close(self) -> bool:
         return True
+
+
+class _DeviceBytes:
+    """`size` bytes at a device-accessible address, as torch.as_tensor reads them (CUDA array interface v3)."""
+
+    def __init__(self, address: int, size: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -279,6 +315,24 @@ class ThreadedCpuOps:
 
     def wait(self, event, *tensors) -> None:
         event.synchronize()  # the compute side is this thread
+
+    def mapped(self, host) -> torch.Tensor:
+        return devices.mapped_view(host)
+
+    def follow(self, stream) -> None:
+        pass  # the compute side is this thread: what it enqueued has run
+
+    def gather(self, stream, source, index, out) -> None:
+        stream.worker.submit(self._gather, source, index, out, stream)
+
+    def _gather(self, source, index, out, stream) -> None:
+        delay = self.delay_s() if callable(self.delay_s) else self.delay_s
+        if delay > 0:
+            self._stopping.wait(delay)
+        try:
+            torch.index_select(source, 0, index, out=out)  # a mapped read: the mode allows it without a crossing
+        except Exception as error:
+            stream.error = stream.error or error
 
     def close(self) -> bool:
         self._stopping.set()

@@ -8,13 +8,17 @@ Parts, each written to --save as soon as it is done (a call cut short keeps the 
 - `host_gather`: the CPU gathering InfiniGen's selected rows from a pinned pool into pinned staging
   (`index_select(out=)`, what the fetch worker does) with Llama-3-8B and Llama-2-7B shapes at 32k, budget
   0.15, at 1, 2, 4, 8 and 16 threads;
-- `zero_copy`: a Triton kernel on the GPU gathering the same rows straight from the pinned pool (the
-  redesign's fetch, issue 29 item 3), rows of 256 bytes;
+- `zero_copy`: a Triton kernel on the GPU gathering the same rows straight from the pinned pool, rows of
+  256 bytes (a comparison);
+- `mapped_gather`: the engine's own zero-copy fetch (zero_copy.py: torch's `index_select` over a CUDA view
+  of the pinned pool, `CudaOps.mapped`, on a side stream), the scattered-read rate the predictor takes as
+  `zero_copy_gather_gbps`: keys and values of one layer's selected rows, Llama-3-8B and Llama-2-7B shapes
+  at 32k, budgets 0.15 and 0.1;
 - `launch_floor`: plain transformers' decode step of a random Llama-3-8B-shaped model at 16k, eager and
   captured (`torch.compile(mode="reduce-overhead")`, a static cache).
 
 `rates` holds what the predictor takes (pinned_h2d_gbps, pinned_d2h_gbps, host_gather_gbps,
-host_ms_per_layer); the rest is kept for the comparison. Without CUDA it refuses and measures nothing.
+zero_copy_gather_gbps, host_ms_per_layer); the rest is kept for the comparison. Without CUDA it refuses and measures nothing.
 """
 
 from __future__ import annotations
@@ -153,6 +157,46 @@ def measure_zero_copy(context: int = 32768, budget: float = 0.15) -> dict:
     return {"llama3-8b_gbps": best_gbps(run, out.numel() * out.element_size())}
 
 
+def measure_mapped_gather(ops, kv_heads: int, head_dim: int, context: int, budget: float,
+                          dtype: torch.dtype = torch.float16, repeats: int = 5) -> float:
+    """GB/s of the engine's zero-copy fetch (`ops` a transfer.DeviceOps: CudaOps on a card): one layer's
+    selected key and value rows gathered through mapped views of host memory on a side stream, the compute
+    side waiting on its event; checked against the host's own gather first."""
+    generator = torch.Generator().manual_seed(0)
+    pools = []
+    for _ in range(2):  # keys, values
+        pool = ops.host_empty((kv_heads * context, head_dim), dtype)
+        pool.copy_(torch.randn(kv_heads * context, head_dim, generator=generator).to(dtype))
+        pools.append(pool)
+    rows_host = selected_rows(kv_heads, context, budget)
+    rows = rows_host.to(ops.device)
+    stream = ops.stream()
+    views = [ops.mapped(pool) for pool in pools]
+    outs = [ops.empty((rows.numel(), head_dim), dtype, stream) for _ in pools]
+
+    def run():
+        ops.follow(stream)
+        for view, out in zip(views, outs):
+            ops.gather(stream, view, rows, out)
+        ready = ops.record(stream)
+        ops.wait(ready, *outs)
+        ready.synchronize()
+
+    run()
+    for pool, out in zip(pools, outs):
+        if not torch.equal(out.cpu(), pool.index_select(0, rows_host)):
+            raise AssertionError("the mapped gather did not return the selected rows")
+    return best_gbps(run, sum(out.numel() * out.element_size() for out in outs), repeats)
+
+
+def measure_mapped_gathers(context: int = 32768) -> dict:
+    from infinigen_core.transfer import CudaOps
+
+    ops = CudaOps("cuda")
+    return {f"{name}@{budget}": measure_mapped_gather(ops, heads, dim, context, budget)
+            for name, (heads, dim) in ROW_SHAPES.items() for budget in (0.15, 0.1)}
+
+
 def measure_launch_floor(context: int = 16384, steps: int = 8) -> dict:
     from transformers import StaticCache
 
@@ -184,7 +228,7 @@ def measure_launch_floor(context: int = 16384, steps: int = 8) -> dict:
 def probe(save: Path | None) -> dict:
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rates": {}, "errors": {}}
     parts = [("link", measure_link), ("host_gather", measure_gathers), ("zero_copy", measure_zero_copy),
-             ("launch_floor", measure_launch_floor)]
+             ("mapped_gather", measure_mapped_gathers), ("launch_floor", measure_launch_floor)]
     for name, measure in parts:
         print(f"measuring {name}...", flush=True)
         try:
@@ -206,6 +250,8 @@ def _rates(result: dict) -> None:
         rates["pinned_d2h_gbps"] = result["link"]["pinned_d2h_gbps"]
     if "host_gather" in result:
         rates["host_gather_gbps"] = max(result["host_gather"]["llama3-8b"].values())
+    if "mapped_gather" in result:
+        rates["zero_copy_gather_gbps"] = result["mapped_gather"]["llama3-8b@0.15"]
     if "launch_floor" in result:
         rates["host_ms_per_layer"] = result["launch_floor"]["host_ms_per_layer"]
 

@@ -78,6 +78,20 @@ def test_the_paths_the_first_run_would_have_broken(case):
                                _logits_on("cpu", conversation, policy=policy, budget=0.3), rtol=0, atol=1e-4)
 
 
+def test_selected_rows_gathered_in_place_on_the_card():
+    """zero_copy.py on a real card: the CUDA view of the pinned pool passes its check at load, and the logits
+    are the staged path's (indices to the host, host gather, copy up), through a pool that grows."""
+    results, reasons = {}, {}
+    for zero_copy in (False, True):
+        with cuda_engine(_tiny_llama, policy="infinigen", budget=0.2, dense_under_budget=False,
+                         zero_copy_fetch=zero_copy) as engine:
+            reasons[zero_copy] = engine.fetcher.zero_copy_reason
+            first = engine.prefill(random_tokens(250, seed=3))
+            results[zero_copy] = torch.cat([first.unsqueeze(0), engine.score(random_tokens(12, seed=4))]).cpu()
+    assert reasons[True] is None, f"the zero-copy fetch fell back: {reasons[True]}"
+    torch.testing.assert_close(results[True], results[False], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("policy", ["infinigen", "offload", "full"])
 def test_a_decode_step_does_not_sync(policy):
     with cuda_engine(_tiny_llama, policy=policy, budget=0.2) as engine:

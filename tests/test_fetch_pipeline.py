@@ -46,10 +46,14 @@ def attended(monkeypatch):
     return rows
 
 
-def streamed(monkeypatch, delay_s):
-    """Engines built (or reconfigured) from here on fetch through StreamFetcher over ThreadedCpuOps."""
-    monkeypatch.setattr(engine_module, "make_fetcher", lambda pool, device, max_rows, **_: make_fetcher(
-        pool, device, max_rows, ops=ThreadedCpuOps(delay_s, device=device)))
+def streamed(monkeypatch, delay_s, zero_copy=False):
+    """Engines built (or reconfigured) from here on fetch through StreamFetcher over ThreadedCpuOps; with
+    `zero_copy` the compute side gathers selected rows from the pool in place (zero_copy.py) and the dense layers
+    stay on the compute device (whose whole-layer fetches would otherwise queue behind every write), else
+    staged and fetched whole."""
+    monkeypatch.setattr(engine_module, "make_fetcher", lambda pool, device, max_rows, keep=None, **_: make_fetcher(
+        pool, device, max_rows, ops=ThreadedCpuOps(delay_s, device=device), zero_copy=zero_copy,
+        keep=keep if zero_copy else None))
 
 
 def conversation(engine, restore: bool) -> torch.Tensor:
@@ -68,16 +72,17 @@ def conversation(engine, restore: bool) -> torch.Tensor:
     return torch.stack(logits)
 
 
-def run(model, monkeypatch, attended, delay_s=None, restore=False, **settings):
+def run(model, monkeypatch, attended, delay_s=None, restore=False, zero_copy=False, **settings):
     """The conversation's logits and every layer's attended rows, direct (delay_s None) or streamed."""
     with monkeypatch.context() as patch:
         if delay_s is not None:
-            streamed(patch, delay_s)
+            streamed(patch, delay_s, zero_copy)
         else:
             patch.delenv(SEPARATE_DEVICES_ENV, raising=False)
         attended.clear()
         with make_tiny_engine(model, prefill_chunk=40, **settings) as engine:
             assert type(engine.fetcher) is (DirectFetcher if delay_s is None else StreamFetcher)
+            assert getattr(engine.fetcher, "mapped", None) is not None or not zero_copy
             logits = conversation(engine, restore)
     return logits, list(attended)
 
@@ -110,11 +115,28 @@ def test_restores_interleaved_with_decoding(tiny_llama, monkeypatch, attended, p
     torch.testing.assert_close(logits, direct_logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_opt"])
-def test_full_budget_streamed_equals_full(request, monkeypatch, attended, model_fixture):
+def test_rows_gathered_in_place_never_overtake_a_delayed_write(tiny_llama, monkeypatch, attended):
+    """The compute side gathers selected rows from the pool itself (zero_copy.py) while the pool's new rows
+    land late (slow copies to the host, instant gathers; every row selected, the previous token's too):
+    every fetch still holds the rows `DirectFetcher` gives, because the fetcher settles the previous step's
+    writes before a step."""
+    settings = dict(policy="infinigen", budget=1.0, alpha=1e9, dense_under_budget=False)
+    slow_writes = lambda: 0.02 if threading.current_thread().name == "cpu-ops-to-host" else 0.0  # noqa: E731
+    direct_logits, direct_rows = run(tiny_llama, monkeypatch, attended, **settings)
+    logits, rows = run(tiny_llama, monkeypatch, attended, delay_s=slow_writes, zero_copy=True, **settings)
+    assert_same_rows(direct_rows, rows)
+    torch.testing.assert_close(logits, direct_logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_fixture, zero_copy", [("tiny_llama", False), ("tiny_opt", False), ("tiny_llama", True)],
+                         ids=["llama", "opt", "llama-zero-copy"])
+def test_full_budget_streamed_equals_full(request, monkeypatch, attended, model_fixture, zero_copy):
+    """Every row fetched gives `full`'s logits; with `zero_copy` every row is selected and gathered in place
+    (dense_under_budget off: the selecting path runs although the budget covers every token)."""
     model = request.getfixturevalue(model_fixture)
     full_logits, _ = run(model, monkeypatch, attended, policy="full")
-    logits, _ = run(model, monkeypatch, attended, delay_s=jitter(seed=3), policy="infinigen", budget=1.0, alpha=1e9)
+    logits, _ = run(model, monkeypatch, attended, delay_s=jitter(seed=3), zero_copy=zero_copy, policy="infinigen",
+                    budget=1.0, alpha=1e9, dense_under_budget=not zero_copy)
     torch.testing.assert_close(logits, full_logits, rtol=0, atol=1e-5)
 
 

@@ -1,6 +1,7 @@
 """The predicted GPU table: bytes per policy follow the model's shape, and the ratios move the right way."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -30,7 +31,9 @@ def test_policies_fetch_what_they_should():
     infinigen = predict_step(shape, context, "infinigen", 0.1, profile)
     # the pool holds the new token when a layer is fetched; InfiniGen's 2 dense layers stay on the GPU and
     # move nothing, its 30 sparse layers fetch ceil(0.1 x 16384) rows
-    assert offload["bytes_fetched_per_token"] == (context + 1) * per_layer * shape.layers
+    # the fair offload keeps the same 2 layers on the GPU as InfiniGen and copies the other 30 whole
+    assert offload["bytes_fetched_per_token"] == (context + 1) * per_layer * 30
+    assert offload["resident_layers"] == infinigen["resident_layers"] == 2
     assert infinigen["bytes_fetched_per_token"] == 30 * 1639 * per_layer
     assert predict_step(shape, context, "full", None, profile)["bytes_fetched_per_token"] == 0
 
@@ -46,10 +49,26 @@ def test_ratios_move_with_context_and_link():
         assert 0.8 <= rows[context, "offload"]["speedup_vs_hf_offload"] <= 1.25
     # the cache's share of the step grows with the context: every offloading policy falls behind `full`
     assert rows[32768, "offload"]["ratio_to_full"] < rows[4096, "offload"]["ratio_to_full"]
-    # a faster link helps offload more than InfiniGen, whose gather on the host stays
+    # a faster DMA link helps offload more than InfiniGen, whose scattered zero-copy reads keep their own rate
     fast = predict_table(["llama2-7b"], [32768], ["offload", "infinigen"], [0.1], profile_named("h100", 200.0))
     fast_rows = {r["policy"]: r for r in fast["rows"]}
     assert fast_rows["infinigen"]["speedup_vs_offload"] < rows[32768, "infinigen"]["speedup_vs_offload"]
+
+
+def test_the_zero_copy_fetch_drops_the_host_gather_and_round_trip():
+    """The same bytes either way; staged adds the host's gather and round trip to every sparse layer, zero-copy
+    only waits where the GPU's own gather is slower than the layer (a slow scattered-read rate)."""
+    shape, context = SHAPES["llama3-8b"], 32768
+    zero_copy = predict_step(shape, context, "infinigen", 0.15, PROFILES["h100"])
+    staged = predict_step(shape, context, "infinigen", 0.15, PROFILES["h100"], fetch="staged")
+    assert zero_copy["bytes_fetched_per_token"] == staged["bytes_fetched_per_token"]
+    rows_s = 4916 * kv_bytes_per_token_layer(shape) / 25e9
+    gather_s = 4916 * kv_bytes_per_token_layer(shape) / (PROFILES["h100"].host_gather_gbps * 1e9)
+    assert staged["ms_per_token"] - zero_copy["ms_per_token"] >= 30 * (gather_s + 0.05e-3) * 1e3 * 0.99
+    slow = predict_step(shape, context, "infinigen", 0.15, replace(PROFILES["h100"], zero_copy_gather_gbps=5.0))
+    assert slow["ms_per_token"] == pytest.approx(2 * 0.6 + 30 * rows_s * 5 * 1e3, rel=0.01)
+    with pytest.raises(ValueError, match="unknown fetch"):
+        predict_step(shape, context, "infinigen", 0.15, PROFILES["h100"], fetch="magic")
 
 
 def test_the_eager_launch_floor_bounds_short_contexts():

@@ -38,3 +38,16 @@ def test_selected_rows_are_the_budget_of_each_head_in_its_own_rows():
 def test_host_gather_measures_a_correct_gather():
     rate = load_probe().measure_host_gather(kv_heads=2, head_dim=8, context=512, budget=0.15, threads=1, pin=False)
     assert rate > 0
+
+
+def test_the_mapped_gather_measures_the_engines_zero_copy_fetch():
+    """The same function a card runs with CudaOps, here over the CPU's threaded ops: it gathers the right rows
+    (it checks them itself) and reports a rate."""
+    from infinigen_core.transfer import ThreadedCpuOps
+
+    ops = ThreadedCpuOps()
+    try:
+        assert load_probe().measure_mapped_gather(ops, kv_heads=2, head_dim=8, context=256, budget=0.15,
+                                                  dtype=torch.float32, repeats=1) > 0
+    finally:
+        ops.close()

@@ -58,6 +58,34 @@ def test_a_host_read_of_a_compute_tensor_in_the_decode_step_is_refused(read):
         read(torch.arange(4.0, device=EMULATED_HOST))  # host values are the host's to read
 
 
+def test_a_mapped_view_of_host_memory_is_only_gathered_from():
+    """The emulation of a CUDA view of pinned memory (zero-copy): the compute side may gather rows out of it
+    with compute-side indices, and take views of it; nothing else, and never a write."""
+    host = torch.arange(12.0, device=EMULATED_HOST).view(6, 2)
+    mapped = devices.mapped_view(host)
+    index = torch.tensor([4, 0, 4], device=EMULATED_COMPUTE)
+    rows = mapped.view(-1, 2).index_select(0, index)
+    assert devices.side_of(rows) == devices.COMPUTE and rows.tolist() == [[8.0, 9.0], [0.0, 1.0], [8.0, 9.0]]
+    out = torch.empty(3, 2, device=EMULATED_COMPUTE)
+    torch.index_select(mapped, 0, index, out=out)
+    assert torch.equal(out, rows)
+    host[0] = -1.0  # the same memory: what the host writes, the next gather reads
+    assert mapped.index_select(0, index)[1].tolist() == [-1.0, -1.0]
+    compute = torch.ones(6, 2, device=EMULATED_COMPUTE)
+    writes = [lambda: mapped.index_copy_(0, index[:1], compute[:1]), lambda: mapped.copy_(compute),
+              lambda: mapped.add_(1.0), lambda: torch.index_select(compute, 0, index, out=mapped[:3])]
+    for write in writes:
+        with pytest.raises(SeparateDevicesError, match="writes through a mapped view"):
+            write()
+    for other in (lambda: mapped + compute, lambda: mapped.sum(), lambda: mapped.clone(), lambda: compute @ mapped.T):
+        with pytest.raises(SeparateDevicesError, match="may only gather"):
+            other()
+    with pytest.raises(SeparateDevicesError, match="indices must be on the compute device"):
+        mapped.index_select(0, torch.arange(1, device=EMULATED_HOST))
+    with pytest.raises(SeparateDevicesError, match="mixes host memory"):
+        host + compute  # the host tensor under the view keeps its own rules
+
+
 def mix():
     return torch.zeros(2, device=EMULATED_HOST) + torch.ones(2, device=EMULATED_COMPUTE)
 
@@ -226,6 +254,51 @@ def test_the_pool_never_grows_under_a_write_in_flight(tiny_llama, monkeypatch):
     reference, logits = both(monkeypatch, tiny_llama, conversation, policy="offload")
     assert in_flight and not any(in_flight), "the pool grew while the fetch worker had writes in flight"
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ the fetch redesigned for the GPU (issue 29, item 3)
+def test_selected_rows_gathered_in_place_give_the_staged_logits(tiny_llama, monkeypatch):
+    """The compute side gathers the selected rows from the pool in place (zero_copy.py): the logits of the staged
+    path (indices to the host, host gather, copy up) and of the plain CPU, bit for bit, through a pool that grows
+    mid-conversation, a truncate and a restore; the same bytes counted; and no selected slot crosses to the
+    host (one copy to the host fewer per sparse layer and step, the only host read a sparse layer made)."""
+    def conversation(engine):
+        logits = [engine.prefill(random_tokens(250, seed=3))]
+        copies = engine.fetcher.host.copies
+        logits += engine.score(random_tokens(8, seed=4))  # past the pool's first 256 slots: it grows
+        counted.append((engine.fetcher.bytes_fetched, engine.fetcher.host.copies - copies))
+        engine.truncate(252)
+        saved = [engine.export_rows(0, 252)]
+        engine.reset()
+        engine.import_rows(saved)
+        return torch.stack(logits + list(engine.score(random_tokens(2, seed=5))))
+
+    settings = dict(policy="infinigen", budget=0.2, dense_under_budget=False)
+    counted: list[tuple[int, int]] = []
+    engines = [plain(monkeypatch, tiny_llama, **settings), separated(tiny_llama, zero_copy_fetch=False, **settings),
+               separated(tiny_llama, **settings)]
+    try:
+        assert engines[1].fetcher.mapped is None and engines[2].fetcher.mapped is not None
+        reference, staged, mapped = [conversation(engine) for engine in engines]
+    finally:
+        for engine in engines:
+            engine.close()
+    torch.testing.assert_close(staged, reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(mapped, staged, rtol=0, atol=0)
+    (_, _), (staged_bytes, staged_copies), (mapped_bytes, mapped_copies) = counted
+    assert mapped_bytes == staged_bytes > 0
+    assert staged_copies - mapped_copies == 8 * 2  # 8 steps, 2 sparse layers: their slots stay on the device
+
+
+def test_zero_copy_is_refused_where_the_pool_counts_fetches(tiny_llama):
+    engine = make_tiny_engine(tiny_llama, policy="infinigen", pool_limit_tokens=80, recent_window=16)
+    limited_reason, limited_mapped = engine.fetcher.zero_copy_reason, engine.fetcher.mapped
+    engine.configure(engine.config.with_changes(pool_limit_tokens=None))
+    try:
+        assert limited_mapped is None and "counts every fetch" in limited_reason
+        assert engine.fetcher.mapped is not None and engine.fetcher.zero_copy_reason is None
+    finally:
+        engine.close()
 
 
 # ------------------------------------------------------------------ what stays on the compute device (issue 29, item 3)
