@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from ui.temp_folders import EXPORT_PREFIX, fresh_export_folder, remove_upload
+from ui.temp_folders import EXPORT_PREFIX, UPLOAD_PREFIX, fresh_export_folder, fresh_upload_folder, remove_upload
 
 
 def test_a_new_export_folder_removes_stale_ones_of_earlier_runs_only(tmp_path):
@@ -36,9 +36,14 @@ def test_an_export_folder_whose_app_is_gone_is_removed_at_once_and_a_live_ones_k
     (dead / "chat.igchat").write_bytes(b"x" * 1000)
     live = tmp_path / f"{EXPORT_PREFIX}{os.getppid()}-l1ve"  # the process that started this test runs
     live.mkdir()
+    killed_uploads = tmp_path / f"{UPLOAD_PREFIX}{int(ended.stdout)}-k1ll3d"  # uploads of the same killed run
+    (killed_uploads / "4f1c").mkdir(parents=True)
+    (killed_uploads / "4f1c" / "big.bin").write_bytes(b"z" * 1000)
     folder = fresh_export_folder(tmp_path)
     assert folder.name.startswith(f"{EXPORT_PREFIX}{os.getpid()}-")
-    assert not dead.exists() and live.is_dir()
+    assert not dead.exists() and live.is_dir() and killed_uploads.is_dir()  # each kind sweeps its own
+    uploads = fresh_upload_folder(tmp_path)
+    assert uploads.name.startswith(f"{UPLOAD_PREFIX}{os.getpid()}-") and not killed_uploads.exists()
 
 
 def test_an_upload_is_removed_with_its_folder_but_nothing_outside_the_cache(tmp_path):

@@ -1,7 +1,7 @@
 """Bounds on what one request may make the server hold: an upload's size, a JSON body's nesting.
 
     demo.launch(max_file_size=MAX_UPLOAD_BYTES, ...)     # Gradio's own check on each uploaded file
-    gr.Blocks(delete_cache=UPLOAD_CACHE_CLEANUP)          # Gradio removes old uploads, and all at start
+    gr.Blocks(delete_cache=UPLOAD_CACHE_CLEANUP)          # Gradio removes old uploads, and all at a clean exit
     json.loads(check_json_nesting(body))                  # a 400, not a RecursionError
 
 PageGuard enforces the upload size itself too (before Gradio reads the body), so the bound holds even where
