@@ -33,8 +33,24 @@ class GenerationEvent:
     finish_reason: str | None = None  # "eos", "stop", "length", "cancelled" or "window" on the last event
 
 
+# A base model (no chat template, e.g. Gemma 3 270M's GGUF) reads the conversation as a plain transcript
+# and continues it: each turn a labelled paragraph, the reply after "Assistant:".
+PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: "}
+PLAIN_REPLY_PROMPT = "Assistant:"
+PLAIN_TURN_END = "\n\nUser:"  # where a base model's reply ends: it starts writing the next turn
+
+
+def plain_transcript(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """The conversation as plain text for a model without a chat template."""
+    text = "".join(PLAIN_ROLES.get(m["role"], m["role"].capitalize() + ": ") + m["content"].strip() + "\n\n"
+                   for m in messages)
+    return text + PLAIN_REPLY_PROMPT if add_generation_prompt else text
+
+
 def chat_token_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a whole conversation in the model's chat format."""
+    """Token ids of a whole conversation in the model's chat format (a plain transcript where it has none)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer(plain_transcript(messages, add_generation_prompt))["input_ids"])
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     if hasattr(encoded, "keys"):
         encoded = encoded["input_ids"]

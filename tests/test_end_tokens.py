@@ -131,3 +131,19 @@ def test_each_source_is_read():
     phi = family_tokenizer(FAMILIES["phi"])
     phi.chat_template = None  # without a template only the eos is known
     assert end_token_ids(phi) == {phi.convert_tokens_to_ids("<|endoftext|>")}
+
+
+def test_a_model_without_a_chat_template_reads_the_conversation_as_a_plain_transcript():
+    """A base model (Gemma 3 270M's GGUF has no template) still chats: the turns as labelled paragraphs, the
+    reply prompted by "Assistant:" (apply_chat_template itself raises on such a tokenizer)."""
+    tokenizer = family_tokenizer(FAMILIES["gemma3"])
+    tokenizer.chat_template = None
+    messages = [{"role": "user", "content": "Hi the capital"}, {"role": "assistant", "content": "is Paris"},
+                {"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError):
+        tokenizer.apply_chat_template(messages, tokenize=True)
+    ids = chat_token_ids(tokenizer, messages)
+    # the role labels are no words of this vocabulary: each reads as [UNK] before its turn's words
+    assert tokenizer.decode(ids) == "[UNK] Hi the capital [UNK] is Paris [UNK] Hi [UNK]"
+    closed = chat_token_ids(tokenizer, messages, add_generation_prompt=False)
+    assert ids[: len(closed)] == closed and len(ids) == len(closed) + 1
