@@ -63,10 +63,15 @@ def _ready(url: str, auth: tuple[str, str] | None) -> bool:
 
 @contextlib.contextmanager
 def running_app(data_dir: Path, timeout_s: float = 600, args: tuple[str, ...] = (),
-                env: dict[str, str] | None = None, until_ready: bool = True) -> Iterator[RunningApp]:
+                env: dict[str, str] | None = None, until_ready: bool = True,
+                compiled: bool = False) -> Iterator[RunningApp]:
     """The first run on a machine downloads and converts the model, hence the generous timeout. `args` are
     more flags for app.py, `env` more environment variables; `until_ready=False` hands the app over as soon
-    as its page answers, while the model still loads."""
+    as its page answers, while the model still loads. The app decodes eager (`--no-compile`) unless
+    `compiled`: compiling costs every start 20-60 s on 2 cores, and the compiled step has its own tests
+    (test_compiled.py on the shared real engine; test_browser_startup.py runs the app as it ships)."""
+    if not compiled:
+        args = ("--no-compile", *args)
     port = free_port()
     environment = {**os.environ, **(env or {})}
     key = args[args.index("--api-key") + 1] if "--api-key" in args else environment.get("INFINIGEN_API_KEY")

@@ -25,7 +25,8 @@ def _ready(url: str) -> bool:
 
 
 def test_a_message_sent_while_the_model_loads_is_answered_once_it_is_ready(tmp_path):
-    with running_app(tmp_path, until_ready=False) as app:  # the page answers; the model still loads
+    # the app as it ships (compiling its decode step): the page answers while the model still loads
+    with running_app(tmp_path, until_ready=False, compiled=True) as app:
         url = app.url
         with chromium_page(url, 1400, 1000) as page:
             box = page.locator("#ig-message textarea")
