@@ -6,7 +6,9 @@ by passages (the first one and those nearest the question, within the model's re
     asked = reader.for_api(asked, engine)                                          # before the API templates
 
 A document read by passages carries `read` ('report.pdf: pages 1, 36-38'), which its stored record keeps
-(documents.attachment_record), so the card, a reopened session and an export all say what was read.
+(documents.attachment_record), so the card, a reopened session and an export all say what was read. A file
+attached again in the same conversation whose text (whole, or the same passages) an earlier message holds is
+not read again: the new message holds a short reference instead (documents.fitting.read_above).
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ class DocumentReader:
         if not isinstance(chat, ChatSession):
             return tuple(documents)
         question = text.strip()
+        earlier = [message.content for message in chat.messages if message.role == "user" and message.attachments]
         return fit_message(question, documents, lambda content: chat.check_window(content).fits,
-                           lambda document: self.read(chat.engine, document, question))
+                           lambda document: self.read(chat.engine, document, question), earlier)
 
     def for_api(self, asked: Conversation, engine) -> Conversation:
         """The API's conversation with each user turn's files that do not fit the window (with the turns before
@@ -74,8 +77,9 @@ class DocumentReader:
             if role == "user" and attached:
                 question = asked.questions[number]
 
+                earlier = [said for (role, said), files in zip(turns, documents) if role == "user" and files]
                 attached = fit_message(question, attached, self._api_window(engine, asked.system, turns),
-                                       self._reader(engine, question))
+                                       self._reader(engine, question), earlier)
                 content = message_with_attachments(question, attached)
             turns.append((role, content))
             documents.append(tuple(attached))

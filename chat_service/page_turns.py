@@ -56,7 +56,8 @@ class PageTurns:
         check = chat.check_window(content)
         if not check.fits and (overflow == "stop" or not chat.messages):
             setting = f" Or let Settings' “{OVERFLOW_LABEL}” drop them for you." if check.droppable_turns else ""
-            raise UserError(check.explain(attached=bool(attachments)) + setting)
+            passages = any(document.read is not None for document in attachments)
+            raise UserError(check.explain(attached=bool(attachments), passages=passages) + setting)
         if not chat.messages and self.store.get(chat.id).title == "New chat":
             self.store.rename(chat.id, session_title(text, attachments))  # a title worth listing
 

@@ -2,7 +2,8 @@
 the window, else the longest ones by passages, one at a time, until it fits.
 
     documents = fit_message(question, documents, fits=lambda content: check(content).fits,
-                            read=lambda document: read_by_passages(document, question))
+                            read=lambda document: read_by_passages(document, question),
+                            earlier=[message.content for message in history])   # no text read twice
     message_with_attachments(question, documents)        # the message as stored and read
 
 The faces pass their own window rule as `fits` (the page: the open session's check; the API: the
@@ -13,24 +14,44 @@ the same text (and shares the stored KV of the first).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from documents.document import Document
-from documents.prompt import message_with_attachments
+from documents.prompt import attachment_text, message_with_attachments
+
+READ_ABOVE = " (already read above)"  # ends the `read` of a document whose text the conversation holds already
+# what such a document's text becomes in the new message: a few tokens instead of the same text read again
+READ_ABOVE_TEXT = "[The same text as attached above.]"
 
 
 def fit_message(question: str, documents: Sequence[Document], fits: Callable[[str], bool],
-                read: Callable[[Document], Document]) -> tuple[Document, ...]:
+                read: Callable[[Document], Document], earlier: Sequence[str] = ()) -> tuple[Document, ...]:
     """`documents` as the message reads them. When even all of them read by passages do not fit, the caller's
-    window rule refuses the message as before (the question or the earlier turns are too long)."""
-    chosen = list(documents)
+    window rule refuses the message as before (the question or the earlier turns are too long). A document
+    whose text (whole, or the passages chosen for this question) is already in one of the `earlier` messages
+    of the conversation is not read again (`read_above`)."""
+    chosen = [read_above(document, earlier) for document in documents]
     longest_first = sorted(range(len(chosen)), key=lambda i: len(chosen[i].text), reverse=True)
     for number in longest_first:
         if fits(message_with_attachments(question, chosen)):
             break
         if chosen[number].read is None:  # a document attached again from a stored message is read already
-            chosen[number] = read(chosen[number])
+            chosen[number] = read_above(read(chosen[number]), earlier)
     return tuple(chosen)
+
+
+def read_above(document: Document, earlier: Sequence[str]) -> Document:
+    """`document` as a short reference when its text as the model reads it is already in one of the `earlier`
+    messages (the same file attached again, whole or with the same passages chosen): the model attends to
+    it there, so it costs no new reading. Otherwise `document` itself."""
+    if document.read is not None and document.read.endswith(READ_ABOVE):
+        return document
+    text = attachment_text(document)
+    if not any(text in message for message in earlier):
+        return document
+    what = document.read or f"{document.name}: whole"
+    return dataclasses.replace(document, text=READ_ABOVE_TEXT, page_starts=None, read=what + READ_ABOVE)
 
 
 def reading_summary(documents: Sequence[Document]) -> list[str]:

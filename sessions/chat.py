@@ -80,9 +80,16 @@ class WindowCheck:
         needed = prompt_tokens + REPLY_RESERVE_TOKENS
         return cls(needed <= window, needed, window, max(user_turns - 1, 0))
 
-    def explain(self, attached: bool = False) -> str:
-        """Why the message cannot be sent, by how much, and what to do instead: the one wording of both faces."""
+    def explain(self, attached: bool = False, passages: bool = False) -> str:
+        """Why the message cannot be sent, by how much, and what to do instead: the one wording of both faces
+        (`passages`: its files are read by passages already, so a smaller part of a file would not help)."""
         over = self.needed_tokens - self.window
+        if passages:
+            return (f"This message needs {self.needed_tokens:,} tokens (with room for a short reply) even with its "
+                    f"files read by passages, {over:,} more than the model's window of {self.window:,}: the "
+                    f"question and the earlier turns take the room. Shorten the question, drop the oldest turns "
+                    f"({self.droppable_turns} can go; the system prompt stays), or start a new session. Nothing was "
+                    f"read or sent.")
         if attached:
             return (f"This message with its attachments needs {self.needed_tokens:,} tokens (with room for a short "
                     f"reply), {over:,} more than the model's window of {self.window:,}. Attach a smaller part of "

@@ -11,8 +11,8 @@ import urllib.parse
 import pytest
 from test_passages import FACT, QUESTION, pdf_of_pages
 
-from documents import Document, attachment_card, convert_bytes, displayed_message
-from documents.fitting import fit_message
+from documents import Document, attachment_card, convert_bytes, displayed_message, message_with_attachments
+from documents.fitting import READ_ABOVE, READ_ABOVE_TEXT, fit_message
 from documents.passage_index import PassageIndex, prune_folder
 from infinigen_core import SamplingConfig
 
@@ -62,6 +62,20 @@ def test_only_what_does_not_fit_is_read_by_passages_the_longest_first():
     fitted = fit_message("Q?", [short, long, longer], lambda message: len(message) <= 300, read)
     assert asked[1:] == ["longer.txt", "long.txt"] and fitted[0].read is None
     assert fit_message("Q?", [short], lambda message: True, read) == (short,)
+
+
+def test_a_file_attached_again_is_not_read_again_where_the_conversation_holds_its_text():
+    notes, long = text_document("the cat is called Biscuit " * 5, "notes.txt"), text_document("word " * 900, "long.txt")
+    passage = Document(name="long.txt", kind="text", text="word word", sha256=long.sha256,
+                       size_bytes=long.size_bytes, read="long.txt: lines 1-2")
+    earlier = [message_with_attachments("What is the cat called?", [notes, passage])]
+    fitted = fit_message("And again?", [notes, long], lambda message: len(message) <= 400, lambda d: passage, earlier)
+    assert [d.read for d in fitted] == ["notes.txt: whole" + READ_ABOVE, "long.txt: lines 1-2" + READ_ABOVE]
+    assert all(d.text == READ_ABOVE_TEXT for d in fitted)  # a few tokens, not the text once more
+    other = dataclasses.replace(passage, text="other words", read="long.txt: lines 7-8")  # another selection
+    fitted = fit_message("Q?", [notes, long], lambda message: len(message) <= 400, lambda d: other, earlier)
+    assert fitted[1] == other and fitted[0].read.endswith(READ_ABOVE)
+    assert fit_message("Q?", [notes], lambda message: True, lambda d: d, ["unrelated"]) == (notes,)
 
 
 def test_the_passages_folder_is_bounded_by_use(tmp_path):
@@ -165,6 +179,16 @@ def test_the_page_says_so_before_sending_and_the_card_lists_the_pages_read(tmp_p
         assert again.attachments[0]["read"] == stored.attachments[0]["read"]
         read = controller.open_sessions.page.last_read_tokens
         assert read < 30 < stored.attachments[0]["tokens"], f"the second chat read {read} tokens"
+
+        # the same file attached again in this chat, its question selecting the same passages: the passages are
+        # in the conversation already, so the new message refers to them and reads only its own few tokens
+        *_, (history, *_) = actions.send({"text": "Which name has the harbour master's cat?", "files": [str(path)]})
+        repeated = controller.store.messages(controller.open_sessions.page.id)[-2]
+        assert repeated.attachments[0]["read"] == stored.attachments[0]["read"] + READ_ABOVE
+        assert "already read above" in history[-2]["content"].split("\n")[0]
+        read = controller.open_sessions.page.last_read_tokens
+        # the question, the template's and a reference's few tokens; reading the passages again costs more
+        assert read < stored.attachments[0]["tokens"], f"read {read} tokens again"
     finally:
         for chat in {controller.open_sessions.page, controller.open_sessions.api} - {None}:
             chat.close()

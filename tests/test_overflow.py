@@ -1,5 +1,6 @@
 """When the chat outgrows the window: whole turns dropped (the oldest, or the middle ones), the KV kept consistent
-with what is left, the setting on the page, the context meter, and the API left to its client.
+with what is left, the setting on the page, the context meter, and the API left to its client. Also at the
+window's edge: the refusal when even a file's passages do not fit, and a file repeated in a conversation.
 
 A tiny random Llama with a 160-token window and a word-level chat tokenizer: a few turns outgrow it, and greedy
 replies are exact, so "the same as a fresh engine reading the shortened conversation" is an equality.
@@ -7,6 +8,7 @@ replies are exact, so "the same as a fresh engine reading the shortened conversa
 
 from __future__ import annotations
 
+import hashlib
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from chat_service import ChatService, UserError
 from chat_service.settings import SettingsForm
+from documents import Document
 from infinigen_core import EngineConfig, SamplingConfig, chat_token_ids, generate
 from infinigen_core.engine import InfiniGenEngine
 from sessions import ChatSession, ContextWindowError, SessionStore
@@ -180,3 +183,32 @@ def test_the_api_leaves_its_messages_to_its_client_whatever_the_page_setting(ser
     with pytest.raises(ApiError) as refused:
         checked_prompt_ids(service, ChatRequest(conversation=asked, stream=False, include_usage=False))
     assert refused.value.status == 400 and "drop the oldest turns" in str(refused.value.message)
+
+
+def test_a_message_that_does_not_fit_even_by_passages_is_not_told_to_attach_a_smaller_part(service):
+    text = "\n\n".join(words(n, 12) for n in range(300))  # paragraphs, some 3,600 tokens: read by passages
+    document = Document(name="notes.txt", kind="text", text=text, sha256=hashlib.sha256(text.encode()).hexdigest(),
+                        size_bytes=len(text))
+    with pytest.raises(UserError) as refused:
+        page_send_files(service, words(3, 60), [document])  # the question alone nearly fills the window
+    assert "even with its files read by passages" in str(refused.value) and "smaller part" not in str(refused.value)
+    assert service.open_sessions.page.messages == []  # nothing read or sent
+
+
+def page_send_files(service: ChatService, text: str, documents: list[Document]) -> None:
+    for _ in service.page_turns.send(text, documents):
+        pass
+
+
+def test_a_file_repeated_in_a_later_api_turn_is_a_reference_to_the_first_not_read_again(service):
+    from chat_service.api_turns import Conversation
+    from documents.fitting import READ_ABOVE, READ_ABOVE_TEXT
+
+    text = words(5, 10)
+    document = Document(name="notes.txt", kind="text", text=text, sha256=hashlib.sha256(text.encode()).hexdigest(),
+                        size_bytes=len(text))
+    asked = Conversation("", (("user", "one"), ("assistant", "red"), ("user", "two")), GREEDY,
+                         documents=((document,), (), (document,)), questions=("one", "", "two"))
+    read = service.documents.for_api(asked, service.host.engine)
+    assert text in read.turns[0][1] and text not in read.turns[2][1] and READ_ABOVE_TEXT in read.turns[2][1]
+    assert read.documents[0] == (document,) and read.documents[2][0].read == "notes.txt: whole" + READ_ABOVE

@@ -11,6 +11,7 @@ from sessions import SessionStore
 from app_server import chromium_page, running_app
 
 SESSIONS = 300
+LATER = 20  # turns after the target's matching one: the chat opens scrolled to its end
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,8 @@ def app(tmp_path_factory):
                                         ("assistant", f"answer {n}: it may rain", 0, 0)])
     target = store.create("Trip planning")
     store.add_messages(target, [("user", "Where did I leave the zeppelin tickets?", 0, 0),
-                                ("assistant", "In the blue folder.", 0, 0)])
+                                ("assistant", "In the blue folder.", 0, 0)]
+                       + [(role, f"later {role} message {n}", 0, 0) for n in range(LATER) for role in ("user", "assistant")])
     del store  # the app opens the database itself
     with running_app(data_dir) as running:
         yield running, target
@@ -40,7 +42,18 @@ def test_search_endpoint_finds_one_session_among_hundreds_and_survives_query_syn
         assert isinstance(client.predict(hostile, api_name="/search"), list), hostile  # never an error
 
 
-def test_the_sidebar_search_opens_the_matching_chat(app):
+# whether the chat shows the message holding a text inside its scrolled area
+IN_VIEW = """(text) => {
+  const message = [...document.querySelectorAll('#ig-chat [data-testid="user"], #ig-chat [data-testid="bot"]')]
+    .find(element => element.textContent.includes(text));
+  let area = message.parentElement;
+  while (area && area.scrollHeight <= area.clientHeight + 1) area = area.parentElement;
+  const shown = area.getBoundingClientRect(), box = message.getBoundingClientRect();
+  return box.bottom > shown.top && box.top < shown.bottom;
+}"""
+
+
+def test_the_sidebar_search_opens_the_matching_chat_scrolled_to_the_matching_message(app):
     app, _ = app
     with chromium_page(app.url) as page:
         page.locator("#ig-search textarea, #ig-search input").first.fill("zeppel")  # an unfinished last word
@@ -50,3 +63,9 @@ def test_the_sidebar_search_opens_the_matching_chat(app):
         page.locator("#ig-search-hits input").first.click()
         page.get_by_role("option", name="Trip planning").click()
         page.locator("#ig-chat").get_by_text("In the blue folder.").wait_for(timeout=60_000)
+        found = page.locator("#ig-chat .ig-found")  # outlined for a few seconds
+        found.wait_for(timeout=30_000)
+        assert "zeppelin tickets" in found.inner_text()
+        page.wait_for_function(IN_VIEW, arg="zeppelin tickets", timeout=10_000)
+        assert not page.evaluate(IN_VIEW, f"later assistant message {LATER - 1}")  # the chat's end is out of view
+        page.locator("#ig-chat .ig-found").wait_for(state="detached", timeout=30_000)  # briefly

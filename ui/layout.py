@@ -27,10 +27,12 @@ from .page_text import status_text
 from .page_tick import TICK_OUTPUTS, TICK_SECONDS, PageTick
 from .remote_panel import remote_view
 from .request_limits import UPLOAD_CACHE_CLEANUP
+from .scroll_script import SCROLL_TO_FOUND
 from .temp_folders import fresh_export_folder
 
 CSS = """
 .ig-hit { border-radius: 3px; }
+.ig-found { outline: 3px solid #f5b400; outline-offset: 2px; border-radius: 6px; }  /* a search hit's message */
 /* a streaming output's border stays lit but does not pulse: the pulse repaints the chat at every frame, which
    cost a browser without GPU compositing about a tenth of a core, taken from the model (bench/page.py) */
 .generating { animation: none !important; }
@@ -104,6 +106,8 @@ class ChatPage:
         self.search_hits = gr.Dropdown(label="Matching chats (newest first)", choices=[], visible=False,
                                        interactive=True, elem_id="ig-search-hits")
         self.search_snippets = gr.HTML(elem_id="ig-search-snippets")
+        self.search_found = gr.State({})  # each matching chat's matching message (PageActions.open_found)
+        self.scroll_target = gr.Textbox(visible=False)  # where the opened hit's message is (ui/scroll_script.py)
         self.session_picker = gr.Dropdown(label="Saved sessions", choices=[], interactive=True, elem_id="ig-sessions")
         self.session_info = gr.Markdown(elem_id="ig-session-info")
         self.new_button = gr.Button("New session", elem_id="ig-new")
@@ -261,9 +265,12 @@ class ChatPage:
         opened = [self.chatbot, self.status]
         self._then_refresh(self.session_picker.input(act.open, self.session_picker, opened, **hidden), **hidden)
         self.open_api.change(act.open, self.open_api, opened, api_name="open_session")
-        self.search_box.change(act.search_page, self.search_box, [self.search_hits, self.search_snippets], **quiet,
+        self.search_box.change(act.search_page, self.search_box, [self.search_hits, self.search_snippets,
+                                                                  self.search_found], **quiet,
                                trigger_mode="always_last")
-        self._then_refresh(self.search_hits.input(act.open, self.search_hits, opened, **hidden), **hidden)
+        self._then_refresh(self.search_hits.input(act.open_found, [self.search_hits, self.search_found],
+                                                  [*opened, self.scroll_target], **hidden),
+                           **hidden).then(None, self.scroll_target, None, js=SCROLL_TO_FOUND, **hidden)
         self._then_refresh(self.new_button.click(act.new, None, self.chatbot, api_name="new_session"), **hidden)
         self._then_refresh(self.rename_button.click(act.rename, self.title_box, None, **private), **hidden)
         self._then_refresh(self.delete_button.click(act.delete, None, self.chatbot, **private), **hidden)

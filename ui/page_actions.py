@@ -15,10 +15,10 @@ from chat_service import ChatService, UserError
 from chat_service.settings import SettingsForm, apply_storage
 from documents import Document, DocumentError, convert_file, documents_of
 from documents.convert import attachment_digest
-from documents.reading import window_note
+from documents.fitting import READ_ABOVE
 
 from . import inspector
-from .page_text import context_meter, find, search_snippets, session_choices, session_details, status_text
+from .page_text import card_line, context_meter, find, search_snippets, session_choices, session_details, status_text
 from .temp_folders import remove_upload
 
 ERROR_SECONDS = 12
@@ -89,24 +89,17 @@ class PageActions:
         content, _ = chat.user_message(text or "", read)
         check = chat.check_window(content)
         _, records = chat.user_message("", documents)  # each one whole, for its size
-        cards = "  \n".join(self._card(d, r, fitted, check.window) for d, r, fitted in zip(documents, records, read))
+        cards = "  \n".join(card_line(d, r, fitted, check.window) for d, r, fitted in zip(documents, records, read))
         share = f"This message would take {check.needed_tokens:,} of the model's {check.window:,}-token window" \
                 f" ({100 * check.needed_tokens / check.window:.0f}%)."
-        if not check.fits:
+        if not check.fits and any(document.read is not None for document in read):
+            share += (f" **It does not fit even by passages: {check.needed_tokens - check.window:,} tokens too "
+                      f"many.** The question and the earlier turns take the room: shorten the question, drop the "
+                      f"oldest turns, or start a new session.")
+        elif not check.fits:
             share += (f" **It does not fit: {check.needed_tokens - check.window:,} tokens too many.** Attach a "
                       f"smaller part, or load a model with a longer window.")
         return f"{cards}  \n{share}"
-
-    @staticmethod
-    def _card(document: Document, record: dict, fitted: Document, window: int) -> str:
-        card = f"📄 **{record['name']}** · {document.extent()} · "
-        if document.read is not None:  # attached again from a stored message: the passages read then
-            return card + f"read: {document.read.split(': ', 1)[-1]} · {record['tokens']:,} tokens"
-        if fitted.read is None:
-            return card + f"{record['tokens']:,} tokens"
-        # room 0: it was not read whole because it does not fit
-        note = window_note(int(record["tokens"]), room=0, window=window)
-        return card + f"{note} (for this question: {fitted.read.split(': ', 1)[-1]})"
 
     @shows_errors
     def preview(self, value) -> str:
@@ -117,7 +110,9 @@ class PageActions:
         """A new session with the last attached document(s) of this one attached again (sent with the next
         message; read from the stored prefix, not again)."""
         chat = self.service.open_sessions.page
-        last = next((m for m in reversed(chat.messages) if m.attachments), None) if chat is not None else None
+        # the last message that holds a file's text (not only a reference to it, when attached again)
+        last = next((m for m in reversed(chat.messages) if any(not str(r.get("read") or "").endswith(READ_ABOVE)
+                                                                for r in m.attachments)), None) if chat else None
         if last is None:
             raise UserError("No file is attached in this session: attach one first (the clip in the message box).")
         documents = documents_of(last.content, last.attachments)
@@ -323,10 +318,22 @@ class PageActions:
         return [hit.as_dict() for hit in self.service.store.search(text or "")]
 
     def search_page(self, text):
-        """The sidebar's search: the matching chats to pick from, and their snippets."""
+        """The sidebar's search: the matching chats to pick from, their snippets, and each one's matching
+        message ({session_id: position}, for `open_found`)."""
         hits = self.service.store.search(text) if (text or "").strip() else []
         choices = [(hit.title, hit.session_id) for hit in hits]
-        return gr.update(choices=choices, value=None, visible=bool(hits)), search_snippets(hits, text or "")
+        found = {hit.session_id: hit.message_index for hit in hits}
+        return gr.update(choices=choices, value=None, visible=bool(hits)), search_snippets(hits, text or ""), found
+
+    def open_found(self, session_id, found):
+        """A search hit chosen: its chat opened (as `open`), and where its matching message is for the page's
+        script (ui/scroll_script.py): 'index/messages shown', or '' when only the title matched."""
+        history, status = self.open(session_id)
+        position = (found or {}).get(session_id)
+        chat = self.service.open_sessions.page
+        messages = chat.messages if chat is not None and chat.id == session_id else []
+        index = next((n for n, message in enumerate(messages) if message.position == position), None)
+        return history, status, "" if index is None else f"{index}/{len(history)}"
 
     def app_status(self) -> dict:
         host, chat = self.service.host, self.service.open_sessions.page

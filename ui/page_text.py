@@ -6,6 +6,8 @@ import html
 import time
 
 from chat_service import ChatService
+from documents import Document
+from documents.reading import window_note
 from infinigen_core import chat_token_ids
 from sessions import ChatSession, SessionSummary, format_size
 from sessions.chat import conversation
@@ -116,3 +118,16 @@ def context_meter(service: ChatService) -> str:
         meter += f" **{len(dropped)} turn{'s' if len(dropped) != 1 else ''} out of the window** (dropped to fit; " \
                  f"the model no longer reads them): {named}{more}."
     return meter
+
+
+def card_line(document: Document, record: dict, fitted: Document, window: int) -> str:
+    """An attachment's card before sending: its size, and what of it this question would read when it does not
+    fit whole (`fitted`: the document as the message would read it)."""
+    card = f"📄 **{record['name']}** · {document.extent()} · "
+    if document.read is not None:  # attached again from a stored message: the passages read then
+        return card + f"read: {document.read.split(': ', 1)[-1]} · {record['tokens']:,} tokens"
+    if fitted.read is None:
+        return card + f"{record['tokens']:,} tokens"
+    # room 0: it was not read whole because it does not fit
+    note = window_note(int(record["tokens"]), room=0, window=window)
+    return card + f"{note} (for this question: {fitted.read.split(': ', 1)[-1]})"

@@ -168,7 +168,8 @@ def checked_prompt_ids(service: ChatService, chat_request: ChatRequest) -> list[
         return reply_prompt_ids(engine.tokenizer, conversation(asked.system, list(asked.turns)), engine.max_context)
     except ContextWindowError as error:
         attached = bool(asked.documents and asked.documents[-1])
-        raise ApiError(400, error.check.explain(attached), "messages", "context_length_exceeded") from None
+        passages = attached and any(document.read is not None for document in asked.documents[-1])
+        raise ApiError(400, error.check.explain(attached, passages), "messages", "context_length_exceeded") from None
 
 
 def _check_remote_window(host: RemoteHost, chat_request: ChatRequest) -> list[int]:
