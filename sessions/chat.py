@@ -7,14 +7,18 @@
     chat.close()
 
 Durability: the user's message is committed before generation starts. Once the prompt has been read (the
-first token came) the reply is stored, then updated as it streams (at most every REPLY_SAVE_SECONDS), and
-the prompt's KV rows are copied out of the engine and written as their own chunk on a background thread,
-so the first token does not wait for their int8 encoding and the disk. The rest of the reply's rows and
-its final text are committed when it ends, is stopped, or fails; that write, a reload and `close` first
-wait for the background one. A crash mid-turn therefore loses only the reply's last second and its KV
-rows (and the prompt's, in the moment before their chunk is on disk): the next turn reads the stored
-partial reply and the new message, not the prompt. Chunk files are made durable before the database rows
-that name them.
+first token came) the reply is stored, then updated as it streams (every REPLY_SAVE_SECONDS or
+REPLY_SAVE_TOKENS). The prompt's KV rows are copied out of the engine at the first token and the reply's
+rows at each of those updates, after its text, and each is written as a chunk on a background thread, so
+neither the first token nor the decode loop waits for their int8 encoding and the disk (a save finding the
+previous write still going skips its rows; the next takes them). At the turn's end (or Stop, or a failure)
+the reply's final text is committed and its rows written whole as one chunk in place of the streamed ones;
+that write, a reload and `close` first wait for the background one. A crash mid-turn therefore loses only
+the reply's last save interval: the disk holds no KV rows for reply text it lacks (but for the last few
+characters the stream holds back, a half character or a stop string's start, whose rows the next turn
+truncates), and the next turn reads the stored text beyond the last chunk and the new message, not the
+prompt or the reply so far.
+Chunk files are made durable before the database rows that name them.
 """
 
 from __future__ import annotations
@@ -40,7 +44,10 @@ Progress = Callable[[int, int], None]
 # room the next reply needs at least: the one reserve of the one window rule (WindowCheck.of), which the page
 # and the API both apply, so a message near the window's edge gets the same answer from both
 REPLY_RESERVE_TOKENS = 64
-REPLY_SAVE_SECONDS = 1.0  # a streaming reply's text is stored at most this often (a crash loses less)
+# a streaming reply's text, and its KV rows in the background, are stored every second, or every
+# REPLY_SAVE_TOKENS tokens where decoding is faster, so a crash loses less (each save is a database commit)
+REPLY_SAVE_SECONDS = 1.0
+REPLY_SAVE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,7 @@ class ChatSession(StoredConversation):
         self._recent_ids: dict[tuple, list[int]] = {}  # conversation -> its token ids, newest first
         self.restore = RestoreReport(0, 0, 0.0, False, "")
         self.last_read_tokens = 0  # tokens of the last turn's prompt that the model read (the rest was cached)
+        self.stream_reply_kv = True  # write a streaming reply's KV rows as it goes (off: only at its end)
 
     # ------------------------------------------------------------------ open / close
     @classmethod
@@ -328,7 +336,7 @@ class ChatSession(StoredConversation):
         """Stream a reply and store it. A reply exists once a token came (or the model ended at once); then,
         and not before, messages from `replaces_from` on (an old reply) are deleted, the prompt's KV rows are
         saved and the reply is stored, its text updated as it streams."""
-        text, reply_id, saved_at = "", None, 0.0
+        text, reply_id, saved_at, saved_tokens = "", None, 0.0, 0
         cached = common_prefix_length(self.engine.token_ids, prompt_ids)
         self.last_read_tokens = len(prompt_ids) - min(cached, max(len(prompt_ids) - 1, 0))
         try:
@@ -336,10 +344,14 @@ class ChatSession(StoredConversation):
                 text = event.full_text
                 if reply_id is None and (event.token_id is not None or event.finish_reason == "eos"):
                     reply_id, saved_at = self._start_reply(prompt_ids, text, replaces_from), time.monotonic()
-                elif reply_id is not None and time.monotonic() - saved_at >= REPLY_SAVE_SECONDS:
+                    saved_tokens = self.engine.num_tokens
+                elif reply_id is not None and (time.monotonic() - saved_at >= REPLY_SAVE_SECONDS
+                                               or self.engine.num_tokens - saved_tokens >= REPLY_SAVE_TOKENS):
                     # throttled: a commit waits for the disk, and the decode loop must not wait on it per token
                     self.store.update_message(reply_id, text, self.engine.num_tokens)
-                    saved_at = time.monotonic()
+                    if self.stream_reply_kv:  # after the text: the disk never holds rows whose text it lacks
+                        self._chunks.stream(self.engine)
+                    saved_at, saved_tokens = time.monotonic(), self.engine.num_tokens
                 yield event
         finally:  # also when the consumer stops early or generation fails: keep what was generated
             if reply_id is not None:

@@ -3,12 +3,17 @@ chunk that may be on its way to the disk in the background.
 
     chunks = SessionChunks(store, session_id)
     chunks.persist(engine, boundary=len(prompt_ids), background=True)   # the first token does not wait
+    chunks.stream(engine)                               # while the reply streams: its rows so far, unless busy
     chunks.persist(engine, boundary=len(prompt_ids))    # at the turn's end: waits for the one above first
     chunks.wait()                                       # before a reload or a close
 
 Rows are copied out of the engine by the caller's thread (the engine is not thread-safe); only their int8
 encoding, the file and the database row run on the background thread. Chunks are added in order, one writer
 at a time: every persist waits for the pending write first.
+
+The chunks `stream` writes are stand-ins for a crash: the turn's end writes the reply whole as one chunk and
+swaps it for them in one transaction, so a finished turn leaves one chunk for its prompt and one for its reply
+whether or not it streamed (branches and shared prefixes see the same layout as before).
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from .store import SessionStore
 
 log = logging.getLogger("infinigen.sessions")
 Piece = tuple[int, int, dict]  # (start, end, exported rows)
+# a streaming reply's rows are written once at least this many have come (where decoding is slow, one chunk,
+# fsync and commit per token would be the disk's busiest way to save a few tokens)
+STREAM_MIN_TOKENS = 16
 
 
 class SessionChunks:
@@ -31,6 +39,7 @@ class SessionChunks:
         self.store, self.id = store, session_id
         self.saved_ids: list[int] = []  # token ids the chunks on disk hold (or will, once `wait` returns), in order
         self._pending: BackgroundWrite | None = None
+        self._stand_ins_from: int | None = None  # where the chunks `stream` wrote begin (None: it wrote none)
 
     def wait(self) -> None:
         """Wait for the chunk being written in the background. If it failed, its rows count as unsaved again
@@ -49,18 +58,37 @@ class SessionChunks:
         chunks = self.store.chunks(self.id)
         self.saved_ids = self.saved_ids[: chunks[-1].end if chunks else 0]
 
+    def stream(self, engine) -> bool:
+        """While a reply streams: write the rows the disk does not hold yet in the background, as a stand-in
+        chunk that the turn's end (`persist`) replaces. Does nothing while the last write is still under way
+        (the decode loop never waits for the disk) or fewer than STREAM_MIN_TOKENS rows are new. Returns
+        whether a write was started."""
+        if self._pending is not None and not self._pending.done():
+            return False
+        self.wait()  # collects the finished write (a failure makes its rows unsaved again)
+        if engine.num_tokens - len(self.saved_ids) < STREAM_MIN_TOKENS:
+            return False
+        if self._stand_ins_from is None:
+            self._stand_ins_from = len(self.saved_ids)
+        self._append(engine, None, background=True)
+        return True
+
     def persist(self, engine, boundary: int | None = None, background: bool = False) -> None:
         """Append a chunk with the tokens the disk does not hold yet, split in two at `boundary` (where a
         turn's prompt ends and its reply begins, so a branch or another reply to the same prompt can share
         the prompt's chunk); drop chunks the cache no longer has. With `background` the rows' encoding and
-        writing run on another thread (`wait`)."""
+        writing run on another thread (`wait`). Stand-in chunks that `stream` wrote are rewritten as one."""
         self.wait()
+        rewrite_from, self._stand_ins_from = self._stand_ins_from, None
+        self._append(engine, boundary, background, rewrite_from)
+
+    def _append(self, engine, boundary: int | None, background: bool, rewrite_from: int | None = None) -> None:
         ids = engine.token_ids
         common = common_prefix_length(self.saved_ids, ids)
         if common < len(self.saved_ids):
             self.store.drop_chunks_from(self.id, common)
             self._forget_unsaved()
-        start = len(self.saved_ids)
+        start = len(self.saved_ids) if rewrite_from is None else min(len(self.saved_ids), rewrite_from)
         if start >= len(ids):
             self.store.update(self.id, token_count=len(ids))
             return
@@ -80,8 +108,15 @@ class SessionChunks:
             raise
 
     def _write(self, pieces: list[Piece], signature: dict[str, str]) -> None:
-        """Encode and write exported rows as chunks, in order, each registered once its file is durable."""
+        """Encode and write exported rows as chunks, in order, each registered once its file is durable; chunks
+        on disk from a piece's start on (stand-ins) are swapped for it in one transaction."""
         for start, end, rows in pieces:
             record = write_chunk(self.store.data_dir, self.id, rows, signature, start, self.store.storage.kv_format)
-            self.store.add_chunk(self.id, record, signature, end)
+            stored = self.store.chunks(self.id)
+            kept = [chunk for chunk in stored if chunk.start < start]
+            if len(kept) == len(stored):
+                self.store.add_chunk(self.id, record, signature, end)
+            else:  # stand-ins from `stream`: a crash now leaves them or this chunk, never neither
+                self.store.replace_chunks(self.id, kept + [record], signature)
+                self.store.update(self.id, token_count=end)
         enforce_disk_limit(self.store)  # this session holds its lock, so only other sessions' chunks can go
