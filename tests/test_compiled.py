@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import _tiny_llama, make_tiny_engine, random_tokens
 from infinigen_core.calibration import calibrate
@@ -78,6 +79,24 @@ def test_the_step_compiles_at_load_with_progress_messages(first_compile):
     assert reason is None and engine.decode_step.label == "compiled decode"
     assert messages[0].startswith("Compiling the decode step") and messages[-1].startswith("Decode step compiled in")
     assert engine.num_tokens == 0 and not engine.history  # the warm-up step left no trace in the conversation
+
+
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_under_a_callers_dispatch_mode_runs_eager_and_is_counted(first_compile):
+    """Dynamo compiles nothing under a dispatch mode (bench's op counter is one): that step runs eager, is
+    counted as such, and the compiled step stays for the next."""
+    engine = first_compile[0]
+    before = engine.decode_step.ran_eager
+    try:
+        with _PassThrough():
+            engine.decode(1)
+        assert engine.decode_step.ran_eager == before + 1 and engine.decode_step.is_compiled
+    finally:
+        engine.reset()
 
 
 @pytest.mark.parametrize("settings", POLICIES, ids=["full", "infinigen", "h2o", "full-limited"])
