@@ -27,7 +27,11 @@ partition capture the pieces between attention ops as CUDA graphs (untested: no 
 default is eager decoding).
 
 Where torch.compile, inductor or a C++ compiler is missing, or compiling raises, `compile` or the first
-step logs the reason once and decoding runs eager.
+step logs the reason once and decoding runs eager. Under the separate-devices checks
+(INFINIGEN_SEPARATE_DEVICES, devices.py) the step stays eager too, and says so: the checks are a
+TorchDispatchMode, under which dynamo compiles no frame, and they must see every op. A GPU run has no such
+mode; a caller's own dispatch mode for one step (bench's op counter) runs that step eager and leaves the
+compiled step in place (`ran_eager` counts such steps).
 """
 
 from __future__ import annotations
@@ -43,10 +47,15 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from . import devices
+
 log = logging.getLogger(__name__)
 
 COMPILE_HELP = ("compile the one-token decode step with torch.compile at load (default: on the CPU; about a minute "
                 "the first time, seconds from inductor's cache after); --no-compile decodes eagerly")
+
+EAGER_UNDER_CHECKS = ("the separate-devices checks (INFINIGEN_SEPARATE_DEVICES) are a dispatch mode: dynamo "
+                      "compiles nothing under it, and they must see every op")
 
 _running = threading.local()  # .step: the step this thread's forward is running (step.py's Step)
 
@@ -124,6 +133,7 @@ class DecodeStep:
         self.model = model
         self._compiled = None
         self.eager_reason: str | None = "not compiled"  # why decoding is eager (None: it is compiled)
+        self.ran_eager = 0  # steps a compiled step ran eager under a caller's dispatch mode
 
     @property
     def is_compiled(self) -> bool:
@@ -145,6 +155,8 @@ class DecodeStep:
                 self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False, **options)
             except Exception as error:  # torch.compile itself refusing (an unsupported Python, a bad option)
                 reason = _reason(error)
+        if reason is None and devices.active_mode() is not None:
+            reason = EAGER_UNDER_CHECKS
         if reason is not None:
             self._fall_back(reason)
         else:
@@ -153,12 +165,15 @@ class DecodeStep:
 
     def __call__(self, **inputs):
         # under a dispatch mode of the caller's (bench's OpCounter) dynamo compiles nothing: such a step runs eager
-        if self._compiled is not None and not is_in_torch_dispatch_mode(include_infra_modes=False):
-            try:
-                return self._compiled(**inputs)
-            except torch._dynamo.exc.TorchDynamoException as error:
-                # tracing or compiling failed; with fullgraph nothing of the step has run yet: run it eager
-                self._fall_back(_reason(error))
+        if self._compiled is not None:
+            if not is_in_torch_dispatch_mode(include_infra_modes=False):
+                try:
+                    return self._compiled(**inputs)
+                except torch._dynamo.exc.TorchDynamoException as error:
+                    # tracing or compiling failed; with fullgraph nothing of the step has run yet: run it eager
+                    self._fall_back(_reason(error))
+            else:
+                self.ran_eager += 1
         return self.model(**inputs)
 
     def _fall_back(self, reason: str) -> None:

@@ -12,9 +12,11 @@ import logging
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from infinigen_core import devices
 from infinigen_core.calibration import calibrate
-from infinigen_core.compiled import compile_decode
+from infinigen_core.compiled import EAGER_UNDER_CHECKS, compile_decode
 from infinigen_core.config import EngineConfig
 
 from conftest import _tiny_llama, make_tiny_engine, random_tokens
@@ -50,6 +52,8 @@ def first_compile(tiny_model):
 @pytest.fixture
 def compiled_and_eager(tiny_model, first_compile):
     """Two engines with the same settings over one model: the first compiled, the second eager."""
+    if devices.active_mode() is not None:
+        pytest.skip("no step compiles under the separate-devices checks (a dispatch mode): compiled.py says so")
     engines = []
 
     def make(**settings):
@@ -76,6 +80,24 @@ def test_the_step_compiles_at_load_with_progress_messages(first_compile):
     assert reason is None and engine.decode_step.label == "compiled decode"
     assert messages[0].startswith("Compiling the decode step") and messages[-1].startswith("Decode step compiled in")
     assert engine.num_tokens == 0 and not engine.history  # the warm-up step left no trace in the conversation
+
+
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_under_a_callers_dispatch_mode_runs_eager_and_is_counted(first_compile):
+    """Dynamo compiles nothing under a dispatch mode (bench's op counter is one): that step runs eager, is
+    counted as such, and the compiled step stays for the next."""
+    engine = first_compile[0]
+    before = engine.decode_step.ran_eager
+    try:
+        with _PassThrough():
+            engine.decode(1)
+        assert engine.decode_step.ran_eager == before + 1 and engine.decode_step.is_compiled
+    finally:
+        engine.reset()
 
 
 @pytest.mark.parametrize("settings", POLICIES, ids=["full", "infinigen", "h2o", "full-limited"])
@@ -124,11 +146,14 @@ def _failing_backend(graph_module, example_inputs):
 
 
 def test_a_step_that_fails_to_compile_runs_eager_with_the_reason_logged(tiny_model, caplog):
+    """Plain: the backend's failure is the reason. Under the separate-devices checks nothing is compiled at all
+    (a dispatch mode): that is the reason given, never a compiled step that silently runs eager."""
     messages = []
+    expected = "no compiler here" if devices.active_mode() is None else EAGER_UNDER_CHECKS
     with make_tiny_engine(tiny_model) as engine, make_tiny_engine(tiny_model) as reference:
         with caplog.at_level(logging.WARNING, logger="infinigen_core.compiled"):
             reason = compile_decode(engine, progress=messages.append, backend=_failing_backend)
-        assert "no compiler here" in reason and engine.decode_step.label == "eager decode"
+        assert expected in reason and engine.decode_step.label == "eager decode"
         assert messages[-1] == f"Decode steps run eager (torch.compile unavailable): {reason}"
         assert caplog.text.count("decode steps run eager") == 1
         prompt = random_tokens(8, seed=6)
