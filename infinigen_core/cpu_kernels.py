@@ -16,12 +16,14 @@ Where it fails (no compiler, no headers) the reason is logged once and the eager
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +90,23 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+@contextlib.contextmanager
+def _only_builder(build_dir: Path) -> Iterator[None]:
+    """One process at a time builds or loads in `build_dir`, under an OS lock that dies with its holder. torch's
+    own marker (a file named `lock`, which its loader waits on while it exists) outlives a build that was
+    killed, and every later start would then wait for ever: holding the OS lock, a marker left is stale."""
+    with open(build_dir / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            marker = build_dir / "lock"
+            if marker.exists():
+                log.warning("removing %s, left by a build that was killed", marker)
+                marker.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build(directory: Path, progress: Callable[[str], None] | None) -> tuple[CpuKernels | None, str | None]:
     capability = torch.backends.cpu.get_cpu_capability()
     source = SOURCE.read_bytes()
@@ -105,8 +124,9 @@ def _build(directory: Path, progress: Callable[[str], None] | None) -> tuple[Cpu
         build_dir.mkdir(parents=True, exist_ok=True)
         if progress is not None and not any(build_dir.glob("*.so")):
             progress("Building InfiniGen's CPU kernels (about 20 s, once)...")
-        load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
-             build_directory=str(build_dir), verbose=False)
+        with _only_builder(build_dir):
+            load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                 is_python_module=False, build_directory=str(build_dir), verbose=False)
     except Exception as error:  # a missing compiler, headers or ninja all mean the same here: eager
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         reason = f"{type(error).__name__}: {lines[0] if lines else 'no message'}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -17,8 +18,13 @@ from conftest import make_tiny_engine, random_tokens
 
 
 @pytest.fixture(scope="session")
-def kernels(tmp_path_factory):
-    built, reason = cpu_kernels.build(tmp_path_factory.mktemp("kernels"))
+def kernels_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="session")
+def kernels(kernels_dir):
+    built, reason = cpu_kernels.build(kernels_dir)
     assert built is not None, reason  # this machine has the compiler inductor needs: the kernels must build
     return built
 
@@ -185,3 +191,17 @@ def test_every_selection_of_a_real_compiled_reply_is_the_eager_ops_choice(real_e
     real_engine.score(ids[300:306])
     assert len(seen) == 6 * len(real_engine.policy.sparse_layers) and all(seen)
     assert real_engine.policy.partial_store_dtype == torch.float16
+
+
+def test_a_build_killed_before_it_ended_does_not_stop_the_next_start(kernels, kernels_dir):
+    """torch's loader waits for ever while its `lock` marker exists, and a killed build leaves it: the next build
+    (holding the OS lock that dies with its holder) removes it and loads, rather than hanging every later start."""
+    directory = kernels_dir  # built by the fixture: the next start loads what is there
+    (marker,) = [folder / "lock" for folder in directory.iterdir() if folder.is_dir()]
+    marker.write_text("left by a build that was killed")
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.append(cpu_kernels._build(directory, None)), daemon=True)
+    thread.start()
+    thread.join(timeout=180)  # loading a built library takes seconds; torch alone waits for ever
+    assert not thread.is_alive(), "the build waited on the stale marker"
+    assert outcome[0][0] is not None and not marker.exists()
