@@ -17,7 +17,8 @@ from infinigen_core import SamplingConfig, load_engine  # noqa: E402
 from sessions import ChatSession, SessionStore  # noqa: E402
 
 store = SessionStore(sys.argv[1])
-engine = load_engine(device="cpu", progress=lambda message: None)
+# eager: compiling the decode step would cost this process 20-60 s, and what is tested is what reaches the disk
+engine = load_engine(device="cpu", compile_decode=False, progress=lambda message: None)
 chat = ChatSession.open(store, engine, sys.argv[2])
 for _ in chat.send("What is the capital of France?", SamplingConfig(max_new_tokens=12)):
     pass
