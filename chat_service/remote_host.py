@@ -101,11 +101,14 @@ class RemoteHost(ModelHost):
     def model_choices(self) -> list[tuple[str, str]]:
         return [(f"{self.client.model_name() or 'the model'} (on the backend)", self.DEFAULT_CHOICE)]
 
-    def model_summary(self) -> str:
+    def backend_line(self) -> str:
+        """The server's model, where it is, and its window."""
         window = self.window()
         said = f"window {window:,} tokens" if window else "window not reported"
-        return (f"{self.client.model_name() or 'Its model (not known yet)'} on the backend {self.client.config.url} · {said} · the KV cache and its "
-                "statistics live on that server")
+        return f"{self.client.model_name() or 'Its model (not known yet)'} on the backend {self.client.config.url} · {said}"
+
+    def model_summary(self) -> str:
+        return f"{self.backend_line()} · the KV cache and its statistics live on that server"
 
     def ready_line(self) -> str:
         if self.backend_problem and self.client.model is None:  # asked again by the next message

@@ -3,8 +3,9 @@
     python scripts/remote_check.py --backend http://127.0.0.1:8080/v1 [--backend-key KEY] [--backend-model NAME]
 
 It builds the app's service in-process with that backend and a throw-away data dir, then: streams a reply
-through the API's turn and one through the page's, continues the first conversation, stops a reply after a
-few pieces, sends a prompt over an 8k window, and asks for a model the server does not have. It prints what each gave (the figures the
+through the API's turn (and counts its prompt with the server's tokenizer, where it serves one) and one
+through the page's, continues the first conversation, stops a reply after a few pieces, sends a prompt over
+an 8k window, and asks for a model the server does not have. It prints what each gave (the figures the
 server reported included) and exits 1 when one did not behave as the app promises.
 """
 
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from chat_service import ChatService, UserError  # noqa: E402
 from chat_service.api_turns import ApiTurn, Conversation  # noqa: E402
 from chat_service.backend_client import BackendConfig  # noqa: E402
+from chat_service.remote_host import RemoteHost  # noqa: E402
 from infinigen_core import SamplingConfig  # noqa: E402
 
 COUNTING = "Write the numbers from 1 to 300, separated by commas."
@@ -50,6 +52,12 @@ def main() -> int:
         print("model:", service.host.model_summary())
         text, turn = ask(service, (("user", "What is the capital of France?"),), 24)
         print(f"API turn: {text!r}\n  figures: {turn.figures}")
+        host = service.host
+        assert isinstance(host, RemoteHost)
+        counted = host.tokens.count([{"role": "user", "content": "What is the capital of France?"}])
+        usage = turn.figures.prompt_tokens if turn.figures else None
+        print(f"the server's tokenizer: {host.tokens.shape}; it counts that prompt {counted} (its usage: {usage})")
+        failures += [] if counted is None or usage is None or counted == usage else ["count differs from usage"]
         again, second = ask(service, (("user", "What is the capital of France?"), ("assistant", text),
                                       ("user", "And of Italy?")), 24)
         print(f"continued ({second.continued}, same session {second.session_id == turn.session_id}): {again!r}")

@@ -24,6 +24,8 @@ from chat_service.api_turns import ApiTurn, Conversation
 from chat_service.backend_client import BackendConfig, BackendError
 from infinigen_core import SamplingConfig
 from sessions import ChatSession, WindowCheck
+from ui.page_text import session_choices, session_details
+from ui.remote_panel import remote_view
 
 from app_server import RunningApp, chromium_page, free_port, running_app
 
@@ -226,6 +228,26 @@ def test_client_going_away_cancels_the_upstream_request(front, backend):
     assert len(spans) == 2 and 0 < spans[0][0] <= 24  # the cancelled one stopped early, upstream too
 
 
+def test_drop_oldest_turns_counts_with_the_server_and_removes_only_stored_messages(backend, tmp_path):
+    service = remote_service(tmp_path, BackendConfig(f"{backend.url}v1", key=KEY))
+    try:
+        session = service.open_sessions.page.id
+        service.store.update(session, system_prompt="Be brief.")
+        long = " ".join(["word"] * 3000)  # about 3,000 tokens: three such turns are over the 8,192 window
+        service.store.add_messages(session, [(role, f"{number} {long}" if role == "user" else "Noted.", 0, 0, [])
+                                             for number in range(3) for role in ("user", "assistant")])
+        chat = service.open_sessions.page
+        assert not chat.check_window("Next?").fits
+        assert service.page_turns.drop_oldest_turns("Next?").startswith("Dropped the 1 oldest turn(s)")
+        kept = service.store.messages(session)
+        assert [m.content.split()[0] for m in kept if m.role == "user"] == ["1", "2"] and len(kept) == 4
+        assert service.store.get(session).system_prompt == "Be brief." and chat.check_window("Next?").fits
+        assert service.page_turns.drop_oldest_turns("Next?").startswith("Dropped the 0 oldest")  # it fits now
+        assert remote_view(service.host).count("live on the") == 1  # the panel says where the KV lives once
+    finally:
+        service.open_sessions.close_all()
+
+
 def test_restarted_front_process_continues_the_stored_conversation(front):
     def ask_front(*turns: str) -> httpx.Response:
         roles = itertools.cycle(("user", "assistant"))
@@ -268,6 +290,14 @@ def test_the_pages_stop_cancels_the_upstream_request_and_the_local_engine_reads_
                                    "WHERE m.role = 'assistant' AND u.content = ?", asked)
     assert len(spans) == 1 and 0 < spans[0][0] <= 24  # of 48: the server stopped too
     assert spans[0][1].startswith(kept)
+    # the sidebar: the stopped conversation as the server's tokenizer counts it (no usage came), KV the server's
+    counted = backend_tokens(backend, [{"role": "user", "content": asked}, {"role": "assistant", "content": kept}],
+                             for_reply=False)["count"]
+    summary = next(s for s in store.list() if s.id == session)
+    assert summary.token_count == counted
+    assert f" · {counted:,} tok · server · " in session_choices([summary], remote=True)[0][0]
+    assert "its KV cache is the server's" in session_details(summary, remote=True)
+    assert "re-reads the text" in session_details(summary)  # what the local engine does with it
     # the local engine opens the remote session by reading its conversation (there are no chunks to read)
     with ChatSession.open(store, real_engine, session) as chat:
         assert chat.restore.rebuilt and chat.restore.tokens_prefilled == real_engine.num_tokens > 20

@@ -33,4 +33,4 @@ def remote_view(host) -> str:
     """Markdown for the remote engine's panel: the server and its model, the latest reply's figures."""
     figures = host.turn_figures()
     latest = figures_table(figures) if figures is not None and figures.started else "No reply from it yet."
-    return f"**Remote engine:** {host.model_summary()}\n\n{latest}\n\n{SAID_PLAINLY}"
+    return f"**Remote engine:** {host.backend_line()}\n\n{latest}\n\n{SAID_PLAINLY}"  # the KV's place said once
