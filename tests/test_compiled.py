@@ -42,6 +42,8 @@ def tiny_model():
 @pytest.fixture(scope="module")
 def first_compile(tiny_model):
     """The module's one inductor compilation of the step; engines made after it over the model reuse it."""
+    if devices.active_mode() is not None:
+        pytest.skip("no step compiles under the separate-devices checks (a dispatch mode): compiled.py says so")
     messages = []
     engine = make_tiny_engine(tiny_model)
     reason = compile_decode(engine, progress=messages.append)
@@ -51,9 +53,8 @@ def first_compile(tiny_model):
 
 @pytest.fixture
 def compiled_and_eager(tiny_model, first_compile):
-    """Two engines with the same settings over one model: the first compiled, the second eager."""
-    if devices.active_mode() is not None:
-        pytest.skip("no step compiles under the separate-devices checks (a dispatch mode): compiled.py says so")
+    """Two engines with the same settings over one model: the first compiled, the second eager (skipped under
+    the separate-devices checks with `first_compile`)."""
     engines = []
 
     def make(**settings):
