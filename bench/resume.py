@@ -54,6 +54,13 @@ def _mean_nll(engine, tokens: list[int]) -> float:
     return total / count
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def evict_from_page_cache(path: Path) -> None:
     """Make the next read of `path` come from the disk: sync its pages, then drop them (no root needed)."""
     fd = os.open(path, os.O_RDONLY)
@@ -94,12 +101,15 @@ def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = No
             message = "Here is a document:\n\n" + engine.tokenizer.decode(document)
             for _ in chat.send(message, SamplingConfig(max_new_tokens=8)):
                 pass
-            tokens = engine.num_tokens
+            full_prompt = chat._conversation_ids(extra_user=QUESTION, generation_prompt=True)
+            # the conversation as the next turn reads it: a reply's last tokens may be written differently once
+            # it is a past turn (a plain transcript strips it), and the session's chunk must end where both agree
+            tokens = _common_prefix(engine.token_ids, full_prompt)
+            engine.truncate(tokens)
             rows, signature = engine.export_rows(0, tokens), engine.kv_signature()
             say(f"scoring {ppl_tokens} tokens of the following text on the uninterrupted conversation")
             uninterrupted_nll = _mean_nll(engine, following)
             engine.truncate(tokens)
-            full_prompt = chat._conversation_ids(extra_user=QUESTION, generation_prompt=True)
 
         say("re-prefill: running the model over the whole conversation again")
         engine.reset()
