@@ -37,7 +37,6 @@ class GenerationEvent:
 # and continues it: each turn a labelled paragraph, the reply after "Assistant:".
 PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: "}
 PLAIN_REPLY_PROMPT = "Assistant:"
-PLAIN_TURN_END = "\n\nUser:"  # where a base model's reply ends: it starts writing the next turn
 
 
 def plain_transcript(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
