@@ -30,7 +30,7 @@ async def _record(request):
 
 def _client(**guard) -> TestClient:
     routes = [Route(path, _record, methods=["GET", "POST"]) for path in
-              ("/v1/models", "/v1/chat/completions", "/config", "/gradio_api/queue/join", "/login")]
+              ("/v1/models", "/v1/chat/completions", "/tokenize", "/config", "/gradio_api/queue/join", "/login")]
     app = Starlette(routes=routes, middleware=[Middleware(PageGuard, **guard)])
     return TestClient(app, base_url="http://127.0.0.1:7860")
 
@@ -47,6 +47,8 @@ def test_a_cross_site_text_plain_post_to_the_api_is_refused_and_reaches_nothing(
     assert answer.status_code == 403 and "another site (http://evil.example)" in answer.json()["error"]["message"]
     answer = client.post("/v1/chat/completions", content=b'{"messages": []}', headers={"content-type": "text/plain"})
     assert answer.status_code == 415 and answer.json()["error"]["message"].startswith("The request body must be JSON")
+    answer = client.post("/tokenize", content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+    assert answer.status_code == 415  # the tokenizer beside /v1 (vLLM's place) costs CPU: the same rule
     assert calls == []
     assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 200  # curl, the OpenAI client
     assert calls == ["POST /v1/chat/completions"]

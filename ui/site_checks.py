@@ -10,8 +10,8 @@ treats the app as evil.example itself and lets the page read every answer. Hence
 - a request that can change something (any method but GET, HEAD, OPTIONS) or a WebSocket whose Origin is not
   the app's own (the same host and port the request was sent to) is refused; a request without an Origin comes
   from a program (curl, the OpenAI client), which the key guards where there is one;
-- without a key, a POST to /v1 must be `application/json`, which a browser sends cross-site only after a CORS
-  preflight that this app never grants;
+- without a key, a POST to /v1 (or /tokenize) must be `application/json`, which a browser sends cross-site only
+  after a CORS preflight that this app never grants;
 - an `Access-Control-Allow-Origin` naming any origin but the app's own is removed from every answer;
 - /login answers a few failed attempts a minute per client address (`LoginThrottle`).
 """
@@ -108,8 +108,9 @@ def _default_port(scheme: str) -> int:
 
 
 def cross_site_refusal(scope, hosts: HostPolicy, json_only_api: bool = True) -> Refusal | None:
-    """Why this request may not reach the app, or None. `json_only_api`: a POST to /v1 must say JSON (the app
-    asks it where there is no key; with one, a cross-site request lacks the key anyway)."""
+    """Why this request may not reach the app, or None. `json_only_api`: a POST to the API (/v1 and /tokenize
+    beside it) must say JSON (the app asks it where there is no key; with one, a cross-site request lacks the
+    key anyway)."""
     host = _header(scope, b"host") or ""
     if not hosts.allows(host):
         return Refusal(403, f"This app does not answer to the host name {_host_name(host) or host!r}; open it as "
@@ -120,11 +121,15 @@ def cross_site_refusal(scope, hosts: HostPolicy, json_only_api: bool = True) -> 
     if changes_state and origin is not None and not _same_origin(origin, scope):
         return Refusal(403, f"Requests from another site ({origin}) may not use this app.")
     if (json_only_api and scope["type"] == "http" and scope.get("method") == "POST"
-            and scope.get("path", "").startswith("/v1/")):
+            and _is_api_path(scope.get("path", ""))):
         content_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
         if content_type != "application/json":
             return Refusal(415, "The request body must be JSON, sent with 'Content-Type: application/json'.")
     return None
+
+
+def _is_api_path(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/tokenize"
 
 
 def without_foreign_cors(scope, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
