@@ -19,7 +19,8 @@ BOT = "#ig-chat [data-testid='bot']"
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    with running_app(tmp_path_factory.mktemp("browser-data")) as running:
+    # the app as it ships (compiled decode step): this page test's waits were tuned against it
+    with running_app(tmp_path_factory.mktemp("browser-data"), compiled=True) as running:
         yield running
 
 
