@@ -19,8 +19,7 @@ BOT = "#ig-chat [data-testid='bot']"
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    # the app as it ships (compiled decode step): this page test's waits were tuned against it
-    with running_app(tmp_path_factory.mktemp("browser-data"), compiled=True) as running:
+    with running_app(tmp_path_factory.mktemp("browser-data")) as running:
         yield running
 
 
