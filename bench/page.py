@@ -277,7 +277,7 @@ def measure_rounds(max_new_tokens: int, rounds: int, cases: tuple[str, ...] = ("
     count_tokens = _token_counter()
     rows: list[dict] = []
     show(HEADER)
-    with tempfile.TemporaryDirectory(prefix="page-bench-") as folder, running_app(Path(folder)) as app, \
+    with tempfile.TemporaryDirectory(prefix="page-bench-") as folder, running_app(Path(folder), compiled=True) as app, \
             sync_playwright() as playwright:
         clock = CpuClock(app.process.pid)
         _set_max_new_tokens(app.url, max_new_tokens)

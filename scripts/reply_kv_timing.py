@@ -3,7 +3,7 @@ the time to first token of a 4k-token prompt with its chunk written in the backg
 written at all. The default model and engine settings, a throw-away data directory; rounds interleaved.
 
 usage: flock /tmp/bench.lock python scripts/reply_kv_timing.py [--rounds 3] [--reply-tokens 300]
-                                            [--prompt-tokens 4000] [--text FILE|FOLDER] [--write-threads 1]
+                                            [--prompt-tokens 4000] [--text FILE|FOLDER]
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import sessions.background  # noqa: E402
 from infinigen_core import SamplingConfig, load_engine  # noqa: E402
 from sessions import ChatSession, SessionStore  # noqa: E402
 from sessions.chunk_writer import SessionChunks  # noqa: E402
@@ -73,10 +72,7 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, default=300)
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
-    parser.add_argument("--write-threads", type=int, default=sessions.background.WRITE_THREADS,
-                        help="torch threads of the background writes (2: as before they were limited)")
     args = parser.parse_args()
-    sessions.background.WRITE_THREADS = args.write_threads
     engine = load_engine(progress=lambda message: None)
     files = sorted(args.text.iterdir()) if args.text.is_dir() else [args.text]
     words = " ".join(f.read_text(encoding="utf-8", errors="replace") for f in files).split()
