@@ -130,25 +130,21 @@ class RemoteChat(StoredConversation):
     def regenerate(self, sampling: SamplingConfig = SamplingConfig(), cancel=None,
                    on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
         messages = self.messages
-        users = [m for m in messages if m.role == "user"]
-        if not users:
-            raise SessionError("there is no message to answer yet")
-        kept = [m for m in messages if m.position <= users[-1].position]
-        yield from self._reply(self._conversation(kept), [], sampling, cancel, replaces_from=users[-1].position + 1)
+        last_user = self._last_user_message(messages, "there is no message to answer yet")
+        kept = [m for m in messages if m.position <= last_user.position]
+        yield from self._reply(self._conversation(kept), [], sampling, cancel, replaces_from=last_user.position + 1)
 
     def edit_last_user(self, text: str, sampling: SamplingConfig = SamplingConfig(), cancel=None,
                        on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
         if not text.strip():
             raise SessionError("the edited message is empty: type something first")
-        users = [m for m in self.messages if m.role == "user"]
-        if not users:
-            raise SessionError("there is no message to edit yet")
-        kept = [m for m in self.messages if m.position < users[-1].position]
+        last_user = self._last_user_message(self.messages, "there is no message to edit yet")
+        kept = [m for m in self.messages if m.position < last_user.position]
         turns = self._conversation(kept, extra_user=text.strip())
         self._require_fits(turns, kept)
         # the old message and its reply go only once the server has taken the new one
         yield from self._reply(turns, [NewMessage("user", text.strip(), 0, 0, [])], sampling, cancel,
-                               replaces_from=users[-1].position)
+                               replaces_from=last_user.position)
 
     def _reply(self, turns: list[dict], new: list[NewMessage], sampling: SamplingConfig, cancel,
                replaces_from: int | None = None) -> Iterator[GenerationEvent]:

@@ -302,10 +302,7 @@ class ChatSession(StoredConversation):
                    on_prefill_progress: Progress | None = None) -> Iterator[GenerationEvent]:
         """Replace the reply to the last user message (or answer a message left without one)."""
         messages = self.messages
-        users = [m for m in messages if m.role == "user"]
-        if not users:
-            raise SessionError("there is no message to answer yet")
-        last_user = users[-1]
+        last_user = self._last_user_message(messages, "there is no message to answer yet")
         if 0 < last_user.token_end <= self.engine.num_tokens:
             self.engine.truncate(last_user.token_end)  # keep the prompt, drop the old reply
         prompt_ids = self._conversation_ids([m for m in messages if m.position <= last_user.position],
@@ -319,10 +316,7 @@ class ChatSession(StoredConversation):
         """Replace the last user message (and its reply) with `text` and answer it."""
         if not text.strip():
             raise SessionError("the edited message is empty: type something first")
-        users = [m for m in self.messages if m.role == "user"]
-        if not users:
-            raise SessionError("there is no message to edit yet")
-        last_user = users[-1]
+        last_user = self._last_user_message(self.messages, "there is no message to edit yet")
         check = self.check_window(text, [m for m in self.messages if m.position < last_user.position])
         if not check.fits:
             raise ContextWindowError(check)

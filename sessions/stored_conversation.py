@@ -8,6 +8,7 @@ engine's (ChatSession, chat.py) and a remote server's (chat_service/remote_chat.
 
 from __future__ import annotations
 
+from .errors import SessionError
 from .store import Message, SessionStore
 
 
@@ -43,3 +44,11 @@ class StoredConversation:
         if extra_user is not None:
             turns.append({"role": "user", "content": extra_user})
         return turns
+
+    def _last_user_message(self, messages: list[Message], missing: str) -> Message:
+        """The last user message of `messages` (what regenerate and edit act on); SessionError(`missing`) when
+        there is none."""
+        users = [m for m in messages if m.role == "user"]
+        if not users:
+            raise SessionError(missing)
+        return users[-1]
