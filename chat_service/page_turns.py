@@ -103,9 +103,8 @@ class PageTurns:
             try:
                 if isinstance(chat, ChatSession):
                     dropped = self.out_of_window.drop(chat, text or "", "drop_oldest")
-                else:
-                    chat.drop_oldest_turns(text or "")  # a remote session says why it cannot
-                    dropped = 0
+                else:  # a remote session, counted by its server (or it says why it cannot)
+                    dropped = chat.drop_oldest_turns(text or "")
             except SessionError as error:
                 raise UserError(str(error)) from None
         return f"Dropped the {dropped} oldest turn(s); the system prompt was kept."

@@ -42,6 +42,7 @@ _ARCH_FLAGS = {
 }
 
 _built: tuple["CpuKernels | None", str | None] | None = None  # a process registers the ops once
+loaded_from: Path | None = None  # the folder of the library loaded (one built elsewhere would register twice)
 
 
 @dataclass(frozen=True)
@@ -132,5 +133,7 @@ def _build(directory: Path, progress: Callable[[str], None] | None) -> tuple[Cpu
         reason = f"{type(error).__name__}: {lines[0] if lines else 'no message'}"
         log.warning("InfiniGen's CPU kernels are unavailable, the eager path serves: %s", reason)
         return None, reason
+    global loaded_from
+    loaded_from = build_dir
     log.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
     return CpuKernels(label=f"CPU kernels ({capability})"), None

@@ -18,13 +18,8 @@ from conftest import make_tiny_engine, random_tokens
 
 
 @pytest.fixture(scope="session")
-def kernels_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("kernels")
-
-
-@pytest.fixture(scope="session")
-def kernels(kernels_dir):
-    built, reason = cpu_kernels.build(kernels_dir)
+def kernels(tmp_path_factory):
+    built, reason = cpu_kernels.build(tmp_path_factory.mktemp("kernels"))
     assert built is not None, reason  # this machine has the compiler inductor needs: the kernels must build
     return built
 
@@ -193,14 +188,15 @@ def test_every_selection_of_a_real_compiled_reply_is_the_eager_ops_choice(real_e
     assert real_engine.policy.partial_store_dtype == torch.float16
 
 
-def test_a_build_killed_before_it_ended_does_not_stop_the_next_start(kernels, kernels_dir):
+def test_a_build_killed_before_it_ended_does_not_stop_the_next_start(kernels):
     """torch's loader waits for ever while its `lock` marker exists, and a killed build leaves it: the next build
     (holding the OS lock that dies with its holder) removes it and loads, rather than hanging every later start."""
-    directory = kernels_dir  # built by the fixture: the next start loads what is there
-    (marker,) = [folder / "lock" for folder in directory.iterdir() if folder.is_dir()]
+    # where this process's kernels came from: a library built elsewhere would register the same ops twice
+    folder = cpu_kernels.loaded_from
+    marker = folder / "lock"
     marker.write_text("left by a build that was killed")
     outcome: list = []
-    thread = threading.Thread(target=lambda: outcome.append(cpu_kernels._build(directory, None)), daemon=True)
+    thread = threading.Thread(target=lambda: outcome.append(cpu_kernels._build(folder.parent, None)), daemon=True)
     thread.start()
     thread.join(timeout=180)  # loading a built library takes seconds; torch alone waits for ever
     assert not thread.is_alive(), "the build waited on the stale marker"
