@@ -28,6 +28,13 @@ DEFAULT_TEXT = next((up / "shared" / "data" / "haystack" for up in Path(__file__
                      if (up / "shared" / "data" / "haystack").is_dir()), Path("haystack"))
 
 
+class NoReplyStream(SessionChunks):
+    """The reply's rows written at its end only (no stand-ins while it streams)."""
+
+    def stream(self, engine) -> bool:
+        return False
+
+
 class NoChunks(SessionChunks):
     """The baseline without any KV chunk: nothing is exported or written."""
 
@@ -51,9 +58,10 @@ def one_turn(store: SessionStore, engine, text: str, max_new_tokens: int, reply_
     """One turn in a new session, timed."""
     session_id = store.create("timing")
     with ChatSession.open(store, engine, session_id) as chat:
-        chat.stream_reply_kv = reply_kv
         if not chunks:
             chat._chunks = NoChunks(store, session_id)
+        elif not reply_kv:
+            chat._chunks = NoReplyStream(store, session_id)
         started, first, last, tokens = time.perf_counter(), 0.0, 0.0, 0
         cpu_first = cpu_last = 0.0
         for event in chat.send(text, SamplingConfig(max_new_tokens=max_new_tokens)):

@@ -127,7 +127,6 @@ class ChatSession(StoredConversation):
         self._recent_ids: dict[tuple, list[int]] = {}  # conversation -> its token ids, newest first
         self.restore = RestoreReport(0, 0, 0.0, False, "")
         self.last_read_tokens = 0  # tokens of the last turn's prompt that the model read (the rest was cached)
-        self.stream_reply_kv = True  # write a streaming reply's KV rows as it goes (off: only at its end)
 
     # ------------------------------------------------------------------ open / close
     @classmethod
@@ -343,8 +342,7 @@ class ChatSession(StoredConversation):
                                                or self.engine.num_tokens - saved_tokens >= REPLY_SAVE_TOKENS):
                     # throttled: a commit waits for the disk, and the decode loop must not wait on it per token
                     self.store.update_message(reply_id, text, self.engine.num_tokens)
-                    if self.stream_reply_kv:  # after the text: the disk never holds rows whose text it lacks
-                        self._chunks.stream(self.engine)
+                    self._chunks.stream(self.engine)  # after the text: the disk never holds rows whose text it lacks
                     saved_at, saved_tokens = time.monotonic(), self.engine.num_tokens
                 yield event
         finally:  # also when the consumer stops early or generation fails: keep what was generated

@@ -12,8 +12,10 @@ encoding, the file and the database row run on the background thread. Chunks are
 at a time: every persist waits for the pending write first.
 
 The chunks `stream` writes are stand-ins for a crash: the turn's end writes the reply whole as one chunk and
-swaps it for them in one transaction, so a finished turn leaves one chunk for its prompt and one for its reply
-whether or not it streamed (branches and shared prefixes see the same layout as before).
+swaps it for them, so a finished turn leaves one chunk for its prompt and one for its reply whether or not it
+streamed (branches and shared prefixes see the same layout as before). Stand-ins are written in the exact
+format, whatever the store's: the reply is encoded once, at its end, and the background thread beside the
+decode only copies bytes (an int8 encode there is torch work on the decode's cores, thrown away at the end).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ Piece = tuple[int, int, dict]  # (start, end, exported rows)
 # a streaming reply's rows are written once at least this many have come (where decoding is slow, one chunk,
 # fsync and commit per token would be the disk's busiest way to save a few tokens)
 STREAM_MIN_TOKENS = 16
+STAND_IN_FORMAT = "exact"  # see the module's docstring
 
 
 class SessionChunks:
@@ -70,7 +73,7 @@ class SessionChunks:
             return False
         if self._stand_ins_from is None:
             self._stand_ins_from = len(self.saved_ids)
-        self._append(engine, None, background=True)
+        self._append(engine, None, background=True, kv_format=STAND_IN_FORMAT)
         return True
 
     def persist(self, engine, boundary: int | None = None, background: bool = False) -> None:
@@ -82,7 +85,8 @@ class SessionChunks:
         rewrite_from, self._stand_ins_from = self._stand_ins_from, None
         self._append(engine, boundary, background, rewrite_from)
 
-    def _append(self, engine, boundary: int | None, background: bool, rewrite_from: int | None = None) -> None:
+    def _append(self, engine, boundary: int | None, background: bool, rewrite_from: int | None = None,
+                kv_format: str | None = None) -> None:
         ids = engine.token_ids
         common = common_prefix_length(self.saved_ids, ids)
         if common < len(self.saved_ids):
@@ -98,20 +102,21 @@ class SessionChunks:
             pieces.append((start, end, engine.export_rows(start, end)))
             start = end
         signature, self.saved_ids = engine.kv_signature(), list(ids)
+        kv_format = kv_format or self.store.storage.kv_format
         if background:
-            self._pending = BackgroundWrite(lambda: self._write(pieces, signature))
+            self._pending = BackgroundWrite(lambda: self._write(pieces, signature, kv_format))
             return
         try:
-            self._write(pieces, signature)
+            self._write(pieces, signature, kv_format)
         except BaseException:
             self._forget_unsaved()
             raise
 
-    def _write(self, pieces: list[Piece], signature: dict[str, str]) -> None:
+    def _write(self, pieces: list[Piece], signature: dict[str, str], kv_format: str) -> None:
         """Encode and write exported rows as chunks, in order, each registered once its file is durable; chunks
         on disk from a piece's start on (stand-ins) are swapped for it in one transaction."""
         for start, end, rows in pieces:
-            record = write_chunk(self.store.data_dir, self.id, rows, signature, start, self.store.storage.kv_format)
+            record = write_chunk(self.store.data_dir, self.id, rows, signature, start, kv_format)
             stored = self.store.chunks(self.id)
             kept = [chunk for chunk in stored if chunk.start < start]
             if len(kept) == len(stored):
