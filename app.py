@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # before Gradio is imported (it reads this once): uploads in a folder of this run's, which the next start
     # removes if this process is killed (Gradio removes its files on a clean shutdown only)
-    os.environ.setdefault("GRADIO_TEMP_DIR", str(fresh_upload_folder()))
+    if "GRADIO_TEMP_DIR" not in os.environ:  # the user's own folder is used as it is
+        os.environ["GRADIO_TEMP_DIR"] = str(fresh_upload_folder())
     if not names_a_hub_model(args.model) or args.backend is not None:
         # Nothing to fetch, so nothing is fetched: set before transformers or huggingface_hub read it. A hub
         # id on the command line may download (unless the user set HF_HUB_OFFLINE=1 themselves).

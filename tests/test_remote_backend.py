@@ -182,6 +182,9 @@ def test_tokenize_is_behind_the_key_and_says_what_is_wrong(backend):
     assert refused.status_code == 400 and "either messages" in refused.json()["error"]["message"]
     wrong_model = httpx.post(url, json={"model": "gpt-4", "prompt": "Hi"}, headers=headers, timeout=30)
     assert wrong_model.status_code == 404 and wrong_model.json()["error"]["code"] == "model_not_found"
+    # a text no window could hold is refused as a turn's would be, without tokenizing 8 MB
+    beyond = httpx.post(url, json={"prompt": "a" * 8_000_000}, headers=headers, timeout=60)
+    assert beyond.status_code == 400 and beyond.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_prompt_over_the_backends_window_is_refused_before_sending_and_nothing_stored(front, backend, tmp_path):

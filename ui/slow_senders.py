@@ -8,6 +8,8 @@ whenever the connection waits for a request head (on connect, after each respons
 a head not complete within HEAD_DEADLINE_S gets a 408 and the connection is closed.
 
     use_head_deadline()          # before demo.launch(): Gradio's server asks uvicorn for its "auto" protocol
+
+"auto" then means h11 even where httptools is installed (`uvicorn[standard]`; not in requirements.txt).
 """
 
 from __future__ import annotations
@@ -39,12 +41,8 @@ class HeadDeadlineProtocol(H11Protocol):
         self._stop_watching()
         super().connection_lost(exc)
 
-    def handle_events(self) -> None:
+    def handle_events(self) -> None:  # also where a response completes: uvicorn starts the next cycle here
         super().handle_events()
-        self._watch_head()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
         self._watch_head()
 
     def _watch_head(self) -> None:

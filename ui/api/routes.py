@@ -79,6 +79,7 @@ def api_routes(service: ChatService, options: ApiOptions) -> list[BaseRoute]:
         try:
             serving.check_key(request, options.key)
             body = await serving.json_body(request)
+            serving.require_local_tokenizer(service)  # before asking a backend for its model name
             model_id = await asyncio.to_thread(serving.served_model, service)
             asked = await asyncio.to_thread(parse_tokenize_request, body, model_id)  # files are converted
             return await asyncio.to_thread(serving.tokenize, service, asked)

@@ -157,19 +157,24 @@ def checked_prompt_ids(service: ChatService, chat_request: ChatRequest) -> list[
     if isinstance(service.host, RemoteHost):
         return _check_remote_window(service.host, chat_request)
     engine, asked = service.host.require_engine_loaded(), chat_request.conversation
-    characters = len(asked.system) + sum(len(content) for _, content in asked.turns)
-    most = engine.max_context * longest_token_characters(engine.tokenizer)
-    if characters > most:  # refused before the tokenizer spends seconds on it
-        raise ApiError(400, f"the conversation is {characters:,} characters long: with the model's window of "
-                            f"{engine.max_context:,} tokens, none of which covers more than "
-                            f"{most // engine.max_context} characters, at most {most:,} can ever fit",
-                       "messages", "context_length_exceeded")
+    _refuse_beyond_any_window(engine, len(asked.system) + sum(len(content) for _, content in asked.turns),
+                              "the conversation", "messages")
     try:
         return reply_prompt_ids(engine.tokenizer, conversation(asked.system, list(asked.turns)), engine.max_context)
     except ContextWindowError as error:
         attached = bool(asked.documents and asked.documents[-1])
         passages = attached and any(document.read is not None for document in asked.documents[-1])
         raise ApiError(400, error.check.explain(attached, passages), "messages", "context_length_exceeded") from None
+
+
+def _refuse_beyond_any_window(engine, characters: int, what: str, param: str) -> None:
+    """Refuse a text that no tokenization could fit in the window, before the tokenizer spends seconds on it."""
+    most = engine.max_context * longest_token_characters(engine.tokenizer)
+    if characters > most:
+        raise ApiError(400, f"{what} is {characters:,} characters long: with the model's window of "
+                            f"{engine.max_context:,} tokens, none of which covers more than "
+                            f"{most // engine.max_context} characters, at most {most:,} can ever fit",
+                       param, "context_length_exceeded")
 
 
 def _check_remote_window(host: RemoteHost, chat_request: ChatRequest) -> list[int]:
@@ -191,17 +196,26 @@ def backend_api_error(error: BackendError) -> ApiError:
                     else "server_error", error.retry_after)
 
 
-def tokenize(service: ChatService, asked: TokenizeRequest) -> dict:
-    """vLLM's answer to POST /tokenize: the served model's tokens for a chat (exactly those a turn would read,
-    attached files whole) or a text, their count and the model's window."""
+def require_local_tokenizer(service: ChatService) -> None:
+    """/tokenize needs this app's own model: a front whose replies come from a backend says so (501)."""
     if isinstance(service.host, RemoteHost):
         raise ApiError(501, f"this app's replies come from the backend at {service.host.client.config.url}; ask "
                             "that server to count tokens", None, "not_implemented", "server_error")
+
+
+def tokenize(service: ChatService, asked: TokenizeRequest) -> dict:
+    """vLLM's answer to POST /tokenize: the served model's tokens for a chat (exactly those a turn would read,
+    attached files whole) or a text, their count and the model's window. A text no window could hold is
+    refused as a turn's would be (the tokenizer is not spent on it)."""
+    require_local_tokenizer(service)
     engine = service.host.require_engine_loaded()
     if asked.conversation is not None:
         chat = asked.conversation
+        _refuse_beyond_any_window(engine, len(chat.system) + sum(len(content) for _, content in chat.turns),
+                                  "the conversation", "messages")
         ids = chat_token_ids(engine.tokenizer, conversation(chat.system, list(chat.turns)), asked.add_generation_prompt)
     else:
+        _refuse_beyond_any_window(engine, len(asked.prompt or ""), "the prompt", "prompt")
         ids = list(engine.tokenizer.encode(asked.prompt or "", add_special_tokens=asked.add_special_tokens))
     return {"count": len(ids), "tokens": ids, "max_model_len": engine.max_context}
 
