@@ -30,11 +30,13 @@ way must agree, or the fetch stays staged with the reason logged (the view has n
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .kv_pool import KVPool
+from .pool_lifecycle import PoolStorage
 from .transfer import DeviceOps
 
 log = logging.getLogger(__name__)
@@ -49,18 +51,19 @@ class MappedRows:
         self._keys = ops.empty(shape, pool.dtype, stream)
         self._values = ops.empty(shape, pool.dtype, stream)
         self._next = 0
-        self._source: object | None = None  # the pool storage the views were made over
+        # the pool storage the views were made over, weakly: a pool that reallocates, or one given back
+        # (release_spare, configure, close), frees its old (pinned) storage at once
+        self._source: weakref.ref[PoolStorage] | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._offsets: torch.Tensor | None = None
 
     def _views_for(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         storage = self.pool.storage
-        if storage is not self._source:  # first use, or the pool reallocated
+        if self._source is None or self._source() is not storage:  # first use, or the pool reallocated
             self._views = [(self.ops.mapped(store.flat_keys), self.ops.mapped(store.flat_values))
                            for store in storage.layers]
-            heads = torch.arange(self.pool.num_kv_heads, device=self.ops.device)
-            self._offsets = (heads * self.pool.capacity).unsqueeze(1)
-            self._source = storage
+            self._offsets = storage.head_offsets.to(self.ops.device)
+            self._source = weakref.ref(storage)
         return self._views[layer]
 
     def start(self, layer: int, slots: torch.Tensor) -> Gathered:

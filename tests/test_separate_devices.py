@@ -5,7 +5,9 @@ their pool in emulated host memory, and the mode refuses what a GPU would. Each 
 under the mode before its fix; its logits are compared with the same conversation on the plain CPU.
 """
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -297,6 +299,32 @@ def test_zero_copy_is_refused_where_the_pool_counts_fetches(tiny_llama):
     try:
         assert limited_mapped is None and "counts every fetch" in limited_reason
         assert engine.fetcher.mapped is not None and engine.fetcher.zero_copy_reason is None
+    finally:
+        engine.close()
+
+
+def test_the_in_place_gathers_keep_no_old_pool_storage_alive(tiny_llama):
+    """A pool's old storage goes as soon as the pool lets it go, though the compute side gathered from it: after
+    a truncate gives memory back (release_spare), and when the pool drops its storage with the fetcher still
+    alive (release_pinned_memory's way in configure and close, on a GPU: pinned memory back to the system)."""
+    engine = separated(tiny_llama, policy="infinigen", budget=0.2, dense_under_budget=False)
+    try:
+        assert engine.fetcher.mapped is not None
+        engine.prefill(random_tokens(90, seed=3))
+        engine.pool.ensure_capacity(5000)  # past the tiny model's context, as a long reply prepares for
+        engine.policy.ensure_capacity(engine.pool.capacity)
+        engine.score(random_tokens(4, seed=4))  # gathered in place from the grown storage
+        grown = weakref.ref(engine.pool.storage)
+        engine.truncate(40)  # under a quarter of the capacity: the pool reallocates smaller
+        assert engine.pool.capacity < 5000
+        gc.collect()
+        assert grown() is None, "the old storage is still held after the pool released it"
+        logits = engine.score(random_tokens(2, seed=5))  # the gathers follow the new storage
+        assert all(torch.isfinite(step).all() for step in logits)
+        current = weakref.ref(engine.pool.storage)
+        engine.pool.drop_storage()
+        gc.collect()
+        assert current() is None, "the fetcher keeps the dropped storage (and its pinned memory) alive"
     finally:
         engine.close()
 
