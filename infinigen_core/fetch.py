@@ -247,7 +247,7 @@ class StreamFetcher:
         # selected rows gathered by the compute side in place (zero_copy.py); eviction counts each fetch on
         # the host, so a limited pool keeps the staged path, as the cached layers and host-chosen slots do
         self.zero_copy_reason = self._zero_copy_refused(zero_copy)
-        self.mapped = MappedRows(pool, ops, self._stream, max_rows) if self.zero_copy_reason is None else None
+        self.mapped = MappedRows(pool, ops, max_rows) if self.zero_copy_reason is None else None
 
     def _zero_copy_refused(self, wanted: bool) -> str | None:
         """Why selected rows are fetched staged (None: they are gathered in place)."""
@@ -382,11 +382,13 @@ class StreamFetcher:
 
     def flush(self) -> None:
         """Wait until every write and fetch started so far has been done on the host side, and every copy
-        they enqueued has run: a truncate or a restore after a flush may overwrite pool rows that a copy
+        they enqueued has run (the in-place gathers too): a truncate or a restore after a flush may overwrite pool rows that a copy
         to the device was still reading (on a GPU the last step's DMAs need not have finished)."""
         if not self._closed:
             self._worker.submit(lambda: None).result()
             self.ops.record(self._stream).synchronize()
+            if self.mapped is not None:  # the in-place gathers still reading the pool
+                self.ops.record(self.mapped.stream).synchronize()
 
     def close(self) -> None:
         """Stop the worker and the streams, waiting a bounded time. A fetch in flight either completes or
