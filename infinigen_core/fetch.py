@@ -253,6 +253,8 @@ class StreamFetcher:
         """Why selected rows are fetched staged (None: they are gathered in place)."""
         if not wanted:
             return "off (EngineConfig.zero_copy_fetch)"
+        if not devices.has_separate_host(self.device):  # ThreadedCpuOps on the plain CPU: the slots are host tensors
+            return "the compute device shares the pool's memory: nothing to gather in place"
         if self.pool.counts_fetches:
             return "a limited pool counts every fetch on the host"
         if isinstance(self.ops, CudaOps) and (reason := validate(self.ops, self.pool.dtype, self.pool.head_dim)):

@@ -16,6 +16,7 @@ import infinigen_core.engine as engine_module
 from infinigen_core import devices
 from infinigen_core.devices import EMULATED_COMPUTE, EMULATED_HOST, SEPARATE_DEVICES_ENV, SeparateDevicesError
 from infinigen_core.fetch import StreamFetcher, make_fetcher
+from infinigen_core.kv_pool import KVPool
 from infinigen_core.transfer import ThreadedCpuOps, Worker
 
 from conftest import make_tiny_engine, random_tokens
@@ -301,6 +302,23 @@ def test_zero_copy_is_refused_where_the_pool_counts_fetches(tiny_llama):
         assert engine.fetcher.mapped is not None and engine.fetcher.zero_copy_reason is None
     finally:
         engine.close()
+
+
+def test_zero_copy_is_refused_where_the_compute_side_shares_the_pool_memory():
+    """ThreadedCpuOps on the plain CPU: the slots are host tensors, every fetch would stay staged, so the fetcher
+    says so (and keeps no unused gather buffers) rather than report a zero-copy fetch."""
+    pool = KVPool(2, 2, 16, torch.float32, device="cpu")
+    fetcher = make_fetcher(pool, torch.device("cpu"), 8, ops=ThreadedCpuOps(device="cpu"), zero_copy=True)
+    try:
+        assert fetcher.mapped is None and "shares the pool's memory" in fetcher.zero_copy_reason
+        assert fetcher.device_bytes() == 0
+    finally:
+        fetcher.close()
+    emulated = make_fetcher(KVPool(2, 2, 16, torch.float32, device=EMULATED_HOST), EMULATED_COMPUTE, 8, zero_copy=True)
+    try:
+        assert emulated.mapped is not None and emulated.zero_copy_reason is None
+    finally:
+        emulated.close()
 
 
 def test_the_in_place_gathers_keep_no_old_pool_storage_alive(tiny_llama):
