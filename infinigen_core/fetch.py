@@ -25,16 +25,22 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import devices
 from .kv_pool import KVPool
+from .policies.base import selects_rows
 from .resident import ResidentLayers, SelectedRowCache
 from .transfer import CudaOps, DeviceOps, ThreadedCpuOps, Worker
 from .zero_copy import Gathered, MappedRows, refuse_reason_logged, validate
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 
 @dataclass
@@ -419,20 +425,29 @@ class DeviceKeeping:
 
     @staticmethod
     def for_policy(policy, adapter, config) -> DeviceKeeping:
-        """What `policy` keeps on the device under `config` (EngineConfig) for a model (arch.ModelAdapter).
-
-        With `dense_layers_on_device`, a sparse policy keeps the layers it reads whole (the dense first layers,
-        sliding-window layers) and `offload` keeps the very same layers, so the two compare at equal resident
-        layers (FlexGen's users keep resident what fits); `full` keeps the whole pool there anyway."""
+        """What `policy` keeps on the device under `config` (EngineConfig) for a model (arch.ModelAdapter): the
+        layers `resident_layer_set` names, over the model's whole context, and the cache of selected rows in the
+        layers the policy selects in; `full` keeps the whole pool there anyway (a DirectFetcher)."""
         layers = range(adapter.num_layers)
-        sparse_layers = frozenset(layer for layer in layers if policy.is_sparse(layer))
-        read_whole = frozenset(layer for layer in layers
-                               if layer < config.dense_layers or not adapter.is_global(layer))
-        resident = read_whole if config.dense_layers_on_device else frozenset()
-        if not sparse_layers:
-            return DeviceKeeping() if policy.keeps_pool_on_device else DeviceKeeping(resident_layers=resident)
-        return DeviceKeeping(frozenset(layers) - sparse_layers if config.dense_layers_on_device else frozenset(),
-                             sparse_layers, config.selected_rows_cache)
+        resident = resident_layer_set(policy.name, [adapter.is_global(layer) for layer in layers], config,
+                                      adapter.head_dim, adapter.max_context)
+        selecting = frozenset(layer for layer in layers if policy.is_sparse(layer))
+        return DeviceKeeping(resident, selecting, config.selected_rows_cache)
+
+
+def resident_layer_set(policy: str, global_layers: Sequence[bool], config: EngineConfig, head_dim: int,
+                       context: int) -> frozenset[int]:
+    """The layers whose K/V a streamed fetcher keeps whole on the compute device under `config`, for a model
+    whose layers are global or not (`global_layers`) and a context of `context` tokens. Pure: the engine
+    (DeviceKeeping.for_policy) and the GPU predictor (bench/gpu_predict.py) both read it.
+
+    Nothing without `dense_layers_on_device`, nor for `full` (its whole pool is on the device). A sparse
+    policy keeps the layers it reads whole: the dense first layers and the sliding-window layers; `offload`
+    keeps the very same layers, so the two compare at equal resident layers."""
+    if not config.dense_layers_on_device or policy == "full":
+        return frozenset()
+    return frozenset(layer for layer, is_global in enumerate(global_layers)
+                     if not selects_rows(layer, config.dense_layers, is_global))
 
 
 def make_fetcher(pool: KVPool, device: torch.device, max_rows: int, ops: DeviceOps | None = None,

@@ -27,13 +27,15 @@ def test_weight_and_kv_bytes_match_the_published_shapes():
 def test_policies_fetch_what_they_should():
     shape, profile, context = SHAPES["llama3-8b"], PROFILES["h100"], 16384
     per_layer = kv_bytes_per_token_layer(shape)
-    offload = predict_step(shape, context, "offload", None, profile)
+    offload = predict_step(shape, context, "offload", 0.1, profile)
     infinigen = predict_step(shape, context, "infinigen", 0.1, profile)
     # the pool holds the new token when a layer is fetched; InfiniGen's 2 dense layers stay on the GPU and
     # move nothing, its 30 sparse layers fetch ceil(0.1 x 16384) rows
     # the fair offload keeps the same 2 layers on the GPU as InfiniGen and copies the other 30 whole
     assert offload["bytes_fetched_per_token"] == (context + 1) * per_layer * 30
     assert offload["resident_layers"] == infinigen["resident_layers"] == 2
+    with pytest.raises(ValueError, match="budget"):
+        predict_step(shape, context, "offload", None, profile)
     assert infinigen["bytes_fetched_per_token"] == 30 * 1639 * per_layer
     assert predict_step(shape, context, "full", None, profile)["bytes_fetched_per_token"] == 0
 

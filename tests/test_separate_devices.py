@@ -14,8 +14,9 @@ import torch
 
 import infinigen_core.engine as engine_module
 from infinigen_core import devices
+from infinigen_core.config import EngineConfig
 from infinigen_core.devices import EMULATED_COMPUTE, EMULATED_HOST, SEPARATE_DEVICES_ENV, SeparateDevicesError
-from infinigen_core.fetch import StreamFetcher, make_fetcher
+from infinigen_core.fetch import StreamFetcher, make_fetcher, resident_layer_set
 from infinigen_core.kv_pool import KVPool
 from infinigen_core.transfer import ThreadedCpuOps, Worker
 
@@ -373,3 +374,16 @@ def test_dense_layers_and_recently_selected_rows_stay_on_the_device(tiny_llama, 
     row = 2 * 2 * 16 * 4  # K and V rows, 2 KV heads, head_dim 16, float32
     assert whole - resident == 2 * 123.5 * row  # the two dense layers, 121 to 126 rows a step, no longer move
     assert 0 < cached < resident
+
+
+
+def test_the_layers_kept_whole_on_the_device():
+    """fetch.resident_layer_set: a sparse policy keeps the layers it reads whole (the dense first layers, the
+    sliding-window layers); offload the same ones; nothing without dense_layers_on_device, nor for full."""
+    config = EngineConfig(budget=0.1, partial_ratio=0.5, min_fetch_tokens=0)
+    sliding = [True, True, False, True, True, True]  # layer 2 reads its window only: InfiniGen keeps it whole
+    assert resident_layer_set("infinigen", sliding, config, 128, 16384) == {0, 1, 2}
+    assert resident_layer_set("offload", sliding, config, 128, 16384) == {0, 1, 2}
+    for policy in ("full", "offload", "infinigen"):
+        assert not resident_layer_set(policy, sliding, config.with_changes(dense_layers_on_device=False), 128, 16384)
+    assert not resident_layer_set("full", sliding, config, 128, 16384)
