@@ -7,7 +7,8 @@ The bytes each policy moves per decode step are the engine's own count (`fetcher
 it by tests/test_gpu_bench.py): the pool holds the new token when a layer is fetched, InfiniGen fetches
 `EngineConfig.budget_tokens_for(context)` rows per KV head of each sparse layer; with
 `dense_layers_on_device` (the default) its dense layers stay on the GPU and move nothing, and `offload`
-keeps the very same layers resident (fetch.resident_layer_set: the fair baseline).
+keeps resident the whole layers that fit in the GPU memory InfiniGen's KV-side state takes (its dense layers,
+partial keys and gather buffers: fetch.resident_layer_set, the fair baseline at equal memory).
 Time per step, eager PyTorch (no CUDA graph: the CUDA step is not captured), per decoder layer:
 
 - the host launches every layer's kernels (`host_ms_per_layer`); the GPU reads the layer's weights (and
@@ -73,8 +74,10 @@ FETCHES = ("zero-copy", "staged")  # how InfiniGen's selected rows reach the GPU
 
 def resident_layers(shape: ModelShape, policy: str, budget: float | None, context: int) -> int:
     """Layers whose KV stays on the GPU under the benchmark's settings (fetch.resident_layer_set, the engine's
-    rule; Llama shapes: every layer global): InfiniGen's dense first layers, and as many for `offload` (the
-    benchmark runs offload under its first budget)."""
+    rule; Llama shapes: every layer global): InfiniGen's dense first layers; for `offload`, the fair baseline,
+    the whole layers that fit in the GPU memory InfiniGen's KV-side state takes at `budget` (the benchmark
+    runs offload under its first budget). The engine applies the rule over the model's window, the benchmark's
+    context plus its decode steps: the same count unless a layer's worth of bytes falls in between."""
     if policy not in ("offload", "infinigen"):
         return 0
     if budget is None:

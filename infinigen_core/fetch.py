@@ -442,12 +442,27 @@ def resident_layer_set(policy: str, global_layers: Sequence[bool], config: Engin
     (DeviceKeeping.for_policy) and the GPU predictor (bench/gpu_predict.py) both read it.
 
     Nothing without `dense_layers_on_device`, nor for `full` (its whole pool is on the device). A sparse
-    policy keeps the layers it reads whole: the dense first layers and the sliding-window layers; `offload`
-    keeps the very same layers, so the two compare at equal resident layers."""
+    policy keeps the layers it reads whole: the dense first layers and the sliding-window layers. `offload`,
+    the fair baseline (FlexGen's users keep resident whatever fits), keeps as many whole layers as fit in the
+    device memory InfiniGen's KV-side state takes under the same `config` over `context` tokens: its resident
+    layers, its partial keys (partial_ratio of every selecting layer's keys), its two gather buffers
+    (zero_copy.MappedRows, `budget_tokens_for(context) + 1` rows each) and the selected-row cache; InfiniGen's
+    resident layers first, then the others in order."""
     if not config.dense_layers_on_device or policy == "full":
         return frozenset()
-    return frozenset(layer for layer, is_global in enumerate(global_layers)
-                     if not selects_rows(layer, config.dense_layers, is_global))
+    selecting = [selects_rows(layer, config.dense_layers, is_global) for layer, is_global in enumerate(global_layers)]
+    read_whole = [layer for layer, selects in enumerate(selecting) if not selects]
+    if policy != "offload":
+        return frozenset(read_whole)
+    # in whole layers of `context` tokens (K and V of every KV head; the partial keys have the pool's dtype
+    # wherever the pool is apart from the compute device)
+    partial_keys = max(1, int(round(config.partial_ratio * head_dim))) / (2 * head_dim)  # per selecting layer
+    zero_copy = config.zero_copy_fetch and config.pool_limit_tokens is None
+    buffer_rows = 2 * (config.budget_tokens_for(context) + 1) if zero_copy else 0
+    cache_rows = sum(selecting) * config.selected_rows_cache
+    fits = int(len(read_whole) + sum(selecting) * partial_keys + (buffer_rows + cache_rows) / context)
+    order = read_whole + [layer for layer, selects in enumerate(selecting) if selects]
+    return frozenset(order[:fits])
 
 
 def make_fetcher(pool: KVPool, device: torch.device, max_rows: int, ops: DeviceOps | None = None,

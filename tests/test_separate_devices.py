@@ -376,14 +376,28 @@ def test_dense_layers_and_recently_selected_rows_stay_on_the_device(tiny_llama, 
     assert 0 < cached < resident
 
 
-
-def test_the_layers_kept_whole_on_the_device():
-    """fetch.resident_layer_set: a sparse policy keeps the layers it reads whole (the dense first layers, the
-    sliding-window layers); offload the same ones; nothing without dense_layers_on_device, nor for full."""
+def test_offload_keeps_the_layers_that_fit_in_infinigens_device_memory(tiny_llama):
+    """The fair baseline (fetch.resident_layer_set): offload keeps whole the layers that fit in the device memory
+    InfiniGen's KV-side state takes under the same settings, over the model's window: its read-whole layers,
+    partial keys, gather buffers and selected-row cache."""
     config = EngineConfig(budget=0.1, partial_ratio=0.5, min_fetch_tokens=0)
     sliding = [True, True, False, True, True, True]  # layer 2 reads its window only: InfiniGen keeps it whole
     assert resident_layer_set("infinigen", sliding, config, 128, 16384) == {0, 1, 2}
+    # 3 whole + 3 x 0.25 (a half of the keys) + 2 x 1640 rows / 16384 = 3.95 layers: 3, the same ones
     assert resident_layer_set("offload", sliding, config, 128, 16384) == {0, 1, 2}
+    # a cache of 4096 rows in each of the 3 selecting layers: 0.75 layer more, 4.7: the first selecting layer too
+    assert resident_layer_set("offload", sliding, config.with_changes(selected_rows_cache=4096), 128, 16384) == {0, 1, 2, 3}
+    assert resident_layer_set("offload", sliding, config.with_changes(zero_copy_fetch=False, partial_ratio=0.1),
+                              128, 16384) == {0, 1, 2}
     for policy in ("full", "offload", "infinigen"):
         assert not resident_layer_set(policy, sliding, config.with_changes(dense_layers_on_device=False), 128, 16384)
     assert not resident_layer_set("full", sliding, config, 128, 16384)
+
+    # the engine's: the tiny model's window is 1024 tokens; with every channel in the partial keys InfiniGen's
+    # 2 dense layers + 2 x 0.5 + 2 x 155 rows / 1024 = 3.3 layers: offload keeps 3 and copies one per step
+    with separated(tiny_llama, policy="offload", partial_ratio=1.0, budget=0.15) as engine:
+        assert engine.fetcher.resident.layers == {0, 1, 2}
+        engine.prefill(random_tokens(90, seed=3))
+        before = engine.fetcher.bytes_fetched
+        engine.score(random_tokens(1, seed=4))
+        assert engine.fetcher.bytes_fetched - before == 91 * engine.pool.num_kv_heads * engine.pool.bytes_per_row()
