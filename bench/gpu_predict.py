@@ -7,7 +7,8 @@ The bytes each policy moves per decode step are the engine's own count (`fetcher
 it by tests/test_gpu_bench.py): the pool holds the new token when a layer is fetched, InfiniGen fetches
 `EngineConfig.budget_tokens_for(context)` rows per KV head of each sparse layer; with
 `dense_layers_on_device` (the default) its dense layers stay on the GPU and move nothing, and `offload`
-keeps the very same layers resident (fetch.DeviceKeeping.for_policy: the fair baseline).
+keeps resident the whole layers that fit in the GPU memory InfiniGen's KV-side state takes (its dense layers,
+partial keys and gather buffers: fetch.resident_layer_set, the fair baseline at equal memory).
 Time per step, eager PyTorch (no CUDA graph: the CUDA step is not captured), per decoder layer:
 
 - the host launches every layer's kernels (`host_ms_per_layer`); the GPU reads the layer's weights (and
@@ -40,6 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from infinigen_core.fetch import resident_layer_set
+
 from .gpu import SHAPES, ModelShape, add_ratios, bench_config
 
 
@@ -69,13 +72,18 @@ FP16_BYTES = 2
 FETCHES = ("zero-copy", "staged")  # how InfiniGen's selected rows reach the GPU (EngineConfig.zero_copy_fetch)
 
 
-def resident_layers(shape: ModelShape, policy: str) -> int:
-    """Layers whose KV stays on the GPU under the benchmark's settings: InfiniGen's dense first layers and, for
-    the fair baseline, as many for `offload` (fetch.DeviceKeeping.for_policy; Llama shapes: no sliding layers)."""
-    config = bench_config(0.1)
-    if policy not in ("offload", "infinigen") or not config.dense_layers_on_device:
+def resident_layers(shape: ModelShape, policy: str, budget: float | None, context: int) -> int:
+    """Layers whose KV stays on the GPU under the benchmark's settings (fetch.resident_layer_set, the engine's
+    rule; Llama shapes: every layer global): InfiniGen's dense first layers; for `offload`, the fair baseline,
+    the whole layers that fit in the GPU memory InfiniGen's KV-side state takes at `budget` (the benchmark
+    runs offload under its first budget). The engine applies the rule over the model's window, the benchmark's
+    context plus its decode steps: the same count unless a layer's worth of bytes falls in between."""
+    if policy not in ("offload", "infinigen"):
         return 0
-    return min(config.dense_layers, shape.layers)
+    if budget is None:
+        raise ValueError(f"{policy} needs a budget (offload: the InfiniGen budget whose GPU memory it gets)")
+    head_dim = shape.hidden // shape.heads
+    return len(resident_layer_set(policy, [True] * shape.layers, bench_config(budget), head_dim, context))
 
 
 def weight_bytes(shape: ModelShape, element_bytes: int = FP16_BYTES) -> int:
@@ -100,7 +108,7 @@ def fetched_bytes(shape: ModelShape, context: int, policy: str, budget: float | 
     if policy in ("full", "hf-offload"):
         return 0  # full reads its cache in place; hf-offload is not the engine (its copies: see predict_step)
     if policy == "offload":
-        return (shape.layers - resident_layers(shape, policy)) * held * per_token
+        return (shape.layers - resident_layers(shape, policy, budget, context)) * held * per_token
     if policy != "infinigen":
         raise ValueError(f"no prediction for policy {policy!r}")
     if budget is None:
@@ -108,7 +116,7 @@ def fetched_bytes(shape: ModelShape, context: int, policy: str, budget: float | 
     config = bench_config(budget)
     dense = min(config.dense_layers, shape.layers)
     rows = config.budget_tokens_for(context)
-    dense_bytes = (dense - resident_layers(shape, policy)) * held * per_token
+    dense_bytes = (dense - resident_layers(shape, policy, budget, context)) * held * per_token
     return dense_bytes + (shape.layers - dense) * rows * per_token
 
 
@@ -125,7 +133,7 @@ def predict_step(shape: ModelShape, context: int, policy: str, budget: float | N
     h2d_s, d2h_s = layer_kv / (profile.pinned_h2d_gbps * 1e9), layer_kv / (profile.pinned_d2h_gbps * 1e9)
     resident_s = max(host_s, layer_weights_s + layer_kv / hbm)  # a layer whose KV is on the GPU (`full`'s)
     fetched = fetched_bytes(shape, context, policy, budget, element_bytes)
-    resident = resident_layers(shape, policy)
+    resident = resident_layers(shape, policy, budget, context)
     gpu_bytes = weights + resident * layer_kv
     if policy == "full":
         step_s = busy_s = shape.layers * resident_s
@@ -188,7 +196,8 @@ def predict_table(shape_names: Sequence[str], contexts: Sequence[int], policies:
     for shape_name in shape_names:
         for context in contexts:
             for policy in policies:
-                for budget in (budgets if policy == "infinigen" else [None]):
+                # offload: the GPU memory of InfiniGen at the first budget, as the benchmark runs it
+                for budget in (budgets if policy == "infinigen" else budgets[:1] if policy == "offload" else [None]):
                     for fetch in (FETCHES if policy == "infinigen" else FETCHES[:1]):
                         rows.append(predict_step(SHAPES[shape_name], context, policy, budget, profile, fetch=fetch))
     add_ratios(rows)

@@ -25,16 +25,22 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import devices
 from .kv_pool import KVPool
+from .policies.base import selects_rows
 from .resident import ResidentLayers, SelectedRowCache
 from .transfer import CudaOps, DeviceOps, ThreadedCpuOps, Worker
 from .zero_copy import Gathered, MappedRows, refuse_reason_logged, validate
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 
 @dataclass
@@ -247,12 +253,14 @@ class StreamFetcher:
         # selected rows gathered by the compute side in place (zero_copy.py); eviction counts each fetch on
         # the host, so a limited pool keeps the staged path, as the cached layers and host-chosen slots do
         self.zero_copy_reason = self._zero_copy_refused(zero_copy)
-        self.mapped = MappedRows(pool, ops, self._stream, max_rows) if self.zero_copy_reason is None else None
+        self.mapped = MappedRows(pool, ops, max_rows) if self.zero_copy_reason is None else None
 
     def _zero_copy_refused(self, wanted: bool) -> str | None:
         """Why selected rows are fetched staged (None: they are gathered in place)."""
         if not wanted:
             return "off (EngineConfig.zero_copy_fetch)"
+        if not devices.has_separate_host(self.device):  # ThreadedCpuOps on the plain CPU: the slots are host tensors
+            return "the compute device shares the pool's memory: nothing to gather in place"
         if self.pool.counts_fetches:
             return "a limited pool counts every fetch on the host"
         if isinstance(self.ops, CudaOps) and (reason := validate(self.ops, self.pool.dtype, self.pool.head_dim)):
@@ -382,11 +390,13 @@ class StreamFetcher:
 
     def flush(self) -> None:
         """Wait until every write and fetch started so far has been done on the host side, and every copy
-        they enqueued has run: a truncate or a restore after a flush may overwrite pool rows that a copy
+        they enqueued has run (the in-place gathers too): a truncate or a restore after a flush may overwrite pool rows that a copy
         to the device was still reading (on a GPU the last step's DMAs need not have finished)."""
         if not self._closed:
             self._worker.submit(lambda: None).result()
             self.ops.record(self._stream).synchronize()
+            if self.mapped is not None:  # the in-place gathers still reading the pool
+                self.ops.record(self.mapped.stream).synchronize()
 
     def close(self) -> None:
         """Stop the worker and the streams, waiting a bounded time. A fetch in flight either completes or
@@ -415,20 +425,44 @@ class DeviceKeeping:
 
     @staticmethod
     def for_policy(policy, adapter, config) -> DeviceKeeping:
-        """What `policy` keeps on the device under `config` (EngineConfig) for a model (arch.ModelAdapter).
-
-        With `dense_layers_on_device`, a sparse policy keeps the layers it reads whole (the dense first layers,
-        sliding-window layers) and `offload` keeps the very same layers, so the two compare at equal resident
-        layers (FlexGen's users keep resident what fits); `full` keeps the whole pool there anyway."""
+        """What `policy` keeps on the device under `config` (EngineConfig) for a model (arch.ModelAdapter): the
+        layers `resident_layer_set` names, over the model's whole context, and the cache of selected rows in the
+        layers the policy selects in; `full` keeps the whole pool there anyway (a DirectFetcher)."""
         layers = range(adapter.num_layers)
-        sparse_layers = frozenset(layer for layer in layers if policy.is_sparse(layer))
-        read_whole = frozenset(layer for layer in layers
-                               if layer < config.dense_layers or not adapter.is_global(layer))
-        resident = read_whole if config.dense_layers_on_device else frozenset()
-        if not sparse_layers:
-            return DeviceKeeping() if policy.keeps_pool_on_device else DeviceKeeping(resident_layers=resident)
-        return DeviceKeeping(frozenset(layers) - sparse_layers if config.dense_layers_on_device else frozenset(),
-                             sparse_layers, config.selected_rows_cache)
+        resident = resident_layer_set(policy.name, [adapter.is_global(layer) for layer in layers], config,
+                                      adapter.head_dim, adapter.max_context)
+        selecting = frozenset(layer for layer in layers if policy.is_sparse(layer))
+        return DeviceKeeping(resident, selecting, config.selected_rows_cache)
+
+
+def resident_layer_set(policy: str, global_layers: Sequence[bool], config: EngineConfig, head_dim: int,
+                       context: int) -> frozenset[int]:
+    """The layers whose K/V a streamed fetcher keeps whole on the compute device under `config`, for a model
+    whose layers are global or not (`global_layers`) and a context of `context` tokens. Pure: the engine
+    (DeviceKeeping.for_policy) and the GPU predictor (bench/gpu_predict.py) both read it.
+
+    Nothing without `dense_layers_on_device`, nor for `full` (its whole pool is on the device). A sparse
+    policy keeps the layers it reads whole: the dense first layers and the sliding-window layers. `offload`,
+    the fair baseline (FlexGen's users keep resident whatever fits), keeps as many whole layers as fit in the
+    device memory InfiniGen's KV-side state takes under the same `config` over `context` tokens: its resident
+    layers, its partial keys (partial_ratio of every selecting layer's keys), its two gather buffers
+    (zero_copy.MappedRows, `budget_tokens_for(context) + 1` rows each) and the selected-row cache; InfiniGen's
+    resident layers first, then the others in order."""
+    if not config.dense_layers_on_device or policy == "full":
+        return frozenset()
+    selecting = [selects_rows(layer, config.dense_layers, is_global) for layer, is_global in enumerate(global_layers)]
+    read_whole = [layer for layer, selects in enumerate(selecting) if not selects]
+    if policy != "offload":
+        return frozenset(read_whole)
+    # in whole layers of `context` tokens (K and V of every KV head; the partial keys have the pool's dtype
+    # wherever the pool is apart from the compute device)
+    partial_keys = max(1, int(round(config.partial_ratio * head_dim))) / (2 * head_dim)  # per selecting layer
+    zero_copy = config.zero_copy_fetch and config.pool_limit_tokens is None
+    buffer_rows = 2 * (config.budget_tokens_for(context) + 1) if zero_copy else 0
+    cache_rows = sum(selecting) * config.selected_rows_cache
+    fits = int(len(read_whole) + sum(selecting) * partial_keys + (buffer_rows + cache_rows) / context)
+    order = read_whole + [layer for layer, selects in enumerate(selecting) if selects]
+    return frozenset(order[:fits])
 
 
 def make_fetcher(pool: KVPool, device: torch.device, max_rows: int, ops: DeviceOps | None = None,

@@ -3,12 +3,12 @@ no host round trip (ShadowKV's and ParisKV's way, our own code).
 
 On CUDA the pool is pinned, and pinned memory is mapped into the GPU's address space under unified
 addressing: `CudaOps.mapped` makes a CUDA tensor over a layer's flat [kv_heads * capacity, dim] rows, and
-torch's own `index_select` on a side stream gathers the selected rows from it over PCIe. The indices are
+torch's own `index_select` on its own side stream gathers the selected rows from it over PCIe. The indices are
 computed on the device (slot + the head's offset) and never leave it; the compute stream waits for the
 gather's event, the host for nothing. Under INFINIGEN_SEPARATE_DEVICES the same code runs on the CPU over
 `devices.mapped_view`, which the checking mode lets the compute side gather from and nothing else.
 
-    rows = MappedRows(pool, ops, stream, max_rows)
+    rows = MappedRows(pool, ops, max_rows)
     gathered = rows.start(layer, slots)       # slots [kv_heads, k] on the compute device; returns at once
     ops.wait(gathered.ready, gathered.keys, gathered.values)   # the compute side reads them after this
 
@@ -19,7 +19,9 @@ What keeps it exact:
   its token already waited for on a GPU). The token being decoded is never gathered: it comes first, from
   the compute side;
 - a pool that reallocates (growth, release) gets new views before the next gather (`_views_for`);
-  growth and release happen only after a flush, which waits for the gathers in flight on the stream;
+  growth and release happen only after a flush, which waits for the gathers in flight on their stream;
+- the gathers have a stream of their own: it waits for the compute stream before each gather (the indices
+  are computed there), which must not hold up the whole-layer uploads on the fetcher's stream;
 - two output buffers per fetcher, each [kv_heads * max_rows, dim], used in turn: a layer's rows are
   consumed (concatenated after the new token) before the buffer comes round again, in stream order.
 
@@ -30,11 +32,13 @@ way must agree, or the fetch stays staged with the reason logged (the view has n
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .kv_pool import KVPool
+from .pool_lifecycle import PoolStorage
 from .transfer import DeviceOps
 
 log = logging.getLogger(__name__)
@@ -43,24 +47,26 @@ log = logging.getLogger(__name__)
 class MappedRows:
     """Gathers of selected rows from mapped views of the pool (see the module docstring)."""
 
-    def __init__(self, pool: KVPool, ops: DeviceOps, stream: object, max_rows: int) -> None:
-        self.pool, self.ops, self.stream = pool, ops, stream
+    def __init__(self, pool: KVPool, ops: DeviceOps, max_rows: int) -> None:
+        self.pool, self.ops = pool, ops
+        self.stream = ops.stream()  # its own: `follow` makes it wait for the compute stream
         shape = (2, pool.num_kv_heads * max_rows, pool.head_dim)
-        self._keys = ops.empty(shape, pool.dtype, stream)
-        self._values = ops.empty(shape, pool.dtype, stream)
+        self._keys = ops.empty(shape, pool.dtype, self.stream)
+        self._values = ops.empty(shape, pool.dtype, self.stream)
         self._next = 0
-        self._source: object | None = None  # the pool storage the views were made over
+        # the pool storage the views were made over, weakly: a pool that reallocates, or one given back
+        # (release_spare, configure, close), frees its old (pinned) storage at once
+        self._source: weakref.ref[PoolStorage] | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._offsets: torch.Tensor | None = None
 
     def _views_for(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         storage = self.pool.storage
-        if storage is not self._source:  # first use, or the pool reallocated
+        if self._source is None or self._source() is not storage:  # first use, or the pool reallocated
             self._views = [(self.ops.mapped(store.flat_keys), self.ops.mapped(store.flat_values))
                            for store in storage.layers]
-            heads = torch.arange(self.pool.num_kv_heads, device=self.ops.device)
-            self._offsets = (heads * self.pool.capacity).unsqueeze(1)
-            self._source = storage
+            self._offsets = storage.head_offsets.to(self.ops.device)
+            self._source = weakref.ref(storage)
         return self._views[layer]
 
     def start(self, layer: int, slots: torch.Tensor) -> Gathered:

@@ -27,13 +27,18 @@ def test_weight_and_kv_bytes_match_the_published_shapes():
 def test_policies_fetch_what_they_should():
     shape, profile, context = SHAPES["llama3-8b"], PROFILES["h100"], 16384
     per_layer = kv_bytes_per_token_layer(shape)
-    offload = predict_step(shape, context, "offload", None, profile)
+    offload = predict_step(shape, context, "offload", 0.1, profile)
     infinigen = predict_step(shape, context, "infinigen", 0.1, profile)
     # the pool holds the new token when a layer is fetched; InfiniGen's 2 dense layers stay on the GPU and
     # move nothing, its 30 sparse layers fetch ceil(0.1 x 16384) rows
-    # the fair offload keeps the same 2 layers on the GPU as InfiniGen and copies the other 30 whole
-    assert offload["bytes_fetched_per_token"] == (context + 1) * per_layer * 30
-    assert offload["resident_layers"] == infinigen["resident_layers"] == 2
+    # the fair offload gets InfiniGen's GPU memory for the KV: its 2 dense layers, the partial keys (half of
+    # each sparse layer's keys: a quarter of its K/V, 7.5 layers) and the two gather buffers (2 x 1640 rows,
+    # 0.2 layer): 9 whole layers fit, the other 23 are copied whole
+    assert infinigen["resident_layers"] == 2
+    assert offload["resident_layers"] == int(2 + 30 * 0.25 + 2 * 1640 / context) == 9
+    assert offload["bytes_fetched_per_token"] == (context + 1) * per_layer * 23
+    with pytest.raises(ValueError, match="budget"):
+        predict_step(shape, context, "offload", None, profile)
     assert infinigen["bytes_fetched_per_token"] == 30 * 1639 * per_layer
     assert predict_step(shape, context, "full", None, profile)["bytes_fetched_per_token"] == 0
 
@@ -44,9 +49,16 @@ def test_ratios_move_with_context_and_link():
     rows = {(r["context"], r["policy"]): r for r in table["rows"]}
     for context in (4096, 32768):
         assert rows[context, "full"]["ratio_to_full"] == 1
-        assert rows[context, "infinigen"]["speedup_vs_offload"] > 1  # fetching a tenth beats fetching all
-        # transformers' offloading copies pinned and overlapped too: no faster than offload, not far slower
-        assert 0.8 <= rows[context, "offload"]["speedup_vs_hf_offload"] <= 1.25
+        # transformers' offloading copies pinned and overlapped too, but every layer; offload only those it does
+        # not keep (the layers that fit in InfiniGen's memory): per layer copied no faster than offload, not far slower
+        copied = 32 - rows[context, "offload"]["resident_layers"]
+        assert copied == 23
+        assert 1 <= rows[context, "offload"]["speedup_vs_hf_offload"] <= 32 / copied
+        assert rows[context, "offload"]["speedup_vs_hf_offload"] * copied / 32 >= 0.8
+    # fetching a tenth beats fetching every layer offload does not keep once the copies dominate; at 4k both sit
+    # near the eager launch floor, where offload's resident layers (equal memory) bring it level
+    assert rows[32768, "infinigen"]["speedup_vs_offload"] > 2
+    assert rows[4096, "infinigen"]["speedup_vs_offload"] == pytest.approx(1, abs=0.05)
     # the cache's share of the step grows with the context: every offloading policy falls behind `full`
     assert rows[32768, "offload"]["ratio_to_full"] < rows[4096, "offload"]["ratio_to_full"]
     # a faster DMA link helps offload more than InfiniGen, whose scattered zero-copy reads keep their own rate

@@ -5,15 +5,19 @@ their pool in emulated host memory, and the mode refuses what a GPU would. Each 
 under the mode before its fix; its logits are compared with the same conversation on the plain CPU.
 """
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
 
 import infinigen_core.engine as engine_module
 from infinigen_core import devices
+from infinigen_core.config import EngineConfig
 from infinigen_core.devices import EMULATED_COMPUTE, EMULATED_HOST, SEPARATE_DEVICES_ENV, SeparateDevicesError
-from infinigen_core.fetch import StreamFetcher, make_fetcher
+from infinigen_core.fetch import StreamFetcher, make_fetcher, resident_layer_set
+from infinigen_core.kv_pool import KVPool
 from infinigen_core.transfer import ThreadedCpuOps, Worker
 
 from conftest import make_tiny_engine, random_tokens
@@ -301,6 +305,49 @@ def test_zero_copy_is_refused_where_the_pool_counts_fetches(tiny_llama):
         engine.close()
 
 
+def test_zero_copy_is_refused_where_the_compute_side_shares_the_pool_memory():
+    """ThreadedCpuOps on the plain CPU: the slots are host tensors, every fetch would stay staged, so the fetcher
+    says so (and keeps no unused gather buffers) rather than report a zero-copy fetch."""
+    pool = KVPool(2, 2, 16, torch.float32, device="cpu")
+    fetcher = make_fetcher(pool, torch.device("cpu"), 8, ops=ThreadedCpuOps(device="cpu"), zero_copy=True)
+    try:
+        assert fetcher.mapped is None and "shares the pool's memory" in fetcher.zero_copy_reason
+        assert fetcher.device_bytes() == 0
+    finally:
+        fetcher.close()
+    emulated = make_fetcher(KVPool(2, 2, 16, torch.float32, device=EMULATED_HOST), EMULATED_COMPUTE, 8, zero_copy=True)
+    try:
+        assert emulated.mapped is not None and emulated.zero_copy_reason is None
+    finally:
+        emulated.close()
+
+
+def test_the_in_place_gathers_keep_no_old_pool_storage_alive(tiny_llama):
+    """A pool's old storage goes as soon as the pool lets it go, though the compute side gathered from it: after
+    a truncate gives memory back (release_spare), and when the pool drops its storage with the fetcher still
+    alive (release_pinned_memory's way in configure and close, on a GPU: pinned memory back to the system)."""
+    engine = separated(tiny_llama, policy="infinigen", budget=0.2, dense_under_budget=False)
+    try:
+        assert engine.fetcher.mapped is not None
+        engine.prefill(random_tokens(90, seed=3))
+        engine.pool.ensure_capacity(5000)  # past the tiny model's context, as a long reply prepares for
+        engine.policy.ensure_capacity(engine.pool.capacity)
+        engine.score(random_tokens(4, seed=4))  # gathered in place from the grown storage
+        grown = weakref.ref(engine.pool.storage)
+        engine.truncate(40)  # under a quarter of the capacity: the pool reallocates smaller
+        assert engine.pool.capacity < 5000
+        gc.collect()
+        assert grown() is None, "the old storage is still held after the pool released it"
+        logits = engine.score(random_tokens(2, seed=5))  # the gathers follow the new storage
+        assert all(torch.isfinite(step).all() for step in logits)
+        current = weakref.ref(engine.pool.storage)
+        engine.pool.drop_storage()
+        gc.collect()
+        assert current() is None, "the fetcher keeps the dropped storage (and its pinned memory) alive"
+    finally:
+        engine.close()
+
+
 # ------------------------------------------------------------------ what stays on the compute device (issue 29, item 3)
 def test_dense_layers_and_recently_selected_rows_stay_on_the_device(tiny_llama, monkeypatch):
     """Fewer bytes cross per step with the dense layers resident, fewer again with the selected-row cache, and
@@ -327,3 +374,30 @@ def test_dense_layers_and_recently_selected_rows_stay_on_the_device(tiny_llama, 
     row = 2 * 2 * 16 * 4  # K and V rows, 2 KV heads, head_dim 16, float32
     assert whole - resident == 2 * 123.5 * row  # the two dense layers, 121 to 126 rows a step, no longer move
     assert 0 < cached < resident
+
+
+def test_offload_keeps_the_layers_that_fit_in_infinigens_device_memory(tiny_llama):
+    """The fair baseline (fetch.resident_layer_set): offload keeps whole the layers that fit in the device memory
+    InfiniGen's KV-side state takes under the same settings, over the model's window: its read-whole layers,
+    partial keys, gather buffers and selected-row cache."""
+    config = EngineConfig(budget=0.1, partial_ratio=0.5, min_fetch_tokens=0)
+    sliding = [True, True, False, True, True, True]  # layer 2 reads its window only: InfiniGen keeps it whole
+    assert resident_layer_set("infinigen", sliding, config, 128, 16384) == {0, 1, 2}
+    # 3 whole + 3 x 0.25 (a half of the keys) + 2 x 1640 rows / 16384 = 3.95 layers: 3, the same ones
+    assert resident_layer_set("offload", sliding, config, 128, 16384) == {0, 1, 2}
+    # a cache of 4096 rows in each of the 3 selecting layers: 0.75 layer more, 4.7: the first selecting layer too
+    assert resident_layer_set("offload", sliding, config.with_changes(selected_rows_cache=4096), 128, 16384) == {0, 1, 2, 3}
+    assert resident_layer_set("offload", sliding, config.with_changes(zero_copy_fetch=False, partial_ratio=0.1),
+                              128, 16384) == {0, 1, 2}
+    for policy in ("full", "offload", "infinigen"):
+        assert not resident_layer_set(policy, sliding, config.with_changes(dense_layers_on_device=False), 128, 16384)
+    assert not resident_layer_set("full", sliding, config, 128, 16384)
+
+    # the engine's: the tiny model's window is 1024 tokens; with every channel in the partial keys InfiniGen's
+    # 2 dense layers + 2 x 0.5 + 2 x 155 rows / 1024 = 3.3 layers: offload keeps 3 and copies one per step
+    with separated(tiny_llama, policy="offload", partial_ratio=1.0, budget=0.15) as engine:
+        assert engine.fetcher.resident.layers == {0, 1, 2}
+        engine.prefill(random_tokens(90, seed=3))
+        before = engine.fetcher.bytes_fetched
+        engine.score(random_tokens(1, seed=4))
+        assert engine.fetcher.bytes_fetched - before == 91 * engine.pool.num_kv_heads * engine.pool.bytes_per_row()

@@ -42,6 +42,12 @@ class PolicyContext:
     kernels: object | None = None  # cpu_kernels.CpuKernels where the engine runs on the CPU with them built
 
 
+def selects_rows(layer: int, dense_layers: int, is_global: bool) -> bool:
+    """Whether a sparse policy selects rows in `layer`: past the dense first layers, and a global one (a
+    sliding-window layer already reads only its window)."""
+    return layer >= dense_layers and is_global
+
+
 class KVPolicy:
     name: ClassVar[str] = "base"
     keeps_pool_on_device: ClassVar[bool] = False  # full: the whole cache lives on the compute device
@@ -56,8 +62,7 @@ class KVPolicy:
         return self.ctx.config
 
     def is_sparse(self, layer: int) -> bool:
-        # a sliding-window layer already reads only its window: selection is for global layers
-        return layer >= self.config.dense_layers and self.ctx.adapter.is_global(layer)
+        return selects_rows(layer, self.config.dense_layers, self.ctx.adapter.is_global(layer))
 
     def speculate(self, layer: int, hidden_states, position_embeddings, positions: torch.Tensor, past_len: int,
                   new_slots: torch.Tensor | None) -> Selection | None:
