@@ -51,8 +51,19 @@ def turns_kept(messages: Sequence[M], fits: Callable[[list[M]], bool], keep_firs
     starts = [index for index, message in enumerate(kept) if getattr(message, "role") == "user"]
     first = 1 if keep_first else 0  # the turns before this one never go
     head = kept[: starts[1]] if keep_first and len(starts) > 1 else []
-    for cut in range(first + 1, len(starts)):  # drop turns [first, cut); the last turn always stays
-        candidate = head + kept[starts[cut]:]
-        if fits(candidate):
-            return Cut(candidate, kept[len(head): starts[cut]])
-    return None
+
+    def candidate(cut: int) -> list[M]:  # turns [first, cut) dropped
+        return head + kept[starts[cut]:]
+
+    # dropping more turns never adds tokens, so the fewest that fit are found by halving: log2(turns) checks.
+    # lo..hi-1 are the cuts still in question (the last turn always stays); hi == len(starts): none fits yet
+    lo, hi = first + 1, len(starts)
+    while lo < hi:
+        middle = (lo + hi) // 2
+        if fits(candidate(middle)):
+            hi = middle
+        else:
+            lo = middle + 1
+    if lo >= len(starts):
+        return None
+    return Cut(candidate(lo), kept[len(head): starts[lo]])

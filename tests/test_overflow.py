@@ -88,6 +88,13 @@ def test_turns_kept_drops_whole_turns_and_keeps_the_last_one():
                                                                                   said[2:6])
     assert turns_kept(said, lambda kept: len(kept) <= 2, keep_first=True) is None  # the first and last stay
     assert turns_kept(said, lambda kept: False) is None and turns_kept(said, lambda kept: True) == Cut(said, [])
+    long = [SimpleNamespace(role=("user", "assistant")[n % 2], n=n) for n in range(2 * 64)]  # 64 turns
+    counted = []
+
+    def counting(kept):  # the cut is halved for: log2(64) checks after the whole conversation's
+        counted.append(len(kept))
+        return len(kept) <= 21
+    assert [m.n for m in turns_kept(long, counting).kept] == list(range(108, 128)) and len(counted) == 1 + 6
     assert check_overflow("Keep the first turn, drop the middle") == "keep_first" == check_overflow(" keep_first ")
     with pytest.raises(ValueError, match="When the chat outgrows the window"):
         check_overflow("drop everything")
