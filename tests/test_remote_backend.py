@@ -21,7 +21,8 @@ import pytest
 
 from chat_service import ChatService, UserError
 from chat_service.api_turns import ApiTurn, Conversation
-from chat_service.backend_client import BackendConfig, BackendError
+from chat_service.backend_client import BackendClient, BackendConfig, BackendError
+from chat_service.backend_tokens import BackendTokens
 from chat_service.out_of_window import preview
 from chat_service.settings import SettingsForm
 from infinigen_core import SamplingConfig
@@ -184,6 +185,19 @@ def test_tokenize_is_behind_the_key_and_says_what_is_wrong(backend):
     assert refused.status_code == 400 and "either messages" in refused.json()["error"]["message"]
     wrong_model = httpx.post(url, json={"model": "gpt-4", "prompt": "Hi"}, headers=headers, timeout=30)
     assert wrong_model.status_code == 404 and wrong_model.json()["error"]["code"] == "model_not_found"
+
+
+def test_one_tokenize_request_the_server_refuses_leaves_its_counts_on_for_the_next(backend):
+    tokens = BackendTokens(BackendClient(BackendConfig(f"{backend.url}v1", key=KEY)))
+    try:
+        assert tokens.count([{"role": "wizard", "content": "Hi"}]) is None  # a 400 for this request alone
+        assert tokens.shape is None
+        said = [{"role": "user", "content": "Hello there"}]
+        assert tokens.count(said) == backend_tokens(backend, said)["count"] and tokens.shape == "vllm"
+        assert tokens._answer(tokens.client.server_post("/no-such-endpoint", {})) is None
+        assert tokens.shape == "none"  # no such endpoint: no tokenizer from now on
+    finally:
+        tokens.client.close()
 
 
 def test_prompt_over_the_backends_window_is_refused_before_sending_and_nothing_stored(front, backend, tmp_path):
