@@ -22,7 +22,8 @@ from sessions import WindowCheck
 
 from .backend_client import BackendClient, BackendError
 
-NO_TOKENIZER = ("backend_not_found", "backend_refused")  # refusals that mean "not this shape here"
+NO_ENDPOINT = "backend_not_found"  # a 404 that names no model: the server has no such endpoint
+REFUSED = "backend_refused"  # another 4xx: this request refused (a count for it is then unknown), not the shape
 RECENT = 4  # conversations whose counts are kept (a turn asks for the same one more than once)
 
 
@@ -79,30 +80,35 @@ class BackendTokens:
         if not for_reply:  # its template always opens the reply: leave this count to the replies' usage
             return None
         template = self._answer(self.client.server_post("/apply-template", {"messages": messages}))
-        if template is None or not isinstance(template.get("prompt"), str):
+        if template is None:  # no such endpoint (then no tokenizer: _answer), or this request refused
+            return None
+        if not isinstance(template.get("prompt"), str):
             self.shape = "none"
             return None
         body = self._answer(self.client.server_post("/tokenize", {"content": template["prompt"],
                                                                   "add_special": True}))
-        if body is None or not isinstance(body.get("tokens"), list):
+        if body is None:
+            return None
+        if not isinstance(body.get("tokens"), list):
             self.shape = "none"
             return None
         return len(body["tokens"])
 
     def _answer(self, response: httpx.Response) -> dict | None:
-        """The JSON object of a 200 answer; None (and no tokenizer from now on) where the server has no such
-        endpoint or does not take this shape. A refused key or model, or a busy server, is a BackendError."""
+        """The JSON object of a 200 answer. None (and no tokenizer from now on) where the server has no such
+        endpoint (404, 405, 501); None for this request alone where it refuses this one (a message its chat
+        template rejects: 400) or answers it with no JSON object, so one odd request does not switch the window
+        check off for every session. A refused key or model, or a busy server, is a BackendError."""
         if response.status_code == 200:
             try:
                 body = response.json()
             except ValueError:
                 body = None
-            if isinstance(body, dict):
-                return body
+            return body if isinstance(body, dict) else None
+        error: BackendError = self.client.refusal(response)
+        if error.code == NO_ENDPOINT or response.status_code in (405, 501):
             self.shape = "none"
             return None
-        error: BackendError = self.client.refusal(response)
-        if error.code in NO_TOKENIZER or response.status_code in (405, 501):
-            self.shape = "none"
+        if error.code == REFUSED:
             return None
         raise error

@@ -9,8 +9,9 @@ chat outgrows the window") or the "Drop oldest turns" button, kept for the conte
 from __future__ import annotations
 
 from documents import question_of
-from sessions import ChatSession, ContextWindowError
+from sessions import ContextWindowError
 from sessions.overflow import OVERFLOW_POLICIES
+from sessions.stored_conversation import StoredConversation
 
 from .errors import UserError
 
@@ -29,10 +30,11 @@ class OutOfWindow:
         # the shortened conversation, which is what the model reads and what reopening shows)
         self._dropped: dict[str, list[str]] = {}
 
-    def drop(self, chat: ChatSession, text: str, policy: str) -> int:
-        """Drop whole turns from `chat` so that a user message `text` and a short reply fit, as `policy`
-        ("drop_oldest" or "keep_first") allows; returns how many turns went. UserError when even that does
-        not fit (then nothing is dropped)."""
+    def drop(self, chat: StoredConversation, text: str, policy: str) -> int:
+        """Drop whole turns from `chat` (any open session: StoredConversation.fit_window) so that a user message
+        `text` and a short reply fit, as `policy` ("drop_oldest" or "keep_first") allows; returns how many turns
+        went. UserError when even that does not fit (then nothing is dropped); SessionError when a remote
+        session's server counts nothing."""
         try:
             gone = chat.fit_window(text, keep_first=policy == "keep_first")
         except ContextWindowError as error:

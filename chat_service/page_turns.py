@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from documents import Document, attachment_record, displayed_message, message_with_attachments
 from infinigen_core import GenerationEvent
-from sessions import ChatSession, SessionError
+from sessions import SessionError
 from sessions.overflow import OVERFLOW_LABEL
 
 from .document_reading import DocumentReader
@@ -62,7 +62,9 @@ class PageTurns:
             self.store.rename(chat.id, session_title(text, attachments))  # a title worth listing
 
         def generate(chat: OpenChat, progress: Progress) -> Iterator[GenerationEvent]:
-            if overflow != "stop" and isinstance(chat, ChatSession):  # before the message is read: whole turns go
+            # before the message is read, whole turns go (a remote session's counted by its server; one whose
+            # server counts nothing fits by its rule, and a prompt over the window is refused by the server)
+            if overflow != "stop" and not chat.check_window(content).fits:
                 self.out_of_window.drop(chat, content, overflow)
             if not chat.messages:
                 self.open.start_from_stored_prefix(chat, chat.prompt_ids(content))
@@ -101,10 +103,8 @@ class PageTurns:
         chat = self.pages.require_chat()
         with self.turns.exclusive():
             try:
-                if isinstance(chat, ChatSession):
-                    dropped = self.out_of_window.drop(chat, text or "", "drop_oldest")
-                else:  # a remote session, counted by its server (or it says why it cannot)
-                    dropped = chat.drop_oldest_turns(text or "")
+                # a remote session is counted by its server (or it says why it cannot)
+                dropped = self.out_of_window.drop(chat, text or "", "drop_oldest")
             except SessionError as error:
                 raise UserError(str(error)) from None
         return f"Dropped the {dropped} oldest turn(s); the system prompt was kept."

@@ -76,24 +76,15 @@ class RemoteChat(StoredConversation):
         if not check.fits:
             raise ContextWindowError(check, attached)
 
-    def drop_oldest_turns(self, text: str = "") -> int:
-        """Forget the fewest oldest turns (never the system prompt) for `text` to fit, counted by the server;
-        only stored messages go (the server's prefix cache lets the old prefix age out). Returns how many went."""
-        history = self.messages
-        check = self.check_window(text, history)
+    def fit_window(self, text: str = "", keep_first: bool = False) -> list[Message]:
+        """StoredConversation's rule, counted by the server; only stored messages go (the server's prefix cache
+        lets the old prefix age out). SessionError when the server counts nothing, so no turn can be chosen."""
+        check = self.check_window(text)
         if not (check.window and check.needed_tokens):  # the server told no window, or counted nothing
             raise SessionError("the backend tells no token counts or no window (it serves no /tokenize of a known "
                                "shape), so the app cannot tell which turns to drop: start a new session (or branch "
                                "from a later message)")
-        starts = [index for index, m in enumerate(history) if m.role == "user"][1:]  # where a shorter history begins
-        for dropped, start in enumerate([0, *starts]):
-            kept = history[start:]
-            check = self.check_window(text, kept)
-            if check.fits:
-                if dropped:
-                    self.store.replace_messages(self.id, [(m.role, m.content, m.attachments) for m in kept])
-                return dropped
-        raise ContextWindowError(check)
+        return super().fit_window(text, keep_first)
 
     def prompt_ids(self, text: str) -> list[int]:
         return []  # no local tokenizer: a new remote session never starts from stored KV chunks

@@ -34,7 +34,6 @@ from infinigen_core.prefix import common_prefix_length
 from .chunk_writer import SessionChunks
 from .errors import ContextWindowError, SessionError
 from .lock import SessionLock, session_lock
-from .overflow import dropped_turns, turns_kept
 from .restore import ChunkChoice, missing_cache, read_chunks, which_chunks
 from .snapshots import ChunkError, ChunkRecord, read_chunk
 from .store import Message, SessionStore
@@ -225,24 +224,6 @@ class ChatSession(StoredConversation):
         prompt = len(self._conversation_ids(messages, text, generation_prompt=True))
         history = self.messages if messages is None else messages
         return WindowCheck.of(prompt, self.engine.max_context, sum(1 for m in history if m.role == "user"))
-
-    def drop_oldest_turns(self, text: str = "") -> int:
-        """Forget the oldest turns (never the system prompt) until `text` fits; returns how many went."""
-        return sum(1 for message in self.fit_window(text) if message.role == "user")
-
-    def fit_window(self, text: str = "", keep_first: bool = False) -> list[Message]:
-        """Forget the fewest whole turns (never the system prompt, nor the last turn) until `text` fits: the
-        oldest, or with `keep_first` those after the first turn (sessions/overflow.py). Returns the messages
-        that went; raises ContextWindowError when no such choice fits. The next turn re-reads the conversation
-        from where it changed, so the model never attends to a dropped token."""
-        before = self.messages
-        kept = turns_kept(before, lambda messages: self.check_window(text, messages).fits, keep_first)
-        if kept is None:
-            raise ContextWindowError(self.check_window(text, before))
-        dropped = dropped_turns(before, kept)
-        if dropped:
-            self.store.replace_messages(self.id, [(m.role, m.content, m.attachments) for m in kept])
-        return dropped
 
     def prompt_ids(self, text: str) -> list[int]:
         """The token ids the model reads for a user message `text` (as `user_message` makes it) and its reply."""

@@ -1,7 +1,8 @@
 """When a chat outgrows the model's window: which whole turns go so that the next message and a short reply fit.
 
     OVERFLOW_POLICIES["drop_oldest"]            # 'Drop the oldest turns' (the page's label)
-    kept = turns_kept(messages, fits, keep_first=False)   # None: nothing the policy may drop makes it fit
+    cut = turns_kept(messages, fits, keep_first=False)    # None: nothing the policy may drop makes it fit
+    cut.kept, cut.dropped                                  # what stays, and the whole turns that go
 
 A turn is a user message and what follows it up to the next user message (its reply). The system prompt is
 not a message and always stays. The most recent turn stays too, so the new message still reads as an answer
@@ -11,7 +12,7 @@ to what was just said: the same rule as the "Drop oldest turns" button and the w
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 OVERFLOW_LABEL = "When the chat outgrows the window"  # the setting's name on the page
 # its choices: the value stored with a session's settings, and the page's label
@@ -35,27 +36,34 @@ def check_overflow(policy: str) -> str:
     raise ValueError(f"“{OVERFLOW_LABEL}” must be one of {choices}, not {policy!r}")
 
 
-def turns_kept(messages: Sequence[M], fits: Callable[[list[M]], bool], keep_first: bool = False) -> list[M] | None:
+class Cut(NamedTuple, Generic[M]):
+    kept: list[M]  # the messages left, in order: a head (the first turn, with keep_first) and a tail
+    dropped: list[M]  # the whole turns between them that go, in order
+
+
+def turns_kept(messages: Sequence[M], fits: Callable[[list[M]], bool], keep_first: bool = False) -> Cut[M] | None:
     """The fewest whole turns dropped from `messages` so that `fits(kept)`: the oldest first, or with
-    `keep_first` those after the first turn. `messages` themselves when they fit; None when even the
+    `keep_first` those after the first turn. Nothing dropped when `messages` fit; None when even the
     shortest history the policy allows does not."""
     kept = list(messages)
     if fits(kept):
-        return kept
+        return Cut(kept, [])
     starts = [index for index, message in enumerate(kept) if getattr(message, "role") == "user"]
     first = 1 if keep_first else 0  # the turns before this one never go
     head = kept[: starts[1]] if keep_first and len(starts) > 1 else []
-    for cut in range(first + 1, len(starts)):  # drop turns [first, cut); the last turn always stays
-        candidate = head + kept[starts[cut]:]
-        if fits(candidate):
-            return candidate
-    return None
 
+    def candidate(cut: int) -> list[M]:  # turns [first, cut) dropped
+        return head + kept[starts[cut]:]
 
-def dropped_turns(before: Sequence[M], kept: Sequence[M]) -> list[M]:
-    """The messages of `before` that `kept` (a result of turns_kept: a head and a tail of it) lost."""
-    if len(kept) == len(before):
-        return []
-    head = next((n for n, (a, b) in enumerate(zip(before, kept)) if a is not b), min(len(before), len(kept)))
-    tail = len(kept) - head
-    return list(before[head: len(before) - tail])
+    # dropping more turns never adds tokens, so the fewest that fit are found by halving: log2(turns) checks.
+    # lo..hi-1 are the cuts still in question (the last turn always stays); hi == len(starts): none fits yet
+    lo, hi = first + 1, len(starts)
+    while lo < hi:
+        middle = (lo + hi) // 2
+        if fits(candidate(middle)):
+            hi = middle
+        else:
+            lo = middle + 1
+    if lo >= len(starts):
+        return None
+    return Cut(candidate(lo), kept[len(head): starts[lo]])

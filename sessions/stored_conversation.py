@@ -4,12 +4,21 @@ engine's (ChatSession, chat.py) and a remote server's (chat_service/remote_chat.
     class MySession(StoredConversation):
         def __init__(self, store, session_id): self.store, self.id = store, session_id
     MySession(store, session_id)._conversation(extra_user="Hi")   # [{"role": "system", ...}, ..., {"role": "user", ...}]
+
+Each kind counts its window its own way (`check_window`); the rule that drops whole turns to fit it is one
+(`fit_window`, sessions/overflow.py).
 """
 
 from __future__ import annotations
 
-from .errors import SessionError
+from typing import TYPE_CHECKING
+
+from .errors import ContextWindowError, SessionError
+from .overflow import turns_kept
 from .store import Message, SessionStore
+
+if TYPE_CHECKING:
+    from .chat import WindowCheck
 
 
 def conversation(system: str, turns: list[tuple[str, str]]) -> list[dict]:
@@ -44,6 +53,29 @@ class StoredConversation:
         if extra_user is not None:
             turns.append({"role": "user", "content": extra_user})
         return turns
+
+    def check_window(self, text: str = "", messages: list[Message] | None = None) -> WindowCheck:
+        """Whether a user message `text` after `messages` (all stored ones by default) and a short reply fit the
+        model's window, as this kind of session counts it."""
+        raise NotImplementedError
+
+    def drop_oldest_turns(self, text: str = "") -> int:
+        """Forget the oldest turns (never the system prompt) until `text` fits; returns how many went."""
+        return sum(1 for message in self.fit_window(text) if message.role == "user")
+
+    def fit_window(self, text: str = "", keep_first: bool = False) -> list[Message]:
+        """Forget the fewest whole turns (never the system prompt, nor the last turn) until `text` fits: the
+        oldest, or with `keep_first` those after the first turn (sessions/overflow.py). Returns the messages
+        that went; raises ContextWindowError when no such choice fits. Only stored messages change (their token
+        spans become unknown): the next turn reads the conversation from where it changed, so the model never
+        attends to a dropped token."""
+        before = self.messages
+        cut = turns_kept(before, lambda messages: self.check_window(text, messages).fits, keep_first)
+        if cut is None:
+            raise ContextWindowError(self.check_window(text, before))
+        if cut.dropped:
+            self.store.replace_messages(self.id, [(m.role, m.content, m.attachments) for m in cut.kept])
+        return cut.dropped
 
     def _last_user_message(self, messages: list[Message], missing: str) -> Message:
         """The last user message of `messages` (what regenerate and edit act on); SessionError(`missing`) when

@@ -23,7 +23,7 @@ from infinigen_core import EngineConfig, SamplingConfig, chat_token_ids, generat
 from infinigen_core.engine import InfiniGenEngine
 from sessions import ChatSession, ContextWindowError, SessionStore
 from sessions.chat import conversation
-from sessions.overflow import check_overflow, dropped_turns, turns_kept
+from sessions.overflow import Cut, check_overflow, turns_kept
 from ui.api.protocol import ApiError, ChatRequest
 from ui.api.serving import checked_prompt_ids
 from ui.page_text import context_meter
@@ -79,13 +79,22 @@ def test_turns_kept_drops_whole_turns_and_keeps_the_last_one():
                                                                        "user".split())]
     short_enough = lambda kept: len(kept) <= 3  # noqa: E731
     oldest = turns_kept(said, short_enough)
-    assert [m.n for m in oldest] == [4, 5, 6]  # two whole turns went, the oldest first
-    assert [m.n for m in dropped_turns(said, oldest)] == [0, 1, 2, 3]
+    assert oldest is not None and [m.n for m in oldest.kept] == [4, 5, 6]  # two whole turns went, the oldest first
+    assert [m.n for m in oldest.dropped] == [0, 1, 2, 3]
     middle = turns_kept(said, lambda kept: len(kept) <= 4, keep_first=True)
-    assert [m.n for m in middle] == [0, 1, 6] and [m.n for m in dropped_turns(said, middle)] == [2, 3, 4, 5]
-    assert turns_kept(said, lambda kept: len(kept) <= 3, keep_first=True) == [said[0], said[1], said[6]]
+    assert middle is not None and [m.n for m in middle.kept] == [0, 1, 6]
+    assert [m.n for m in middle.dropped] == [2, 3, 4, 5]
+    assert turns_kept(said, lambda kept: len(kept) <= 3, keep_first=True) == Cut([said[0], said[1], said[6]],
+                                                                                  said[2:6])
     assert turns_kept(said, lambda kept: len(kept) <= 2, keep_first=True) is None  # the first and last stay
-    assert turns_kept(said, lambda kept: False) is None and turns_kept(said, lambda kept: True) == said
+    assert turns_kept(said, lambda kept: False) is None and turns_kept(said, lambda kept: True) == Cut(said, [])
+    long = [SimpleNamespace(role=("user", "assistant")[n % 2], n=n) for n in range(2 * 64)]  # 64 turns
+    counted = []
+
+    def counting(kept):  # the cut is halved for: log2(64) checks after the whole conversation's
+        counted.append(len(kept))
+        return len(kept) <= 21
+    assert [m.n for m in turns_kept(long, counting).kept] == list(range(108, 128)) and len(counted) == 1 + 6
     assert check_overflow("Keep the first turn, drop the middle") == "keep_first" == check_overflow(" keep_first ")
     with pytest.raises(ValueError, match="When the chat outgrows the window"):
         check_overflow("drop everything")

@@ -21,7 +21,10 @@ import pytest
 
 from chat_service import ChatService, UserError
 from chat_service.api_turns import ApiTurn, Conversation
-from chat_service.backend_client import BackendConfig, BackendError
+from chat_service.backend_client import BackendClient, BackendConfig, BackendError
+from chat_service.backend_tokens import BackendTokens
+from chat_service.out_of_window import preview
+from chat_service.settings import SettingsForm
 from infinigen_core import SamplingConfig
 from sessions import ChatSession, WindowCheck
 from ui.page_text import session_choices, session_details
@@ -187,6 +190,19 @@ def test_tokenize_is_behind_the_key_and_says_what_is_wrong(backend):
     assert beyond.status_code == 400 and beyond.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_one_tokenize_request_the_server_refuses_leaves_its_counts_on_for_the_next(backend):
+    tokens = BackendTokens(BackendClient(BackendConfig(f"{backend.url}v1", key=KEY)))
+    try:
+        assert tokens.count([{"role": "wizard", "content": "Hi"}]) is None  # a 400 for this request alone
+        assert tokens.shape is None
+        said = [{"role": "user", "content": "Hello there"}]
+        assert tokens.count(said) == backend_tokens(backend, said)["count"] and tokens.shape == "vllm"
+        assert tokens._answer(tokens.client.server_post("/no-such-endpoint", {})) is None
+        assert tokens.shape == "none"  # no such endpoint: no tokenizer from now on
+    finally:
+        tokens.client.close()
+
+
 def test_prompt_over_the_backends_window_is_refused_before_sending_and_nothing_stored(front, backend, tmp_path):
     long = " ".join(["word"] * 9000)  # as the page stores it (stripped), so both faces count the same text
     over = backend_tokens(backend, [{"role": "user", "content": long}])["count"]
@@ -247,6 +263,23 @@ def test_drop_oldest_turns_counts_with_the_server_and_removes_only_stored_messag
         assert service.store.get(session).system_prompt == "Be brief." and chat.check_window("Next?").fits
         assert service.page_turns.drop_oldest_turns("Next?").startswith("Dropped the 0 oldest")  # it fits now
         assert remote_view(service.host).count("live on the") == 1  # the panel says where the KV lives once
+    finally:
+        service.open_sessions.close_all()
+
+
+def test_the_overflow_setting_drops_a_remote_sessions_oldest_turns_before_sending(backend, tmp_path):
+    service = remote_service(tmp_path, BackendConfig(f"{backend.url}v1", key=KEY))
+    try:
+        service.settings.apply(None, SettingsForm(policy="full", overflow="drop_oldest", max_new_tokens=2))
+        session = service.open_sessions.page.id
+        long = " ".join(["word"] * 3000)  # three such turns are over the 8,192 window (as in the test above)
+        service.store.add_messages(session, [(role, f"{number} {long}" if role == "user" else "Noted.", 0, 0, [])
+                                             for number in range(3) for role in ("user", "assistant")])
+        assert not service.open_sessions.page.check_window("Next?").fits
+        list(service.page_turns.send("Next?"))  # the oldest turn dropped, not refused by the window check
+        said = [m.content.split()[0] for m in service.store.messages(session) if m.role == "user"]
+        assert said == ["1", "2", "Next?"]
+        assert service.page_turns.out_of_window.listed(session) == [preview(f"0 {long}")]
     finally:
         service.open_sessions.close_all()
 
