@@ -15,7 +15,7 @@ the same text (and shares the stored KV of the first).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from documents.document import Document
 from documents.prompt import attachment_text, message_with_attachments
@@ -41,11 +41,18 @@ def fit_message(question: str, documents: Sequence[Document], fits: Callable[[st
     return tuple(chosen)
 
 
+def is_read_above(attached: Mapping | Document) -> bool:
+    """Whether an attachment (a stored record, or a Document) is a reference to a file's text held by an earlier
+    message ("[The same text as attached above.]"), not the text itself."""
+    read = attached.get("read") if isinstance(attached, Mapping) else attached.read
+    return isinstance(read, str) and read.endswith(READ_ABOVE)
+
+
 def read_above(document: Document, earlier: Sequence[str]) -> Document:
     """`document` as a short reference when its text as the model reads it is already in one of the `earlier`
     messages (the same file attached again, whole or with the same passages chosen): the model attends to
     it there, so it costs no new reading. Otherwise `document` itself."""
-    if document.read is not None and document.read.endswith(READ_ABOVE):
+    if is_read_above(document):
         return document
     text = attachment_text(document)
     if not any(text in message for message in earlier):

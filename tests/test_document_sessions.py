@@ -197,3 +197,29 @@ def test_api_file_parts_are_converted_and_bad_ones_are_a_400_in_openais_shape():
         body = caught.value.body()["error"]
         assert caught.value.status == 400 and words in body["message"], body
         assert body["param"].startswith("messages[0].content") and body["type"] == "invalid_request_error", body
+
+
+def test_a_new_chat_about_the_file_gets_the_files_whose_text_the_message_holds_never_a_reference(tmp_path,
+                                                                                                  real_engine):
+    from chat_service.settings import SettingsForm
+    from documents.fitting import READ_ABOVE_TEXT, is_read_above
+    from ui.page_actions import PageActions
+
+    controller = page_controller(tmp_path / "data", real_engine)
+    controller.settings.apply(real_engine, SettingsForm(max_new_tokens=2))
+    actions = PageActions(controller, tmp_path)
+    try:
+        harbour, tides = tmp_path / "harbour log.txt", tmp_path / "tides.txt"
+        harbour.write_bytes(DOCUMENT_BYTES)
+        tides.write_bytes(b"High tide at 06:12 and 18:40; low tide at 00:05 and 12:27.")
+        list(actions.send({"text": "How many ships?", "files": [str(harbour)]}))
+        list(actions.send({"text": "And the tides?", "files": [str(tides), str(harbour)]}))
+        chat = controller.open_sessions.page
+        attached = [m for m in chat.messages if m.attachments][-1]  # a new file, and the harbour log again
+        assert [is_read_above(r) for r in attached.attachments] == [False, True] and READ_ABOVE_TEXT in attached.content
+        history, _, info = actions.file_chat()
+        assert [d.name for d in actions.pending] == ["tides.txt"] and "Attached again" in info
+        assert all(READ_ABOVE_TEXT not in d.text and not is_read_above(d) for d in actions.pending)
+    finally:
+        for chat in {controller.open_sessions.page, controller.open_sessions.api} - {None}:
+            chat.close()

@@ -15,7 +15,7 @@ from chat_service import ChatService, UserError
 from chat_service.settings import SettingsForm, apply_storage
 from documents import Document, DocumentError, convert_file, documents_of
 from documents.convert import attachment_digest
-from documents.fitting import READ_ABOVE
+from documents.fitting import is_read_above
 
 from . import inspector
 from .page_text import card_line, context_meter, find, search_snippets, session_choices, session_details, status_text
@@ -110,12 +110,14 @@ class PageActions:
         """A new session with the last attached document(s) of this one attached again (sent with the next
         message; read from the stored prefix, not again)."""
         chat = self.service.open_sessions.page
-        # the last message that holds a file's text (not only a reference to it, when attached again)
-        last = next((m for m in reversed(chat.messages) if any(not str(r.get("read") or "").endswith(READ_ABOVE)
-                                                                for r in m.attachments)), None) if chat else None
+        # the last message that holds a file's text, and of it only the files whose text it holds (a file attached
+        # again there is a reference to an earlier message's text, "[The same text as attached above.]")
+        last = next((m for m in reversed(chat.messages) if any(not is_read_above(r) for r in m.attachments)),
+                    None) if chat else None
         if last is None:
             raise UserError("No file is attached in this session: attach one first (the clip in the message box).")
-        documents = documents_of(last.content, last.attachments)
+        documents = [document for document, record in zip(documents_of(last.content, last.attachments),
+                                                           last.attachments) if not is_read_above(record)]
         self.service.pages.new_session()
         self.pending = documents
         return self.history(), EMPTY_BOX, self.describe_attachments(documents, "") + \
@@ -130,7 +132,8 @@ class PageActions:
         current = chat.id if chat is not None else None
         summaries = self.service.store.list()
         summary = find(summaries, current)
-        has_file = chat is not None and any(message.attachments for message in chat.messages)
+        has_file = chat is not None and any(not is_read_above(record) for message in chat.messages
+                                            for record in message.attachments)
         remote = self.service.host.remote
         return gr.update(choices=session_choices(summaries, remote), value=current), \
             (summary.title if summary else ""), (summary.system_prompt if summary else ""), \
