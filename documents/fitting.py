@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from documents.document import Document
-from documents.prompt import attachment_text, message_with_attachments
+from documents.prompt import attachment_text, documents_of, message_with_attachments, question_of
 
 READ_ABOVE = " (already read above)"  # ends the `read` of a document whose text the conversation holds already
 # what such a document's text becomes in the new message: a few tokens instead of the same text read again
@@ -59,6 +59,34 @@ def read_above(document: Document, earlier: Sequence[str]) -> Document:
         return document
     what = document.read or f"{document.name}: whole"
     return dataclasses.replace(document, text=READ_ABOVE_TEXT, page_starts=None, read=what + READ_ABOVE)
+
+
+def with_sources(content: str, records: Sequence[dict], earlier: Sequence[str],
+                 sources: Sequence[tuple[str, Sequence[dict]]]) -> tuple[str, tuple[dict, ...]]:
+    """A stored message (`content`, `records`) with each reference ("[The same text as attached above.]") whose
+    text none of the `earlier` messages holds any more (the turn that held it was dropped) made that text again,
+    byte for byte as the first of the `sources` messages (content, records) that holds it had it, with its
+    record. A reference whose text is still above, or with no such source, stays as it is."""
+    if not any(is_read_above(record) for record in records):
+        return content, tuple(records)
+    documents, kept = documents_of(content, records), list(records)
+    for number, record in enumerate(records):
+        found = _source(record, sources) if is_read_above(record) else None
+        if found is not None and not any(attachment_text(found[0]) in message for message in earlier):
+            documents[number], kept[number] = found
+    if kept == list(records):
+        return content, tuple(records)
+    return message_with_attachments(question_of(content, records), documents), tuple(kept)
+
+
+def _source(reference: dict, sources: Sequence[tuple[str, Sequence[dict]]]) -> tuple[Document, dict] | None:
+    """The first document of `sources` (and its record) that `read_above` makes `reference` of."""
+    for content, records in sources:
+        for document, record in zip(documents_of(content, records), records):
+            if record.get("sha256") == reference.get("sha256") and not is_read_above(record) and \
+                    read_above(document, [attachment_text(document)]).read == reference.get("read"):
+                return document, record
+    return None
 
 
 def reading_summary(documents: Sequence[Document]) -> list[str]:

@@ -41,10 +41,13 @@ class Cut(NamedTuple, Generic[M]):
     dropped: list[M]  # the whole turns between them that go, in order
 
 
-def turns_kept(messages: Sequence[M], fits: Callable[[list[M]], bool], keep_first: bool = False) -> Cut[M] | None:
+def turns_kept(messages: Sequence[M], fits: Callable[[list[M]], bool], keep_first: bool = False,
+               mend: Callable[[list[M]], list[M]] | None = None) -> Cut[M] | None:
     """The fewest whole turns dropped from `messages` so that `fits(kept)`: the oldest first, or with
     `keep_first` those after the first turn. Nothing dropped when `messages` fit; None when even the
-    shortest history the policy allows does not."""
+    shortest history the policy allows does not. `mend` makes what a cut keeps whole again before it is
+    checked and kept (StoredConversation's: a file's text that a dropped turn held goes back into the first
+    kept message that referred to it); it never adds more than the cut took away."""
     kept = list(messages)
     if fits(kept):
         return Cut(kept, [])
@@ -53,7 +56,8 @@ def turns_kept(messages: Sequence[M], fits: Callable[[list[M]], bool], keep_firs
     head = kept[: starts[1]] if keep_first and len(starts) > 1 else []
 
     def candidate(cut: int) -> list[M]:  # turns [first, cut) dropped
-        return head + kept[starts[cut]:]
+        left = head + kept[starts[cut]:]
+        return mend(left) if mend is not None else left
 
     # dropping more turns never adds tokens, so the fewest that fit are found by halving: log2(turns) checks.
     # lo..hi-1 are the cuts still in question (the last turn always stays); hi == len(starts): none fits yet

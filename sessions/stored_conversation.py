@@ -11,7 +11,11 @@ Each kind counts its window its own way (`check_window`); the rule that drops wh
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from documents.fitting import with_sources
 
 from .errors import ContextWindowError, SessionError
 from .overflow import turns_kept
@@ -19,6 +23,22 @@ from .store import Message, SessionStore
 
 if TYPE_CHECKING:
     from .chat import WindowCheck
+
+
+def with_sources_kept(kept: list[Message], before: Sequence[Message]) -> list[Message]:
+    """`kept` (what a cut of `before` leaves) with each reference to a file's text ("[The same text as attached
+    above.]", documents.fitting.read_above) whose text went with a dropped turn made that text again, in the first
+    kept message that refers to it (later ones refer to that one): the model is never left with a pointer to
+    nothing. The rest unchanged."""
+    sources = [(m.content, m.attachments) for m in before if m.attachments]
+    mended: list[Message] = []
+    for message in kept:
+        # where read_above looks for a file's text (chat_service.document_reading): the user messages with files
+        attached_above = [m.content for m in mended if m.role == "user" and m.attachments]
+        content, records = with_sources(message.content, message.attachments, attached_above, sources)
+        changed = content != message.content
+        mended.append(dataclasses.replace(message, content=content, attachments=records) if changed else message)
+    return mended
 
 
 def conversation(system: str, turns: list[tuple[str, str]]) -> list[dict]:
@@ -66,11 +86,13 @@ class StoredConversation:
     def fit_window(self, text: str = "", keep_first: bool = False) -> list[Message]:
         """Forget the fewest whole turns (never the system prompt, nor the last turn) until `text` fits: the
         oldest, or with `keep_first` those after the first turn (sessions/overflow.py). Returns the messages
-        that went; raises ContextWindowError when no such choice fits. Only stored messages change (their token
-        spans become unknown): the next turn reads the conversation from where it changed, so the model never
-        attends to a dropped token."""
+        that went; raises ContextWindowError when no such choice fits. A file attached again in a kept message
+        (a reference to a dropped turn's text) gets its text back there (`with_sources_kept`), counted in the
+        fit. Only stored messages change (their token spans become unknown): the next turn reads the
+        conversation from where it changed, so the model never attends to a dropped token."""
         before = self.messages
-        cut = turns_kept(before, lambda messages: self.check_window(text, messages).fits, keep_first)
+        cut = turns_kept(before, lambda messages: self.check_window(text, messages).fits, keep_first,
+                         lambda kept: with_sources_kept(kept, before))
         if cut is None:
             raise ContextWindowError(self.check_window(text, before))
         if cut.dropped:

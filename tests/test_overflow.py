@@ -221,3 +221,40 @@ def test_a_file_repeated_in_a_later_api_turn_is_a_reference_to_the_first_not_rea
     read = service.documents.for_api(asked, service.host.engine)
     assert text in read.turns[0][1] and text not in read.turns[2][1] and READ_ABOVE_TEXT in read.turns[2][1]
     assert read.documents[0] == (document,) and read.documents[2][0].read == "notes.txt: whole" + READ_ABOVE
+
+
+@pytest.mark.parametrize("overflow", ["drop_oldest", "keep_first"])
+def test_a_file_attached_again_gets_its_text_back_when_the_turn_that_held_it_is_dropped(service,
+                                                                                        model_and_tokenizer,
+                                                                                        overflow):
+    from documents.fitting import READ_ABOVE_TEXT, is_read_above
+    from documents.prompt import attachment_text
+
+    text = words(6, 20)
+    document = Document(name="notes.txt", kind="text", text=text, sha256=hashlib.sha256(text.encode()).hexdigest(),
+                        size_bytes=len(text))
+    apply_overflow(service, overflow)
+    page_send_files(service, words(0, 4), [document])
+    page_send(service, words(1, 4))
+    page_send_files(service, words(2, 4), [document])  # the same file again: a reference to the first turn's text
+    chat = service.open_sessions.page
+    first, again = (m for m in chat.messages if m.attachments)
+    assert READ_ABOVE_TEXT in again.content and text not in again.content and is_read_above(again.attachments[0])
+    users = [m.content for m in chat.messages if m.role == "user"]
+    if overflow == "drop_oldest":
+        new = words(9, 45)
+        # dropping the first turn would fit if the reference stayed one, not with the text back in its place
+        assert chat.check_window(new, chat.messages[2:]).fits and not chat.check_window(new).fits
+        page_send(service, new)
+        (restored,) = (m for m in chat.messages if m.attachments)  # the text went: the reference holds it again
+        assert [m.content for m in chat.messages if m.role == "user"] == [restored.content, new]
+        assert restored.content == attachment_text(document) + "\n\n" + words(2, 4)
+        assert restored.attachments == first.attachments and READ_ABOVE_TEXT not in restored.content
+    else:
+        new = words(9, 20)
+        assert not chat.check_window(new).fits
+        page_send(service, new)  # the middle turn goes; the first, and the text, stay: still a reference
+        assert [m.content for m in chat.messages if m.role == "user"] == [users[0], users[2], new]
+        assert [m.attachments for m in chat.messages if m.attachments] == [first.attachments, again.attachments]
+    kept = [(m.role, m.content) for m in chat.messages]
+    assert kept[-1][1] == reply_of_fresh_engine(model_and_tokenizer, "", kept[:-1])[0]
