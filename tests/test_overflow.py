@@ -183,6 +183,23 @@ def test_the_page_setting_stops_and_asks_by_default_then_drops_turns_and_the_met
     assert "2 turns out of the window" in context_meter(service)
 
 
+def test_the_meter_counts_what_the_model_read_and_tokenizes_only_once_turns_are_dropped(service, tmp_path):
+    from ui.page_actions import PageActions
+
+    apply_overflow(service, "stop")
+    for seed in range(3):
+        page_send(service, words(seed))
+    chat, engine = service.open_sessions.page, service.host.engine
+    read = f"Context: {engine.num_tokens:,} of {WINDOW:,} tokens ({100 * engine.num_tokens / WINDOW:.0f}%)"
+    assert chat.messages[-1].token_end == engine.num_tokens and context_meter(service).startswith(read)
+    assert PageActions(service, tmp_path).refresh_sessions()[-1] == context_meter(service)
+    service.page_turns.drop_oldest_turns(words(9, 20))  # the spans are unknown until the next turn
+    assert {m.token_end for m in chat.messages} == {-1}
+    counted = len(chat_token_ids(engine.tokenizer, conversation("", [(m.role, m.content) for m in chat.messages])))
+    assert context_meter(service).startswith(f"Context: {counted:,} of {WINDOW:,} tokens")
+    assert PageActions(service, tmp_path).refresh_sessions()[-1] == context_meter(service)
+
+
 def test_the_api_leaves_its_messages_to_its_client_whatever_the_page_setting(service):
     apply_overflow(service, "drop_oldest")
     turns = []

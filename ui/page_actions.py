@@ -132,13 +132,13 @@ class PageActions:
         current = chat.id if chat is not None else None
         summaries = self.service.store.list()
         summary = find(summaries, current)
-        has_file = chat is not None and any(not is_read_above(record) for message in chat.messages
-                                            for record in message.attachments)
+        messages = chat.messages if chat is not None else []  # read once, for the button and the meter
+        has_file = any(not is_read_above(record) for message in messages for record in message.attachments)
         remote = self.service.host.remote
         return gr.update(choices=session_choices(summaries, remote), value=current), \
             (summary.title if summary else ""), (summary.system_prompt if summary else ""), \
             session_details(summary, remote), status_text(self.service), gr.update(visible=has_file), \
-            context_meter(self.service)
+            context_meter(self.service, messages, summary)
 
     def _session_picker(self):
         """The session list as it is now (a turn that has just started has stored its message and title)."""

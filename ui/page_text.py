@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import html
 import time
+from collections.abc import Sequence
 
 from chat_service import ChatService
 from documents import Document
 from documents.reading import window_note
 from infinigen_core import chat_token_ids
-from sessions import ChatSession, SessionSummary, format_size
+from sessions import ChatSession, Message, SessionSummary, format_size
 from sessions.chat import conversation
 from sessions.overflow import OVERFLOW_LABEL, OVERFLOW_POLICIES
 
@@ -99,15 +100,25 @@ def search_snippets(hits, text: str) -> str:
     return f"<ul class='ig-search-hits'>{rows}</ul>"
 
 
-def context_meter(service: ChatService) -> str:
+def context_meter(service: ChatService, messages: Sequence[Message] | None = None,
+                  summary: SessionSummary | None = None) -> str:
     """The open session's share of the model's window, the overflow setting, and the turns dropped from it to
     fit ('3 turns out of the window: “…”, …'), which the model no longer reads. Empty for a remote session
-    (the server counts its own tokens) and while no model is loaded."""
+    (the server counts its own tokens) and while no model is loaded. `messages` and `summary` are the open
+    session's as the caller read them (read here when not given). The count is the last message's stored
+    `token_end` (what the model read up to the end of the last turn); the conversation is tokenized only
+    while the spans are unknown (turns dropped since the last turn: replace_messages)."""
     chat, engine = service.open_sessions.page, service.host.engine
     if not isinstance(chat, ChatSession) or engine is None:
         return ""
-    turns = conversation(chat.system_prompt, [(m.role, m.content) for m in chat.messages])
-    used, window = (len(chat_token_ids(engine.tokenizer, turns)) if turns else 0), engine.max_context
+    messages = chat.messages if messages is None else messages
+    if messages and messages[-1].token_end >= 0:
+        used = messages[-1].token_end
+    else:
+        system = summary.system_prompt if summary is not None and summary.id == chat.id else chat.system_prompt
+        turns = conversation(system, [(m.role, m.content) for m in messages])
+        used = len(chat_token_ids(engine.tokenizer, turns)) if turns else 0
+    window = engine.max_context
     policy = OVERFLOW_POLICIES[service.settings.current.overflow]
     meter = f"Context: {used:,} of {window:,} tokens ({100 * used / window:.0f}%) · {OVERFLOW_LABEL.lower()}: " \
             f"{policy.lower()}."
