@@ -268,9 +268,11 @@ class ChatPage:
         self.search_box.change(act.search_page, self.search_box, [self.search_hits, self.search_snippets,
                                                                   self.search_found], **quiet,
                                trigger_mode="always_last")
-        self._then_refresh(self.search_hits.input(act.open_found, [self.search_hits, self.search_found],
-                                                  [*opened, self.scroll_target], **hidden),
-                           **hidden).then(None, self.scroll_target, None, js=SCROLL_TO_FOUND, **hidden)
+        found = self.search_hits.input(act.open_found, [self.search_hits, self.search_found],
+                                       [*opened, self.scroll_target], **hidden)
+        # two steps after the hit, each on its own: the scroll does not wait for the sidebar's refresh
+        self._then_refresh(found, **hidden)
+        found.then(None, self.scroll_target, None, js=SCROLL_TO_FOUND, **hidden)
         self._then_refresh(self.new_button.click(act.new, None, self.chatbot, api_name="new_session"), **hidden)
         self._then_refresh(self.rename_button.click(act.rename, self.title_box, None, **private), **hidden)
         self._then_refresh(self.delete_button.click(act.delete, None, self.chatbot, **private), **hidden)

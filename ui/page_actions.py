@@ -334,9 +334,11 @@ class PageActions:
         history, status = self.open(session_id)
         position = (found or {}).get(session_id)
         chat = self.service.open_sessions.page
-        messages = chat.messages if chat is not None and chat.id == session_id else []
-        index = next((n for n, message in enumerate(messages) if message.position == position), None)
-        return history, status, "" if index is None else f"{index}/{len(history)}"
+        # a session's stored positions run 0, 1, 2, ... (SessionStore.add_messages, replace_messages and
+        # delete_messages_from keep them so), and `history` shows one entry per message in that order
+        shown = chat is not None and chat.id == session_id and isinstance(position, int) and \
+            0 <= position < len(history)
+        return history, status, f"{position}/{len(history)}" if shown else ""
 
     def app_status(self) -> dict:
         host, chat = self.service.host, self.service.open_sessions.page
