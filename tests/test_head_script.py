@@ -11,10 +11,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from ui.head_script import SLOW_STATUS_TRACKER_FRAMES, HeadScript, with_script
+from ui.head_script import PAGE_SCRIPT, HeadScript, with_script
 
 PAGE = '<!doctype html>\n<html lang="en">\n\t<head>\n\t\t<meta charset="utf-8" />\n\t</head>\n<body>hi</body></html>'
-TAG = f"<script>{SLOW_STATUS_TRACKER_FRAMES}</script>"
+TAG = f"<script>{PAGE_SCRIPT}</script>"
 
 
 def _client() -> TestClient:

@@ -16,6 +16,15 @@ quarter of a second instead; the elapsed seconds it shows still count, 4 times a
 is the browser's own. Where a later Gradio names the file otherwise, nothing changes but the cost of the
 loop.
 
+It also makes the login page say why a login was refused. Gradio 6's login form posts the user name and key to
+/login with `fetch` and reacts to two answers only: 400 ("Incorrect Credentials") and 200 (it reloads). This
+app answers some logins otherwise: 429 when a client has failed too often (ui/site_checks.py LoginThrottle),
+403 for a request from another site; Gradio's form then did nothing at all. The script wraps `window.fetch` so
+that a POST to this origin's /login answered with anything but 200 or 400 puts the answer's sentence (the
+`error.message` of the app's JSON refusal; for another body its status) in an element with role="alert" above
+the form; 200 and 400 are left to Gradio, and the next attempt clears the sentence. The login module calls the
+global `fetch` when the button is pressed, so the wrapper may be installed at any time before that.
+
     app_kwargs["middleware"] = [Middleware(PageGuard, key=key), Middleware(HeadScript)]
 """
 
@@ -35,6 +44,68 @@ SLOW_STATUS_TRACKER_FRAMES = f"""(() => {{
   }};
 }})();"""
 
+LOGIN_REFUSAL_ID = "ig-login-refusal"
+
+SHOW_LOGIN_REFUSALS = """(() => {
+  const realFetch = window.fetch;
+  if (typeof realFetch !== "function") return;
+  const isLoginPost = (input, init) => {
+    try {
+      const request = input instanceof Request ? input : null;
+      const method = ((init && init.method) || (request ? request.method : "GET")).toUpperCase();
+      const url = new URL(request ? request.url : String(input), location.href);
+      return method === "POST" && url.origin === location.origin && /\\/login\\/?$/.test(url.pathname);
+    } catch (error) {
+      return false;
+    }
+  };
+  const say = (text) => {
+    let line = document.getElementById("%(id)s");
+    if (text === null) {
+      if (line) line.remove();
+      return;
+    }
+    if (!line) {
+      line = document.createElement("p");
+      line.id = "%(id)s";
+      line.setAttribute("role", "alert");
+      line.style.cssText = "color: var(--error-text-color, #b91c1c); font-weight: 600; margin: 0.5em 0;";
+      const password = document.querySelector("input[type='password']");
+      const form = password && password.closest(".form");
+      if (form && form.parentNode) form.parentNode.insertBefore(line, form);
+      else document.body.prepend(line);
+    }
+    line.textContent = text;
+  };
+  const sentence = async (response) => {
+    const fallback = `The login was refused (HTTP ${response.status}).`;
+    try {
+      const data = await response.clone().json();
+      const error = data && data.error;
+      const text = (error && typeof error === "object" && error.message) || (typeof error === "string" && error)
+        || (data && typeof data.detail === "string" && data.detail);
+      return typeof text === "string" && text.trim() ? text.trim().slice(0, 500) : fallback;
+    } catch (error) {
+      return fallback;
+    }
+  };
+  window.fetch = async function (input, init) {
+    if (!isLoginPost(input, init)) return realFetch.apply(window, arguments);
+    say(null);
+    let response;
+    try {
+      response = await realFetch.apply(window, arguments);
+    } catch (error) {
+      say("The app did not answer the login; try again.");
+      throw error;
+    }
+    if (response.status !== 200 && response.status !== 400) say(await sentence(response));
+    return response;
+  };
+})();""" % {"id": LOGIN_REFUSAL_ID}
+
+PAGE_SCRIPT = SLOW_STATUS_TRACKER_FRAMES + "\n" + SHOW_LOGIN_REFUSALS
+
 _HEAD = re.compile(rb"<head(\s[^>]*)?>", re.IGNORECASE)
 
 
@@ -53,7 +124,7 @@ def _plain_html(headers) -> bool:
 
 
 class HeadScript:
-    def __init__(self, app, script: str = SLOW_STATUS_TRACKER_FRAMES) -> None:
+    def __init__(self, app, script: str = PAGE_SCRIPT) -> None:
         self.app = app
         self.tag = f"<script>{script}</script>".encode()
 
