@@ -18,7 +18,9 @@ Time per step, eager PyTorch (no CUDA graph: the CUDA step is not captured), per
   hides only behind the layer before it;
 - `hf-offload` (transformers' `DynamicCache(offloading=True)`) prefetches every layer the same way (pinned,
   non-blocking, on its own stream) and sends it back after use: as `offload` with nothing resident and the
-  copy back on the other direction of the full-duplex link;
+  copy back on the other direction of the full-duplex link, but no first copy waits: its prefetch circles
+  back, so the last layer's update starts layer 0's copy for the next step (`Cache.prefetch` in
+  transformers' cache_utils.py);
 - `infinigen`, zero-copy fetch (`EngineConfig.zero_copy_fetch`, the CUDA default; zero_copy.py): dense
   layers cost what `full`'s cost; a sparse layer's selected rows are gathered by the GPU straight from the
   pinned pool over PCIe (`zero_copy_gather_gbps`, a scattered read of one row per KV head and slot), on a
@@ -141,7 +143,9 @@ def predict_step(shape: ModelShape, context: int, policy: str, budget: float | N
     elif policy in ("offload", "hf-offload"):
         back_s = d2h_s if policy == "hf-offload" else 0.0
         copied = shape.layers - resident
-        first_copy_s = max(0.0, h2d_s - (resident_s if resident else 0.0))  # hidden behind the layer before
+        # offload's first copied layer hides only behind the layer before it; transformers' prefetch of layer 0
+        # starts in the previous step's last layer, a copied layer that takes a whole copy's time: all hidden
+        first_copy_s = 0.0 if policy == "hf-offload" else max(0.0, h2d_s - (resident_s if resident else 0.0))
         step_s = resident * resident_s + first_copy_s + copied * max(host_s, layer_weights_s, h2d_s, back_s)
         busy_s = resident * resident_s + copied * max(host_s, layer_weights_s)
         gpu_bytes += 2 * layer_kv  # two layers in flight

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from infinigen_core import SamplingConfig
+from infinigen_core.prefix import common_prefix_length
 from sessions.chat import REPLY_RESERVE_TOKENS, ChatSession
 from sessions.snapshots import BENCHMARK_FORMATS, KV_FORMATS, ChunkRecord, write_chunk
 from sessions.storage import StorageConfig
@@ -52,13 +53,6 @@ def _mean_nll(engine, tokens: list[int]) -> float:
     """Mean negative log-likelihood of tokens[1:], each predicted by one decode step (the chat path)."""
     total, count = mean_nll(engine.score(tokens[:-1]), tokens[1:])
     return total / count
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def evict_from_page_cache(path: Path) -> None:
@@ -104,7 +98,7 @@ def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = No
             full_prompt = chat._conversation_ids(extra_user=QUESTION, generation_prompt=True)
             # the conversation as the next turn reads it: a reply's last tokens may be written differently once
             # it is a past turn (a plain transcript strips it), and the session's chunk must end where both agree
-            tokens = _common_prefix(engine.token_ids, full_prompt)
+            tokens = common_prefix_length(engine.token_ids, full_prompt)
             engine.truncate(tokens)
             rows, signature = engine.export_rows(0, tokens), engine.kv_signature()
             say(f"scoring {ppl_tokens} tokens of the following text on the uninterrupted conversation")

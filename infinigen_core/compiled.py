@@ -28,10 +28,10 @@ default is eager decoding).
 
 Where torch.compile, inductor or a C++ compiler is missing, or compiling raises, `compile` or the first
 step logs the reason once and decoding runs eager. Under the separate-devices checks
-(INFINIGEN_SEPARATE_DEVICES, devices.py) the step stays eager too, and says so: the checks are a
+(INFINIGEN_SEPARATE_DEVICES, devices.py) nothing is compiled and the step says why: the checks are a
 TorchDispatchMode, under which dynamo compiles no frame, and they must see every op. A GPU run has no such
-mode; a caller's own dispatch mode for one step (bench's op counter) runs that step eager and leaves the
-compiled step in place (`ran_eager` counts such steps).
+mode; a caller's own dispatch mode for one step (bench's op counter) runs that step eager, so the mode sees
+every op, and leaves the compiled step in place.
 """
 
 from __future__ import annotations
@@ -102,8 +102,15 @@ def pool_attention(layer: int, query, key, value, scaling: float, layer_input, p
     return _attend(layer, query, key, value, scaling, layer_input, position_embeddings)
 
 
-def compile_unavailable_reason(device: torch.device) -> str | None:
-    """Why torch.compile cannot serve decoding on `device` (None: it can), found without compiling anything."""
+def compile_unavailable_reason(device: torch.device, backend=None) -> str | None:
+    """Why torch.compile cannot serve decoding on `device` (None: it can), found without compiling anything.
+
+    `backend`: a torch.compile backend of the caller's (a test's), which needs no inductor to be probed for.
+    """
+    if devices.active_mode() is not None:
+        return EAGER_UNDER_CHECKS
+    if backend is not None:
+        return None
     try:
         if not torch._dynamo.is_dynamo_supported():
             return f"torch.compile does not support this Python or platform (PyTorch {torch.__version__})"
@@ -133,7 +140,6 @@ class DecodeStep:
         self.model = model
         self._compiled = None
         self.eager_reason: str | None = "not compiled"  # why decoding is eager (None: it is compiled)
-        self.ran_eager = 0  # steps a compiled step ran eager under a caller's dispatch mode
 
     @property
     def is_compiled(self) -> bool:
@@ -149,14 +155,12 @@ class DecodeStep:
         `options` go to torch.compile (mode="reduce-overhead" on CUDA; a test's `backend`).
         """
         device = next(self.model.parameters()).device
-        reason = None if "backend" in options else compile_unavailable_reason(device)
+        reason = compile_unavailable_reason(device, options.get("backend"))
         if reason is None:
             try:
                 self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False, **options)
             except Exception as error:  # torch.compile itself refusing (an unsupported Python, a bad option)
                 reason = _reason(error)
-        if reason is None and devices.active_mode() is not None:
-            reason = EAGER_UNDER_CHECKS
         if reason is not None:
             self._fall_back(reason)
         else:
@@ -165,15 +169,12 @@ class DecodeStep:
 
     def __call__(self, **inputs):
         # under a dispatch mode of the caller's (bench's OpCounter) dynamo compiles nothing: such a step runs eager
-        if self._compiled is not None:
-            if not is_in_torch_dispatch_mode(include_infra_modes=False):
-                try:
-                    return self._compiled(**inputs)
-                except torch._dynamo.exc.TorchDynamoException as error:
-                    # tracing or compiling failed; with fullgraph nothing of the step has run yet: run it eager
-                    self._fall_back(_reason(error))
-            else:
-                self.ran_eager += 1
+        if self._compiled is not None and not is_in_torch_dispatch_mode(include_infra_modes=False):
+            try:
+                return self._compiled(**inputs)
+            except torch._dynamo.exc.TorchDynamoException as error:
+                # tracing or compiling failed; with fullgraph nothing of the step has run yet: run it eager
+                self._fall_back(_reason(error))
         return self.model(**inputs)
 
     def _fall_back(self, reason: str) -> None:

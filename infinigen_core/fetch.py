@@ -85,6 +85,12 @@ class PendingFetch:
         raise NotImplementedError
 
 
+def _new_rows_first(new_keys: torch.Tensor, new_values: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fetched rows with the new tokens' K/V put first: [kv_heads, n + rows, dim] each."""
+    return torch.cat([new_keys, keys], dim=1), torch.cat([new_values, values], dim=1)
+
+
 class _PoolView(PendingFetch):
     """The whole layer, read in place (the new token is already written to its slot)."""
 
@@ -177,7 +183,7 @@ class _Streamed(PendingFetch):
         keys, values, copied = self.future.result()
         self.ops.wait(copied, keys, values)
         if not self.whole_layer:
-            return torch.cat([new_keys, keys], dim=1), torch.cat([new_values, values], dim=1)
+            return _new_rows_first(new_keys, new_values, keys, values)
         # the layer was copied before this step's token was written: put it in its slot on the device
         if self.contiguous_new is not None:
             keys[:, self.contiguous_new : self.contiguous_new + new_keys.shape[1]].copy_(new_keys)
@@ -198,7 +204,7 @@ class _StreamedThroughCache(PendingFetch):
         keys, values, plan, copied, shape = self.future.result()
         self.ops.wait(copied, keys, values, plan)
         keys, values = self.cache.assemble(self.layer, plan, keys, values, shape)
-        return torch.cat([new_keys, keys], dim=1), torch.cat([new_values, values], dim=1)
+        return _new_rows_first(new_keys, new_values, keys, values)
 
 
 class _GatheredInPlace(PendingFetch):
@@ -211,7 +217,7 @@ class _GatheredInPlace(PendingFetch):
         rows = self.gathered
         self.ops.wait(rows.ready, rows.keys, rows.values)
         keys, values = rows.keys.view(rows.shape), rows.values.view(rows.shape)
-        return torch.cat([new_keys, keys], dim=1), torch.cat([new_values, values], dim=1)
+        return _new_rows_first(new_keys, new_values, keys, values)
 
 
 class _ResidentView(PendingFetch):

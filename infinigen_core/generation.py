@@ -37,6 +37,14 @@ class GenerationEvent:
 # and continues it: each turn a labelled paragraph, the reply after "Assistant:".
 PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: "}
 PLAIN_REPLY_PROMPT = "Assistant:"
+# A base model does not end its turn, it goes on writing the next one: a new line opening with a role's label
+# ends the reply ("\nUser:", "\nAssistant:"), the label itself left out of it.
+PLAIN_STOP_STRINGS = tuple("\n" + label.strip() for label in PLAIN_ROLES.values() if label.strip())
+
+
+def reads_plain_transcript(tokenizer) -> bool:
+    """Whether the model has no chat template, so its conversation is a `plain_transcript`."""
+    return tokenizer is not None and not getattr(tokenizer, "chat_template", None)
 
 
 def plain_transcript(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -48,7 +56,7 @@ def plain_transcript(messages: list[dict[str, str]], add_generation_prompt: bool
 
 def chat_token_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a whole conversation in the model's chat format (a plain transcript where it has none)."""
-    if not getattr(tokenizer, "chat_template", None):
+    if reads_plain_transcript(tokenizer):
         return list(tokenizer(plain_transcript(messages, add_generation_prompt))["input_ids"])
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     if hasattr(encoded, "keys"):
@@ -148,6 +156,7 @@ def generate(
 ) -> Iterator[GenerationEvent]:
     tokenizer = engine.tokenizer
     end_ids = end_token_ids(tokenizer, getattr(engine.model, "generation_config", None))
+    stop_strings = sampling.stop_strings + (PLAIN_STOP_STRINGS if reads_plain_transcript(tokenizer) else ())
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     if prompt_ids[-1:] and engine.token_ids == list(prompt_ids):
         # everything is cached, but the logits after the last token are needed: run it again
@@ -174,11 +183,11 @@ def generate(
         new_text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
         if new_text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
             new_text = text
-        stop_at = _first_stop(new_text, sampling.stop_strings)
+        stop_at = _first_stop(new_text, stop_strings)
         if stop_at is not None:
             new_text, finish = new_text[:stop_at], "stop"
         text = new_text
-        visible = text if finish == "stop" else text[: len(text) - _stop_prefix_length(text, sampling.stop_strings)]
+        visible = text if finish == "stop" else text[: len(text) - _stop_prefix_length(text, stop_strings)]
         delta, shown = visible[len(shown):], visible
         stats = engine.history[-1] if engine.history else None
         yield GenerationEvent(token, delta, shown, stats)

@@ -25,6 +25,7 @@ from .compiled import compile_decode as compile_decode_step, keep_cache_in
 from .cpu_kernels import build as build_cpu_kernels
 from .config import EngineConfig
 from .engine import InfiniGenEngine
+from .generation import reads_plain_transcript
 from .hub import ModelLoadError, names_a_hub_model, resolve_hub_id
 from .packaged import DEFAULT_MODEL, PACKAGED_MODELS, ensure_packaged_gguf, packaged_model
 from .skew import SkewSet, load_skew, save_skew
@@ -155,7 +156,7 @@ def is_base_model(model_path: str | None, tokenizer) -> bool:
     packaged = _packaged(model_path)
     if packaged is not None:
         return packaged.base_model
-    return not getattr(tokenizer, "chat_template", None)
+    return reads_plain_transcript(tokenizer)
 
 
 def gguf_file_for(model_path: str | None, cache_dir: Path, progress: Progress = print) -> Path | None:

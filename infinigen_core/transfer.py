@@ -284,16 +284,24 @@ class ThreadedCpuOps:
         stream.worker.submit(self._copy, dst, src, stream)  # raises once closed
 
     def _copy(self, dst, src, stream) -> None:
+        self._late(stream, self._cross, dst, src)
+        with self._counting:
+            self.copies += 1
+
+    @staticmethod
+    def _cross(dst, src) -> None:
+        with devices.crossing():
+            dst.copy_(src)
+
+    def _late(self, stream, work: Callable, *args) -> None:
+        """On `stream`'s worker: `work(*args)` after the transfer delay; its error is kept for `stream.check`."""
         delay = self.delay_s() if callable(self.delay_s) else self.delay_s
         if delay > 0:
             self._stopping.wait(delay)
         try:
-            with devices.crossing():
-                dst.copy_(src)
+            work(*args)
         except Exception as error:
             stream.error = stream.error or error
-        with self._counting:
-            self.copies += 1
 
     def record(self, stream) -> _CpuEvent:
         try:
@@ -323,16 +331,11 @@ class ThreadedCpuOps:
         pass  # the compute side is this thread: what it enqueued has run
 
     def gather(self, stream, source, index, out) -> None:
-        stream.worker.submit(self._gather, source, index, out, stream)
+        stream.worker.submit(self._late, stream, self._gather, source, index, out)
 
-    def _gather(self, source, index, out, stream) -> None:
-        delay = self.delay_s() if callable(self.delay_s) else self.delay_s
-        if delay > 0:
-            self._stopping.wait(delay)
-        try:
-            torch.index_select(source, 0, index, out=out)  # a mapped read: the mode allows it without a crossing
-        except Exception as error:
-            stream.error = stream.error or error
+    @staticmethod
+    def _gather(source, index, out) -> None:
+        torch.index_select(source, 0, index, out=out)  # a mapped read: the mode allows it without a crossing
 
     def close(self) -> bool:
         self._stopping.set()

@@ -83,22 +83,35 @@ def test_the_step_compiles_at_load_with_progress_messages(first_compile):
     assert engine.num_tokens == 0 and not engine.history  # the warm-up step left no trace in the conversation
 
 
-class _PassThrough(TorchDispatchMode):
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
 
 
-def test_a_step_under_a_callers_dispatch_mode_runs_eager_and_is_counted(first_compile):
-    """Dynamo compiles nothing under a dispatch mode (bench's op counter is one): that step runs eager, is
-    counted as such, and the compiled step stays for the next."""
+def test_a_step_under_a_callers_dispatch_mode_runs_eager_and_the_mode_sees_every_op(tiny_model, first_compile):
+    """Dynamo compiles nothing under a dispatch mode (bench's op counter is one): that step runs eager, so the
+    mode sees each op an eager engine's step runs, and the compiled step stays for the next."""
     engine = first_compile[0]
-    before = engine.decode_step.ran_eager
-    try:
-        with _PassThrough():
-            engine.decode(1)
-        assert engine.decode_step.ran_eager == before + 1 and engine.decode_step.is_compiled
-    finally:
-        engine.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    seen = []
+    with make_tiny_engine(tiny_model) as eager:
+        assert not eager.decode_step.is_compiled
+        eager.decode(1)  # a first step, as compile_decode's warm-up ran one (it builds what later steps reuse)
+        eager.reset()
+        for each in (engine, eager):
+            try:
+                with _OpRecorder() as recorder:
+                    each.decode(1)
+                seen.append(recorder.ops)
+            finally:
+                each.reset()
+    assert seen[0] == seen[1] and any("mm" in op for op in seen[0])
+    assert engine.decode_step.is_compiled and counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.parametrize("settings", POLICIES, ids=["full", "infinigen", "h2o", "full-limited"])
@@ -146,15 +159,25 @@ def _failing_backend(graph_module, example_inputs):
     raise RuntimeError("no compiler here (forced by the test)")
 
 
-def test_a_step_that_fails_to_compile_runs_eager_with_the_reason_logged(tiny_model, caplog):
+def test_a_step_that_fails_to_compile_runs_eager_with_the_reason_logged(tiny_model, monkeypatch, caplog):
     """Plain: the backend's failure is the reason. Under the separate-devices checks nothing is compiled at all
-    (a dispatch mode): that is the reason given, never a compiled step that silently runs eager."""
+    (a dispatch mode): torch.compile is never called, and that is the reason given."""
     messages = []
-    expected = "no compiler here" if devices.active_mode() is None else EAGER_UNDER_CHECKS
+    under_checks = devices.active_mode() is not None
+    expected = EAGER_UNDER_CHECKS if under_checks else "no compiler here"
+    compile_calls = []
+    compile_model = torch.compile
+
+    def recording_compile(*args, **kwargs):
+        compile_calls.append(kwargs)
+        return compile_model(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
     with make_tiny_engine(tiny_model) as engine, make_tiny_engine(tiny_model) as reference:
         with caplog.at_level(logging.WARNING, logger="infinigen_core.compiled"):
             reason = compile_decode(engine, progress=messages.append, backend=_failing_backend)
         assert expected in reason and engine.decode_step.label == "eager decode"
+        assert len(compile_calls) == (0 if under_checks else 1)
         assert messages[-1] == f"Decode steps run eager (torch.compile unavailable): {reason}"
         assert caplog.text.count("decode steps run eager") == 1
         prompt = random_tokens(8, seed=6)
@@ -175,7 +198,8 @@ def test_where_torch_compile_itself_raises_decoding_stays_eager(tiny_model, monk
     with make_tiny_engine(tiny_model) as engine:
         with caplog.at_level(logging.WARNING, logger="infinigen_core.compiled"):
             reason = compile_decode(engine, progress=lambda message: None)
-        assert "not supported here" in reason and "not supported here" in caplog.text
+        expected = "not supported here" if devices.active_mode() is None else EAGER_UNDER_CHECKS  # never called
+        assert expected in reason and expected in caplog.text
         assert not engine.decode_step.is_compiled and engine.num_tokens == 0
         engine.prefill(random_tokens(6, seed=7))
         assert engine.decode(2).shape == (128,)
@@ -187,7 +211,8 @@ def test_without_a_cpp_compiler_decoding_stays_eager_without_trying(tiny_model, 
     monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
     with make_tiny_engine(tiny_model) as engine:
         reason = compile_decode(engine, progress=lambda message: None)
-        assert "C++ compiler" in reason and engine.decode_step.label == "eager decode"
+        expected = "C++ compiler" if devices.active_mode() is None else EAGER_UNDER_CHECKS  # no probe needed
+        assert expected in reason and engine.decode_step.label == "eager decode"
 
 
 def test_the_model_summary_and_the_options_say_whether_decode_is_compiled(first_compile):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from infinigen_core.config import EngineConfig, SamplingConfig
@@ -147,3 +147,50 @@ def test_a_model_without_a_chat_template_reads_the_conversation_as_a_plain_trans
     assert tokenizer.decode(ids) == "[UNK] Hi the capital [UNK] is Paris [UNK] Hi [UNK]"
     closed = chat_token_ids(tokenizer, messages, add_generation_prompt=False)
     assert ids[: len(closed)] == closed and len(ids) == len(closed) + 1
+
+
+def chain_model(vocab_size: int, successor: dict[int, int]) -> LlamaForCausalLM:
+    """A tiny Llama whose next token is `successor[last token]`: each token's embedding is its own one-hot
+    vector, carried unchanged to the head (attention and MLP outputs zeroed), and the head row of each
+    successor reads its predecessor's."""
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    assert vocab_size <= config.hidden_size
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(torch.eye(vocab_size, config.hidden_size))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.zero_()
+        for token_id, following in successor.items():
+            model.lm_head.weight[following, token_id] = 1.0
+    return model
+
+
+def test_a_reply_without_a_chat_template_stops_before_the_next_turns_label():
+    """A base model continues the transcript past its reply: the new line that opens the next "User:" turn
+    ends the reply there, the label (written over several tokens) never shown, not even its first half."""
+    family = FAMILIES["gemma3"]
+    words = ["Hi", "the", "capital", "Paris", "is", "\n", "User", ":"]
+    vocab = {token: index for index, token in enumerate(family.specials + ("[UNK]",) + tuple(words))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.Fuse()  # the tokens' text joined as it is, as a byte-level tokenizer decodes
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=family.eos, unk_token="[UNK]")
+    assert not tokenizer.chat_template
+    # after the prompt's "Assistant:" ([UNK]) the model writes "Paris", then "\nUser:" and the user's turn
+    chain = ["[UNK]", "Paris", "\n", "User", ":", "Hi", "the", "capital", "is"]
+    successor = {vocab[a]: vocab[b] for a, b in zip(chain, chain[1:])}
+    engine = InfiniGenEngine(chain_model(len(vocab), successor), tokenizer, EngineConfig(policy="full"))
+    prompt = chat_token_ids(tokenizer, [{"role": "user", "content": "Hi the capital is"}])
+    events = list(generate(engine, prompt, SamplingConfig(max_new_tokens=12)))
+    assert events[-1].finish_reason == "stop" and events[-1].full_text == "Paris"
+    assert [e.token_id for e in events if e.token_id is not None] == [vocab[t] for t in chain[1:5]]
+    assert "".join(e.text for e in events) == "Paris" and all("\n" not in e.full_text for e in events)
+    # with a chat template the reply is no transcript and the label no stop: the same model writes the next turn
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    engine.reset()
+    events = list(generate(engine, prompt, SamplingConfig(max_new_tokens=12)))
+    assert events[-1].finish_reason == "length" and "\nUser:Hi" in events[-1].full_text

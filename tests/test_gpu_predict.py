@@ -55,6 +55,11 @@ def test_ratios_move_with_context_and_link():
         assert copied == 23
         assert 1 <= rows[context, "offload"]["speedup_vs_hf_offload"] <= 32 / copied
         assert rows[context, "offload"]["speedup_vs_hf_offload"] * copied / 32 >= 0.8
+        # its prefetch circles back: layer 0's copy starts in the previous step's last layer, so nothing waits
+        # for a first copy, and a copy-bound step is its 32 copies and nothing more (offload's first copy waits)
+        copy_ms = (context + 1) * kv_bytes_per_token_layer(SHAPES["llama2-7b"]) / 50e9 * 1e3
+        assert copy_ms > PROFILES["h100"].host_ms_per_layer  # copy-bound at both contexts
+        assert rows[context, "hf-offload"]["ms_per_token"] == pytest.approx(32 * copy_ms)
     # fetching a tenth beats fetching every layer offload does not keep once the copies dominate; at 4k both sit
     # near the eager launch floor, where offload's resident layers (equal memory) bring it level
     assert rows[32768, "infinigen"]["speedup_vs_offload"] > 2
