@@ -1,7 +1,8 @@
 """A session that shrinks gives its memory back (issue 34): after a long prefill, a reset or a truncate to a
 few tokens leaves the pool and the policy's per-slot state sized for what is left, and decoding goes on as
 in a fresh engine; a session imported long and cut to about 100 tokens frees every tensor it grew (weak
-references to their storage die), not only the sizes the accounting reads. Run under the separate-devices mode (the pool in emulated host memory, the policy's
+references to their storage die), not only the sizes the accounting reads, and the shrink hands the C
+heap's free pages back. Run under the separate-devices mode (the pool in emulated host memory, the policy's
 state on the emulated compute device), where a mixed or stale storage would be refused."""
 
 import gc
@@ -9,6 +10,8 @@ import weakref
 
 import pytest
 import torch
+
+from infinigen_core.pool_lifecycle import return_freed_heap
 
 from conftest import make_tiny_engine, random_tokens
 
@@ -127,3 +130,25 @@ def test_an_imported_session_cut_to_about_100_tokens_frees_the_storage_it_grew(t
         assert engine.pool.capacity == 7 * GROWTH  # twice the 107 tokens kept (214), rounded up to the step
         assert [name for name, storage in grown if storage() is not None] == []
         assert engine.score(random_tokens(2, seed=17)).isfinite().all() and engine.num_tokens == 109
+
+
+def resident_mib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) // 1024
+
+
+def test_a_shrink_hands_the_freed_c_heap_back_to_the_system(tiny_llama):
+    """Blocks under malloc's mmap threshold (a long import's temporaries, a grown pool's smaller storages) live
+    in the C heap, and glibc keeps freed heap memory resident unless its top is free: freed, they stayed in
+    the process until it exited (a 30k-token import cut to 107 tokens kept ~250 MiB). The shrink trims it."""
+    if not return_freed_heap():  # also the baseline: nothing freed earlier in this process is left to trim
+        pytest.skip("no malloc_trim in this C library")
+    with long_session(tiny_llama, "infinigen") as engine:
+        freed = [torch.ones(24_000, dtype=torch.uint8) for _ in range(4_000)]  # ~92 MiB of 24 KB blocks
+        top = torch.ones(24_000, dtype=torch.uint8)  # allocated after them: the heap's top is not free
+        del freed
+        resident = resident_mib()
+        engine.truncate(KEPT)
+        assert engine.pool.capacity == 3 * GROWTH
+        assert resident_mib() < resident - 60, (resident, resident_mib())
+        del top
