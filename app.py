@@ -50,10 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     from ui.guard import PageGuard, filter_cors_of, login_with_key
     from ui.head_script import HeadScript
     from ui.request_limits import MAX_UPLOAD_BYTES
-    from ui.site_checks import HostPolicy
+    from ui.site_checks import HostPolicy, ignore_forwarded_headers
     from ui.slow_senders import use_head_deadline
 
     use_head_deadline()  # a client trickling a request's headers is cut off (uvicorn itself waits for ever)
+    ignore_forwarded_headers()  # the login throttle counts the connection's address, not X-Forwarded-For's
     remove_stale_staging(service.store.data_dir)  # an import killed mid-way left chunks no session names
 
     # the key guards the page (Gradio's login: any user name, the key as password), Gradio's routes and /v1;

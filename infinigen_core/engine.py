@@ -30,6 +30,7 @@ from .config import ConfigError, EngineConfig
 from .compiled import DecodeStep, pool_attention, stepping
 from .fetch import DeviceKeeping, make_fetcher
 from .kv_pool import KVPool, release_pinned_memory
+from .pool_lifecycle import return_freed_heap
 from .policies import POLICIES, PolicyContext
 from .prefix import common_prefix_length
 from .rows import export_rows, import_rows
@@ -220,7 +221,8 @@ class InfiniGenEngine:
         """Keep the first n_tokens of the conversation (edit, regenerate); `upcoming`: tokens about to follow.
 
         Memory goes back when what is left (with `upcoming`) fills under a quarter of the pool (see
-        KVPool.release_spare), so a long import or prompt does not pin its size after the session shrank.
+        KVPool.release_spare), so a long import or prompt does not pin its size after the session shrank;
+        once the pool, the policy and the fetcher let go, so do the C heap's free pages (return_freed_heap).
         """
         self.fetcher.flush()  # no write in flight into storage that is compacted or given back
         moved = self.pool.truncate(n_tokens)
@@ -231,6 +233,8 @@ class InfiniGenEngine:
             self.policy.rebuild()
         if moved or released:  # what the device keeps of the pool follows it
             self.fetcher.rebuild()
+        if released:
+            return_freed_heap()
 
     @torch.inference_mode()
     def reset(self) -> None:

@@ -10,7 +10,8 @@ them and when that changes:
   then to twice what they need: after a shrink the pool must double before it grows again and fall to a
   quarter before it shrinks again, so edits near a conversation's end never reallocate;
 - a new `PoolStorage` is allocated for every change, the rows in use copied over; pinned memory that a
-  discarded pool held goes back to the system (`release_pinned_memory`).
+  discarded pool held goes back to the system (`release_pinned_memory`), and after a shrink so do the free
+  pages of the C heap (`return_freed_heap`).
 
 >>> rule = CapacityRule(growth_tokens=1024, limit_tokens=None)
 >>> rule.capacity_to_hold(4097, capacity=256), rule.capacity_after_release(100, capacity=8192)
@@ -19,6 +20,8 @@ them and when that changes:
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -126,3 +129,27 @@ def empty_host_cache_if(pinned: bool) -> None:
     empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
     if pinned and empty_host_cache is not None:
         empty_host_cache()
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS, Windows)."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):
+        return None
+
+
+def return_freed_heap() -> bool:
+    """Hand the free pages of the C heap back to the system; returns whether it could (glibc only).
+
+    Tensors below malloc's mmap threshold (128 KiB, raised up to 32 MiB as larger blocks are freed) live in
+    the heap, and glibc returns freed heap memory only from its top: a long import's temporaries and a
+    grown pool's smaller storages, all freed, otherwise stay resident until the process exits (measured: a
+    30k-token import cut to 107 tokens kept ~250 MiB above idle, ~30 MiB after this). Walks every arena,
+    so call it only after a shrink, not per step."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

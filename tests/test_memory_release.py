@@ -1,10 +1,17 @@
 """A session that shrinks gives its memory back (issue 34): after a long prefill, a reset or a truncate to a
 few tokens leaves the pool and the policy's per-slot state sized for what is left, and decoding goes on as
-in a fresh engine. Run under the separate-devices mode (the pool in emulated host memory, the policy's
+in a fresh engine; a session imported long and cut to about 100 tokens frees every tensor it grew (weak
+references to their storage die), not only the sizes the accounting reads, and the shrink hands the C
+heap's free pages back. Run under the separate-devices mode (the pool in emulated host memory, the policy's
 state on the emulated compute device), where a mixed or stale storage would be refused."""
+
+import gc
+import weakref
 
 import pytest
 import torch
+
+from infinigen_core.pool_lifecycle import return_freed_heap
 
 from conftest import make_tiny_engine, random_tokens
 
@@ -69,3 +76,79 @@ def test_an_edit_near_the_end_keeps_the_storage(tiny_llama, separate_devices):
         keys, partial = engine.pool._storage.layers[0].keys, engine.policy._partial_all
         engine.sync_to(PROMPT[:250] + random_tokens(30, seed=14))
         assert engine.pool._storage.layers[0].keys is keys and engine.policy._partial_all is partial
+
+
+def _tensors_in(value, depth: int = 2):
+    """Tensors in a value: itself, its items (lists, tuples, dicts), or, `depth` levels down, its attributes."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from _tensors_in(item, depth)
+    elif depth and hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module)):
+        for attribute in vars(value).values():
+            yield from _tensors_in(attribute, depth - 1)
+
+
+def capacity_sized_storages(engine) -> list[tuple[str, weakref.ref]]:
+    """Weak references to the storage of every tensor of the pool, the policy and the fetcher that has a
+    dimension of the pool's capacity (or one more): what a pool grown for a long session holds because of
+    its length."""
+    capacity, found = engine.pool.capacity, []
+    for owner_name, owner in (("pool", engine.pool), ("policy", engine.policy), ("fetcher", engine.fetcher)):
+        for name, value in vars(owner).items():
+            for tensor in _tensors_in(value):
+                if {capacity, capacity + 1} & set(tensor.shape):
+                    found.append((f"{owner_name}.{name}", weakref.ref(tensor.untyped_storage())))
+    return found
+
+
+@pytest.mark.parametrize("policy", ["infinigen", "h2o"])
+def test_an_imported_session_cut_to_about_100_tokens_frees_the_storage_it_grew(tiny_llama, separate_devices, policy):
+    """Issue 34's row, scaled: a session imported long (its rows restored, no model run) and then cut to about
+    100 tokens, as an edit or a regeneration cuts it (`truncate`), lets go of every tensor sized for the long
+    pool: the pool's K/V, positions and counts, the policy's per-slot state (InfiniGen's partial key cache:
+    a slice of it would keep the whole old cache alive while the accounting shrinks) and the fetcher's
+    resident layers. Nothing keeps the old storage alive, not only the sizes in use shrink."""
+    long_ids = random_tokens(900, seed=15)
+    with make_tiny_engine(tiny_llama, policy=policy, budget=0.3, prefill_chunk=300) as source:
+        source.prefill(long_ids)
+        rows = source.export_rows(0, len(long_ids))
+    with make_tiny_engine(tiny_llama, policy=policy, budget=0.3, prefill_chunk=40) as engine:
+        engine.pool.growth_tokens = GROWTH
+        assert engine.import_rows([rows]) == len(long_ids)
+        del rows
+        engine.score(random_tokens(2, seed=16))  # decode steps: the fetcher and the policy's state in use
+        grown = capacity_sized_storages(engine)
+        names = {name for name, _ in grown}
+        assert engine.pool.capacity >= 900 and {"pool._layers", "pool._positions", "pool._fetch_counts"} <= names
+        assert "fetcher.resident" in names  # the dense layers kept whole on the emulated device
+        if policy == "infinigen":
+            assert "policy._partial_all" in names
+        engine.truncate(107)
+        gc.collect()
+        assert engine.pool.capacity == 7 * GROWTH  # twice the 107 tokens kept (214), rounded up to the step
+        assert [name for name, storage in grown if storage() is not None] == []
+        assert engine.score(random_tokens(2, seed=17)).isfinite().all() and engine.num_tokens == 109
+
+
+def resident_mib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) // 1024
+
+
+def test_a_shrink_hands_the_freed_c_heap_back_to_the_system(tiny_llama):
+    """Blocks under malloc's mmap threshold (a long import's temporaries, a grown pool's smaller storages) live
+    in the C heap, and glibc keeps freed heap memory resident unless its top is free: freed, they stayed in
+    the process until it exited (a 30k-token import cut to 107 tokens kept ~250 MiB). The shrink trims it."""
+    if not return_freed_heap():  # also the baseline: nothing freed earlier in this process is left to trim
+        pytest.skip("no malloc_trim in this C library")
+    with long_session(tiny_llama, "infinigen") as engine:
+        freed = [torch.ones(24_000, dtype=torch.uint8) for _ in range(4_000)]  # ~92 MiB of 24 KB blocks
+        top = torch.ones(24_000, dtype=torch.uint8)  # allocated after them: the heap's top is not free
+        del freed
+        resident = resident_mib()
+        engine.truncate(KEPT)
+        assert engine.pool.capacity == 3 * GROWTH
+        assert resident_mib() < resident - 60, (resident, resident_mib())
+        del top

@@ -303,7 +303,8 @@ def _submit_login(page, key: str) -> None:
 def test_the_login_page_says_why_the_throttle_refused_a_login(app):
     """Gradio's login form reacts to 400 and 200 only: on the throttle's 429 its button did nothing (issue 34).
     The page's script (ui/head_script.py) shows the refusal's sentence; a wrong key and the right one are still
-    Gradio's to handle. Last in this module: it leaves 127.0.0.1 unable to log in for up to a minute."""
+    Gradio's to handle. Last but one in this module: it leaves 127.0.0.1 unable to log in for up to a minute
+    (only the next test, which needs no login, comes after)."""
     shown = f"#{LOGIN_REFUSAL_ID}[role='alert']"
     with chromium_page(app.url) as page:
         page.wait_for_selector("input[type='password']", timeout=60_000)
@@ -333,3 +334,19 @@ def test_the_login_page_says_why_the_throttle_refused_a_login(app):
         page.wait_for_function("id => (document.getElementById(id)?.textContent || '').startsWith('Too many')",
                                arg=LOGIN_REFUSAL_ID, timeout=30_000)
         assert page.locator("#ig-message").count() == 0
+
+
+def test_a_forged_forwarded_for_gets_no_fresh_login_attempts(app):
+    """uvicorn believed X-Forwarded-For from a loopback peer, so a local program naming a new address with each
+    wrong key was never throttled (issue 34): the throttle counts the connection's own address. Last in this
+    module: 127.0.0.1 is throttled afterwards (by the test before, too, which this one does not need)."""
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    statuses = []
+    for attempt in range(LoginThrottle().attempts + 1):
+        forged = {**form, "x-forwarded-for": f"203.0.113.{attempt + 1}", "x-forwarded-proto": "https"}
+        status, headers, _ = call("POST", app.url + "login", b"username=me&password=wrong", forged)
+        statuses.append(status)
+        if status != 400:
+            break
+    assert statuses[-1] == 429 and set(statuses[:-1]) <= {400}, statuses
+    assert int({k.lower(): v for k, v in headers.items()}["retry-after"]) > 0

@@ -13,12 +13,14 @@ treats the app as evil.example itself and lets the page read every answer. Hence
 - without a key, a POST to /v1 (or /tokenize) must be `application/json`, which a browser sends cross-site only
   after a CORS preflight that this app never grants;
 - an `Access-Control-Allow-Origin` naming any origin but the app's own is removed from every answer;
-- /login answers a few failed attempts a minute per client address (`LoginThrottle`).
+- /login answers a few failed attempts a minute per client address (`LoginThrottle`), the address the
+  connection comes from: `ignore_forwarded_headers()` keeps uvicorn from taking it from `X-Forwarded-For`.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import threading
 import time
 from collections import deque
@@ -182,6 +184,17 @@ class LoginThrottle:
             if len(self._failures) > 10_000:  # many addresses: forget those with nothing recent
                 self._failures = {k: v for k, v in self._failures.items() if v and now - v[-1] < self.window_s}
             self._failures.setdefault(_client(scope), deque()).append(now)
+
+
+def ignore_forwarded_headers() -> None:
+    """Make uvicorn servers configured after this call keep the connection's own address as the request's
+    client. By default uvicorn believes `X-Forwarded-For` (and `X-Forwarded-Proto`) from a loopback peer: any
+    local process could then name a new address for each login and never meet `LoginThrottle`. Gradio's
+    launch() builds its uvicorn.Config without `forwarded_allow_ips`, so uvicorn reads FORWARDED_ALLOW_IPS:
+    empty trusts no peer. The app runs on the user's machine, not behind a proxy; someone who puts it behind
+    one sets FORWARDED_ALLOW_IPS to the proxy's address themselves (kept as set), and the throttle then counts
+    the addresses that proxy forwards."""
+    os.environ.setdefault("FORWARDED_ALLOW_IPS", "")
 
 
 def _client(scope) -> str:
