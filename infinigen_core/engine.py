@@ -32,7 +32,7 @@ from .fetch import DeviceKeeping, make_fetcher
 from .kv_pool import KVPool, release_pinned_memory
 from .policies import POLICIES, PolicyContext
 from .prefix import common_prefix_length
-from .rows import export_rows, import_rows
+from .rows import export_rows, import_rows, stored_partial_keys
 from .stats import StepStats
 from .step import LayerWork, Step
 from .weights import plain_fp32_weights, weights_label
@@ -264,21 +264,31 @@ class InfiniGenEngine:
 
     # ------------------------------------------------------------------ restore / export (sessions)
     @torch.inference_mode()
-    def export_rows(self, start: int, end: int) -> dict[str, torch.Tensor]:
-        """K/V rows of positions [start, end) per layer, plus their token ids, as CPU tensors (see rows.py)."""
+    def export_rows(self, start: int, end: int, partial_keys: bool = False) -> dict[str, torch.Tensor]:
+        """K/V rows of positions [start, end) per layer, plus their token ids, as CPU tensors (see rows.py); with
+        `partial_keys` also the policy's partial keys of those rows, where it keeps them (`partial_key_digests`
+        says for which layers, and what they were made with)."""
         self.fetcher.flush()
-        return export_rows(self.pool, self.token_ids, start, end)
+        export = self.policy.export_partial_keys if partial_keys else None
+        return export_rows(self.pool, self.token_ids, start, end, export)
+
+    def partial_key_digests(self) -> dict[int, str]:
+        """Per layer whose partial keys `export_rows` gives, a digest of what they depend on besides the keys
+        (the layer's skewed channels): saved partial keys are reusable where the digest is the same."""
+        return self.policy.partial_key_digests()
 
     @torch.inference_mode()
     def import_rows(self, chunks: Iterable[dict[str, torch.Tensor]]) -> int:
         """Restore exported chunks (in order) after the current tokens, rebuilding partial keys; no model run.
 
         A chunk's K/V are in any dtype or int8 codes with their scales (rows.py); either way they are written
-        straight into the pool's slots.
+        straight into the pool's slots. Partial keys a chunk carries (`pk.L`, made where `partial_key_digests`
+        are this engine's: the caller checks) are taken as they are; the others are recomputed from the keys.
         """
         self.fetcher.flush()
+        chunks = list(chunks)
         restored = import_rows(self.pool, self.token_ids, chunks)
-        self.policy.rebuild()
+        self.policy.rebuild(stored_partial_keys(chunks, self.adapter.num_layers))
         self.fetcher.rebuild()
         return restored
 

@@ -41,6 +41,7 @@ from .snapshots import (
     EXACT_FORMAT,
     INT8_FORMAT,
     INT8_PER_TOKEN_FORMAT,
+    INT8_REBUILT_FORMAT,
     ChunkError,
     ChunkRecord,
     parse_chunk,
@@ -64,7 +65,7 @@ HEADER_ALLOWANCE = 64 * 2**10  # a chunk's safetensors header: its metadata, bes
 PER_TENSOR_ALLOWANCE = 256  # '"k_channel_scale.4095":{"dtype":"F16","shape":[...],"data_offsets":[...]},'
 COPY_BLOCK = 2**20
 SIGNATURE_KEYS = ("model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "skew")
-_CHUNK_FORMATS = (EXACT_FORMAT, INT8_FORMAT, INT8_PER_TOKEN_FORMAT)
+_CHUNK_FORMATS = (EXACT_FORMAT, INT8_FORMAT, INT8_REBUILT_FORMAT, INT8_PER_TOKEN_FORMAT)
 # what export writes (stored) or a zip tool may (deflate); both unpack a bounded amount per read, which
 # Python's bzip2 and LZMA readers do not
 _COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
