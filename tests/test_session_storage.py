@@ -236,11 +236,13 @@ def test_int8_chunks_restore_the_live_partial_keys_and_its_selections(decoded, t
                    for a, b in zip(step, expected))
 
 
-def _rebuilt_from_pool(engine):
-    """The partial keys the engine's policy computes from its pool's keys as they are now."""
+def _recomputed(engine, layers=None):
+    """Whether the engine holds, in `layers` (default: every sparse one), the partial keys its policy computes
+    from its pool's keys as they are now (it computes them again: call it last)."""
+    held = _partial_keys(engine)
     with torch.inference_mode():
         engine.policy.rebuild()
-    return _partial_keys(engine)
+    return all(torch.equal(held[layer], engine.policy.partial_keys(layer)) for layer in layers or held)
 
 
 def test_partial_keys_made_otherwise_are_recomputed(decoded, tiny_llama, tmp_path):
@@ -255,7 +257,7 @@ def test_partial_keys_made_otherwise_are_recomputed(decoded, tiny_llama, tmp_pat
     restored.import_rows([chunk])
     assert torch.equal(restored.policy.partial_keys(3), live_keys[3])
     assert not torch.equal(restored.policy.partial_keys(2), live_keys[2])
-    assert torch.equal(restored.policy.partial_keys(2), _rebuilt_from_pool(restored)[2])
+    assert _recomputed(restored, [2])
 
     record = write_chunk(tmp_path, "s", rows, signature, 0, "int8", digests)
     other_ratio = make_tiny_engine(tiny_llama, partial_ratio=0.25)  # other channels: other digests, another r
@@ -264,13 +266,13 @@ def test_partial_keys_made_otherwise_are_recomputed(decoded, tiny_llama, tmp_pat
     assert not any(name.startswith("pk.") for name in chunk)
     other_ratio.import_rows([chunk])
     assert other_ratio.policy.partial_keys(2).shape[-1] == 4
-    assert all(torch.equal(other_ratio.policy.partial_keys(l), k) for l, k in _rebuilt_from_pool(other_ratio).items())
+    assert _recomputed(other_ratio)
 
     fewer_dense = make_tiny_engine(tiny_llama, dense_layers=1)  # layer 1 is sparse too: recomputed; 2 and 3 taken
     assert fewer_dense.partial_key_digests()[2] == digests[2]
     fewer_dense.import_rows([read_chunk(tmp_path, record, signature, fewer_dense.partial_key_digests())])
     assert torch.equal(fewer_dense.policy.partial_keys(2), live_keys[2])
-    assert torch.equal(fewer_dense.policy.partial_keys(1), _rebuilt_from_pool(fewer_dense)[1])
+    assert _recomputed(fewer_dense, [1])
 
     h2o = make_tiny_engine(tiny_llama, policy="h2o")
     assert h2o.partial_key_digests() == {}
@@ -279,9 +281,26 @@ def test_partial_keys_made_otherwise_are_recomputed(decoded, tiny_llama, tmp_pat
     # saved partial keys that do not fit the layer (a forged digest) are recomputed rather than trusted
     forged = dict(read_chunk(tmp_path, record, signature, digests))
     forged["pk.2"] = forged["pk.2"][..., :4]
-    other_ratio.reset()
-    other_ratio.import_rows([forged])
-    assert torch.equal(other_ratio.policy.partial_keys(2), _rebuilt_from_pool(other_ratio)[2])
+    trusting = make_tiny_engine(tiny_llama)
+    trusting.import_rows([forged])
+    assert torch.equal(trusting.policy.partial_keys(3), live_keys[3])
+    assert _recomputed(trusting, [2])
+
+
+def test_a_settings_change_keeps_the_restored_partial_keys(decoded, tiny_llama, tmp_path):
+    """Settings build a new policy over the same pool: the layers whose digest stays keep the partial keys the
+    chunk gave, instead of recomputing them from the int8-rounded keys."""
+    live, rows = decoded
+    signature, digests, live_keys = live.kv_signature(), live.partial_key_digests(), _partial_keys(live)
+    record = write_chunk(tmp_path, "s", rows, signature, 0, "int8", digests)
+    restored = _restored(tiny_llama, tmp_path, record, signature, digests)
+    restored.configure(restored.config.with_changes(alpha=3.0, dense_layers=1, pool_limit_tokens=1000))
+    for layer, keys in live_keys.items():
+        assert torch.equal(restored.policy.partial_keys(layer), keys)
+    assert _recomputed(restored, [1])  # newly sparse: computed
+    other_ratio = _restored(tiny_llama, tmp_path, record, signature, digests)
+    other_ratio.configure(other_ratio.config.with_changes(partial_ratio=0.25))  # other channels: recomputed
+    assert other_ratio.policy.partial_keys(2).shape[-1] == 4 and _recomputed(other_ratio)
 
 
 def test_int8_chunks_without_partial_keys_still_restore(decoded, tiny_llama, tmp_path):
@@ -293,7 +312,7 @@ def test_int8_chunks_without_partial_keys_still_restore(decoded, tiny_llama, tmp
     assert chunk_metadata(data)["format"] == INT8_REBUILT_FORMAT and b"pk.2" not in data
     restored = _restored(tiny_llama, tmp_path, previous, signature, digests)
     assert restored.token_ids == live.token_ids
-    assert all(torch.equal(restored.policy.partial_keys(l), k) for l, k in _rebuilt_from_pool(restored).items())
+    assert _recomputed(restored)
     plain = {name: t for name, t in rows.items() if not name.startswith("pk.")}  # rows of a full or h2o engine
     record = write_chunk(tmp_path, "t", plain, signature, 0, "int8", {})
     assert "partial_keys" not in chunk_metadata((tmp_path / record.file).read_bytes())

@@ -130,9 +130,9 @@ class InfiniGenPolicy(KVPolicy):
         found = torch.searchsorted(positions, held).clamp_(max=positions.numel() - 1)
         hit = positions[found] == held
         slots = hit.nonzero().squeeze(1)
-        rows = order[found[slots]].to(partial.device)
-        keys = partial.index_select(1, rows).to(self.ctx.compute_device)
-        cache.index_copy_(2, slots.to(self.ctx.compute_device), self._stored(keys).transpose(1, 2))
+        device = self.ctx.compute_device
+        keys = partial.to(device).index_select(1, order[found[slots]].to(device))
+        cache.index_copy_(2, slots.to(device), self._stored(keys).transpose(1, 2))
         return (~hit).nonzero().squeeze(1)
 
     def partial_key_digests(self) -> dict[int, str]:
