@@ -78,8 +78,8 @@ STAGING_PREFIX = ".import-"
 class ImportLimits:
     """What an imported session may hold. `window`: the loaded model's context window in tokens (None: not
     known, only the file's own consistency is checked); `total_bytes`: all of its KV chunks together, the same
-    bound as an upload's (ui/request_limits.py). A full 8,192-token window of the default model is ~97 MB in
-    int8 (11,891 bytes a token) and ~380 MB exact in float32."""
+    bound as an upload's (ui/request_limits.py). A full 8,192-token window of the default model is ~141 MB in
+    int8 (17,267 bytes a token, its partial keys included) and ~380 MB exact in float32."""
 
     window: int | None = None
     total_bytes: int = 2**30
