@@ -66,12 +66,13 @@ def evict_from_page_cache(path: Path) -> None:
 
 
 def _copy_session(source: SessionStore, source_id: str, target: SessionStore, rows: dict, signature: dict,
-                  tokens: int, kv_format: str) -> tuple[str, ChunkRecord]:
-    """The built conversation as a session of `target`, its KV written in `kv_format` as one chunk."""
+                  tokens: int, kv_format: str, partial_keys: dict[int, str]) -> tuple[str, ChunkRecord]:
+    """The built conversation as a session of `target`, its KV written in `kv_format` as one chunk (with the
+    partial keys where the format holds them)."""
     session_id = target.create("resume benchmark")
     for m in source.messages(source_id):
         target.add_message(session_id, m.role, m.content, m.token_start, m.token_end)
-    record = write_chunk(target.data_dir, session_id, rows, signature, 0, kv_format)
+    record = write_chunk(target.data_dir, session_id, rows, signature, 0, kv_format, partial_keys)
     target.add_chunk(session_id, record, signature, tokens)
     return session_id, record
 
@@ -100,7 +101,8 @@ def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = No
             # it is a past turn (a plain transcript strips it), and the session's chunk must end where both agree
             tokens = common_prefix_length(engine.token_ids, full_prompt)
             engine.truncate(tokens)
-            rows, signature = engine.export_rows(0, tokens), engine.kv_signature()
+            rows, signature = engine.export_rows(0, tokens, partial_keys=True), engine.kv_signature()
+            partial_keys = engine.partial_key_digests()
             say(f"scoring {ppl_tokens} tokens of the following text on the uninterrupted conversation")
             uninterrupted_nll = _mean_nll(engine, following)
             engine.truncate(tokens)
@@ -117,7 +119,8 @@ def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = No
             # is written as the app would)
             store = SessionStore(root / kv_format, StorageConfig(kv_format=kv_format if kv_format in KV_FORMATS
                                                                  else "int8"))
-            session_id, chunk = _copy_session(build, built_id, store, rows, signature, tokens, kv_format)
+            session_id, chunk = _copy_session(build, built_id, store, rows, signature, tokens, kv_format,
+                                              partial_keys)
             delta = None  # scored after the cold reopen; the warm one reads the same chunk
             for cold in (True, False):
                 if cold:

@@ -33,7 +33,7 @@ from .kv_pool import KVPool, release_pinned_memory
 from .pool_lifecycle import return_freed_heap
 from .policies import POLICIES, PolicyContext
 from .prefix import common_prefix_length
-from .rows import export_rows, import_rows
+from .rows import export_rows, import_rows, stored_partial_keys
 from .stats import StepStats
 from .step import LayerWork, Step
 from .weights import plain_fp32_weights, weights_label
@@ -139,6 +139,7 @@ class InfiniGenEngine:
         old_pool = self.pool
         if self.fetcher is not None:
             self.fetcher.flush()  # every pending write lands in the old pool first
+        carried, digests = ({}, {}) if old_pool is None else (self._partial_keys_held(), self.partial_key_digests())
         if old_pool is None or not old_pool.same_layout(**layout):
             self.pool = KVPool(self.adapter.num_layers, self.adapter.num_kv_heads, self.adapter.head_dim, self.dtype,
                                **layout)
@@ -150,6 +151,11 @@ class InfiniGenEngine:
         context = PolicyContext(self.pool, config, self.adapter, self._attention_modules, self.device, self.skew_set,
                                 self.kernels)
         self.policy = policy_class(context)
+        # a restored pool's keys may be int8-rounded: keep the partial keys it was restored with where they fit
+        carried = {layer: held for layer, held in carried.items()
+                   if self.policy.partial_key_digests().get(layer) == digests[layer]}
+        if carried:
+            self.policy.rebuild(carried)
         self.attention = PoolAttention(self.pool, self.adapter, self.policy, self.device, self.kernels)
         if self.fetcher is not None:
             self.fetcher.close()
@@ -157,6 +163,19 @@ class InfiniGenEngine:
                                     rows_in_place=self.kernels is not None, zero_copy=config.zero_copy_fetch,
                                     keep=DeviceKeeping.for_policy(self.policy, self.adapter, config))
         self.work = LayerWork(self.pool, self.policy, self.fetcher, self.attention, self.adapter, config)
+
+    def _partial_keys_held(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The current policy's partial keys with their positions, per layer (a settings change that keeps a
+        layer's digest takes them over rather than recomputing them from the pool's keys)."""
+        if not self.pool.size():
+            return {}
+        slots = torch.arange(self.pool.size(), device=self.pool.device)
+        held = {}
+        for layer in self.policy.partial_key_digests():
+            partial = self.policy.export_partial_keys(layer, slots)
+            if partial is not None:
+                held[layer] = (self.pool.positions(layer).cpu().clone(), partial)
+        return held
 
     def prepare(self, new_tokens: int) -> None:
         """Make room now for `new_tokens` more tokens, so no step of the coming reply allocates pool memory."""
@@ -268,21 +287,31 @@ class InfiniGenEngine:
 
     # ------------------------------------------------------------------ restore / export (sessions)
     @torch.inference_mode()
-    def export_rows(self, start: int, end: int) -> dict[str, torch.Tensor]:
-        """K/V rows of positions [start, end) per layer, plus their token ids, as CPU tensors (see rows.py)."""
+    def export_rows(self, start: int, end: int, partial_keys: bool = False) -> dict[str, torch.Tensor]:
+        """K/V rows of positions [start, end) per layer, plus their token ids, as CPU tensors (see rows.py); with
+        `partial_keys` also the policy's partial keys of those rows, where it keeps them (`partial_key_digests`
+        says for which layers, and what they were made with)."""
         self.fetcher.flush()
-        return export_rows(self.pool, self.token_ids, start, end)
+        export = self.policy.export_partial_keys if partial_keys else None
+        return export_rows(self.pool, self.token_ids, start, end, export)
+
+    def partial_key_digests(self) -> dict[int, str]:
+        """Per layer whose partial keys `export_rows` gives, a digest of what they depend on besides the keys
+        (the layer's skewed channels): saved partial keys are reusable where the digest is the same."""
+        return self.policy.partial_key_digests()
 
     @torch.inference_mode()
     def import_rows(self, chunks: Iterable[dict[str, torch.Tensor]]) -> int:
         """Restore exported chunks (in order) after the current tokens, rebuilding partial keys; no model run.
 
         A chunk's K/V are in any dtype or int8 codes with their scales (rows.py); either way they are written
-        straight into the pool's slots.
+        straight into the pool's slots. Partial keys a chunk carries (`pk.L`, made where `partial_key_digests`
+        are this engine's: the caller checks) are taken as they are; the others are recomputed from the keys.
         """
         self.fetcher.flush()
+        chunks = list(chunks)
         restored = import_rows(self.pool, self.token_ids, chunks)
-        self.policy.rebuild()
+        self.policy.rebuild(stored_partial_keys(chunks, self.adapter.num_layers))
         self.fetcher.rebuild()
         return restored
 

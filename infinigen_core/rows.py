@@ -6,12 +6,14 @@
 A chunk maps `tensor_name(kind, layer)` (`k.3`, `pos.3`) to each layer's rows, sorted by position, and
 TOKEN_IDS to the token ids. Keys and values are in any dtype, or int8 codes with KEY_SCALES / VALUE_SCALES
 [kv_heads, rows] beside them (row = codes * scale) and perhaps KEY_CHANNEL_SCALES [kv_heads, dim] (each
-key channel times its scale); the pool widens codes as it copies them in.
+key channel times its scale); the pool widens codes as it copies them in. A sparse layer may also carry
+PARTIAL_KEYS [kv_heads, rows, r]: InfiniGen's partial keys of those rows as the live engine held them, which a
+restore takes instead of recomputing them from (rounded) keys (`stored_partial_keys`, the policy's rebuild).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -20,6 +22,9 @@ from .kv_pool import KVPool
 TOKEN_IDS = "token_ids"
 KEYS, VALUES, POSITIONS = "k", "v", "pos"
 KEY_SCALES, VALUE_SCALES, KEY_CHANNEL_SCALES = "k_scale", "v_scale", "k_channel_scale"
+PARTIAL_KEYS = "pk"
+# per layer, the partial keys of a layer's slots [kv_heads, n, r] (CPU), or None where it keeps none
+PartialKeyExport = Callable[[int, torch.Tensor], "torch.Tensor | None"]
 
 
 def tensor_name(kind: str, layer: int) -> str:
@@ -32,8 +37,10 @@ def layers_in(rows: Mapping[str, torch.Tensor]) -> int:
     return sum(1 for name in rows if name.startswith(POSITIONS + "."))
 
 
-def export_rows(pool: KVPool, token_ids: list[int], start: int, end: int) -> dict[str, torch.Tensor]:
-    """K/V rows of positions [start, end) per layer, plus their token ids, as CPU tensors."""
+def export_rows(pool: KVPool, token_ids: list[int], start: int, end: int,
+                partial_keys: PartialKeyExport | None = None) -> dict[str, torch.Tensor]:
+    """K/V rows of positions [start, end) per layer, plus their token ids, as CPU tensors; with `partial_keys`
+    also the partial keys of the same rows, for the layers it returns them for."""
     tensors = {TOKEN_IDS: torch.tensor(token_ids[start:end], dtype=torch.int64)}
     for layer in range(pool.num_layers):
         positions = pool.positions(layer)
@@ -42,7 +49,27 @@ def export_rows(pool: KVPool, token_ids: list[int], start: int, end: int) -> dic
         tensors[tensor_name(KEYS, layer)] = pool.keys(layer)[:, rows].cpu().contiguous()
         tensors[tensor_name(VALUES, layer)] = pool.values(layer)[:, rows].cpu().contiguous()
         tensors[tensor_name(POSITIONS, layer)] = positions[rows].cpu().contiguous()
+        partial = partial_keys(layer, rows) if partial_keys is not None else None
+        if partial is not None:
+            tensors[tensor_name(PARTIAL_KEYS, layer)] = partial
     return tensors
+
+
+def stored_partial_keys(chunks: Iterable[Mapping[str, torch.Tensor]],
+                        num_layers: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the rows whose partial keys the chunks carry: (positions [n], partial keys [kv_heads, n, r]),
+    in the chunks' order. Rows of a chunk without them (an exact chunk, an older one) are not in it."""
+    stored = {}
+    chunks = list(chunks)
+    for layer in range(num_layers):
+        name = tensor_name(PARTIAL_KEYS, layer)
+        carrying = [chunk for chunk in chunks if name in chunk]
+        if len(carrying) == 1:
+            stored[layer] = (carrying[0][tensor_name(POSITIONS, layer)], carrying[0][name])
+        elif carrying:
+            stored[layer] = (torch.cat([chunk[tensor_name(POSITIONS, layer)] for chunk in carrying]),
+                             torch.cat([chunk[name] for chunk in carrying], dim=1))
+    return stored
 
 
 def import_rows(pool: KVPool, token_ids: list[int], chunks: Iterable[Mapping[str, torch.Tensor]]) -> int:

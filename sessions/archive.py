@@ -41,6 +41,7 @@ from .snapshots import (
     EXACT_FORMAT,
     INT8_FORMAT,
     INT8_PER_TOKEN_FORMAT,
+    INT8_REBUILT_FORMAT,
     ChunkError,
     ChunkRecord,
     parse_chunk,
@@ -62,9 +63,10 @@ MAX_GEOMETRY = 4096  # layers, KV heads, head dimension: far above any model thi
 MAX_KV_WIDTH = 2**21  # layers x KV heads x head dim: OPT-175B (96 x 96 x 128) has 1.18M, Llama-3-405B 129k
 HEADER_ALLOWANCE = 64 * 2**10  # a chunk's safetensors header: its metadata, beside the signature's strings
 PER_TENSOR_ALLOWANCE = 256  # '"k_channel_scale.4095":{"dtype":"F16","shape":[...],"data_offsets":[...]},'
+PARTIAL_KEY_DIGEST_ALLOWANCE = 64  # a layer's '"4095": "<16 hex digits>", ' in the partial_keys metadata, escaped
 COPY_BLOCK = 2**20
 SIGNATURE_KEYS = ("model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "skew")
-_CHUNK_FORMATS = (EXACT_FORMAT, INT8_FORMAT, INT8_PER_TOKEN_FORMAT)
+_CHUNK_FORMATS = (EXACT_FORMAT, INT8_FORMAT, INT8_REBUILT_FORMAT, INT8_PER_TOKEN_FORMAT)
 # what export writes (stored) or a zip tool may (deflate); both unpack a bounded amount per read, which
 # Python's bzip2 and LZMA readers do not
 _COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
@@ -76,8 +78,8 @@ STAGING_PREFIX = ".import-"
 class ImportLimits:
     """What an imported session may hold. `window`: the loaded model's context window in tokens (None: not
     known, only the file's own consistency is checked); `total_bytes`: all of its KV chunks together, the same
-    bound as an upload's (ui/request_limits.py). A full 8,192-token window of the default model is ~97 MB in
-    int8 (11,891 bytes a token) and ~380 MB exact in float32."""
+    bound as an upload's (ui/request_limits.py). A full 8,192-token window of the default model is ~141 MB in
+    int8 (17,267 bytes a token, its partial keys included) and ~380 MB exact in float32."""
 
     window: int | None = None
     total_bytes: int = 2**30
@@ -95,20 +97,24 @@ def max_chunk_bytes(signature: dict[str, str], tokens: int) -> int:
 
     Per layer: exact holds K and V in the signature's dtype [heads, n, dim] and int64 positions [n]; int8
     holds int8 codes for both, float16 per-row scales [heads, n] for both, optional positions and float16
-    key channel scales [heads, dim]. Beside them: int64 token ids [n] and the JSON header. (snapshots.py
-    validates this layout in check_shapes but has no function that sizes it, hence the sum here.)
+    key channel scales [heads, dim], and (format /4) perhaps partial keys [heads, n, r <= dim] of up to 4
+    bytes. Beside them: int64 token ids [n] and the JSON header. (snapshots.py validates this layout in
+    check_shapes but has no function that sizes it, hence the sum here.)
     """
     layers, heads, dim = (int(signature[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
     item = _itemsize(_KV_DTYPES[signature["dtype"]])
-    exact_row, int8_row = 2 * dim * item, 2 * dim * _itemsize(torch.int8) + 2 * _itemsize(torch.float16)
+    exact_row = 2 * dim * item
+    int8_row = 2 * dim * _itemsize(torch.int8) + 2 * _itemsize(torch.float16) + dim * _itemsize(torch.float32)
     per_layer = (heads * tokens * max(exact_row, int8_row) + heads * dim * _itemsize(torch.float16)
                  + tokens * _itemsize(torch.int64))
     return 8 + _header_bound(signature) + tokens * _itemsize(torch.int64) + layers * per_layer
 
 
 def _header_bound(signature: dict[str, str]) -> int:
-    tensors = 1 + 6 * int(signature["num_layers"])  # token ids; k, v, pos, k_scale, v_scale, k_channel_scale
-    return HEADER_ALLOWANCE + sum(len(v) for v in signature.values()) + PER_TENSOR_ALLOWANCE * tensors
+    layers = int(signature["num_layers"])
+    tensors = 1 + 7 * layers  # token ids; k, v, pos, k_scale, v_scale, k_channel_scale, pk
+    return (HEADER_ALLOWANCE + sum(len(v) for v in signature.values()) + PER_TENSOR_ALLOWANCE * tensors
+            + PARTIAL_KEY_DIGEST_ALLOWANCE * layers)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -167,7 +167,7 @@ class ChatSession(StoredConversation):
         if record.start != engine.num_tokens or not record.start < up_to <= record.end:
             return 0
         try:
-            rows = read_chunk(self.store.data_dir, record, engine.kv_signature())
+            rows = read_chunk(self.store.data_dir, record, engine.kv_signature(), engine.partial_key_digests())
         except ChunkError:
             return 0  # the tokens are simply read again
         engine.import_rows([rows])
@@ -182,7 +182,8 @@ class ChatSession(StoredConversation):
         engine.reset()
         self.store.remove_leftovers(self.id)
         choice = which_chunks(self.store, self.id, engine)
-        tensors, read_up_to, problem = read_chunks(self.store, choice, signature, progress)
+        tensors, read_up_to, problem = read_chunks(self.store, choice, signature, progress,
+                                                   engine.partial_key_digests())
         if problem:
             self.store.drop_chunks_from(self.id, read_up_to if tensors else -1)
         restored = engine.import_rows(tensors) if tensors else 0

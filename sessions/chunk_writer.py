@@ -97,26 +97,29 @@ class SessionChunks:
             self.store.update(self.id, token_count=len(ids))
             return
         ends = [boundary] if boundary is not None and start < boundary < len(ids) else []
+        kv_format = kv_format or self.store.storage.kv_format
+        # the int8 format also holds the partial keys as the engine has them (snapshots.py); exact needs none
+        partial_keys = engine.partial_key_digests() if kv_format != "exact" else None
         pieces: list[Piece] = []
         for end in ends + [len(ids)]:
-            pieces.append((start, end, engine.export_rows(start, end)))
+            pieces.append((start, end, engine.export_rows(start, end, partial_keys=bool(partial_keys))))
             start = end
         signature, self.saved_ids = engine.kv_signature(), list(ids)
-        kv_format = kv_format or self.store.storage.kv_format
         if background:
-            self._pending = BackgroundWrite(lambda: self._write(pieces, signature, kv_format))
+            self._pending = BackgroundWrite(lambda: self._write(pieces, signature, kv_format, partial_keys))
             return
         try:
-            self._write(pieces, signature, kv_format)
+            self._write(pieces, signature, kv_format, partial_keys)
         except BaseException:
             self._forget_unsaved()
             raise
 
-    def _write(self, pieces: list[Piece], signature: dict[str, str], kv_format: str) -> None:
+    def _write(self, pieces: list[Piece], signature: dict[str, str], kv_format: str,
+               partial_keys: dict[int, str] | None) -> None:
         """Encode and write exported rows as chunks, in order, each registered once its file is durable; chunks
         on disk from a piece's start on (stand-ins) are swapped for it in one transaction."""
         for start, end, rows in pieces:
-            record = write_chunk(self.store.data_dir, self.id, rows, signature, start, kv_format)
+            record = write_chunk(self.store.data_dir, self.id, rows, signature, start, kv_format, partial_keys)
             stored = self.store.chunks(self.id)
             kept = [chunk for chunk in stored if chunk.start < start]
             if len(kept) == len(stored):

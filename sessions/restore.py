@@ -3,7 +3,7 @@
 ChatSession._restore (chat.py) reads the chunks this chooses, then re-reads what they do not hold:
 
     choice = which_chunks(store, session_id, engine)     # this model's own chunks, legacy ones re-signed
-    rows, end, problem = read_chunks(store, choice, engine.kv_signature(), progress)
+    rows, end, problem = read_chunks(store, choice, engine.kv_signature(), progress, engine.partial_key_digests())
     problem = problem or missing_cache(store, session_id, restored, choice)
 """
 
@@ -48,15 +48,16 @@ def which_chunks(store: SessionStore, session_id: str, engine) -> ChunkChoice:
 
 
 def read_chunks(store: SessionStore, choice: ChunkChoice, signature: dict[str, str],
-                progress: Progress | None) -> tuple[list, int, str]:
+                progress: Progress | None, partial_keys: dict[int, str] | None = None) -> tuple[list, int, str]:
     """The chosen chunks' rows in order, up to the first missing or unusable one: (rows, the token where they
-    end, why the rest could not be read or else the choice's own problem)."""
+    end, why the rest could not be read or else the choice's own problem). `partial_keys`: the engine's
+    partial_key_digests, whose saved partial keys the rows keep (snapshots.read_chunk)."""
     tensors, expected_start, problem = [], 0, choice.problem
     for record in choice.records:
         try:
             if record.start != expected_start:
                 raise ChunkError(f"chunk {expected_start}-{record.start} is missing")
-            tensors.append(read_chunk(store.data_dir, record, signature))
+            tensors.append(read_chunk(store.data_dir, record, signature, partial_keys))
         except ChunkError as error:
             problem = str(error)
             break

@@ -10,7 +10,7 @@ The encodings, told apart by the `format` metadata, so every chunk says how to r
 
 - `exact` (`infinigen-kv-chunk/1`, what every earlier version wrote): K/V rows in the engine's compute
   dtype, positions per layer. Restores bit for bit.
-- `int8` (`infinigen-kv-chunk/3`, the default): each K/V row of one head is stored as int8 codes with one
+- `int8` (`infinigen-kv-chunk/4`, the default): each K/V row of one head is stored as int8 codes with one
   float16 scale (max |x| / 127, symmetric), i.e. per token and head. Keys have a few channels far larger
   than the rest, which would leave the others only a handful of int8 steps, so in a chunk of at least
   `KEY_SMOOTHING_MIN_ROWS` rows each key channel of a head is first divided by its largest magnitude in the
@@ -19,7 +19,18 @@ The encodings, told apart by the `format` metadata, so every chunk says how to r
   chunk. A layer that holds every position of the chunk (no pool limit evicted anything) stores no
   position list. For SmolLM2-135M that is about 11,890 bytes per token against 46,329 (measured
   perplexity change after a resume: docs/BENCHMARKS.md).
-- `int8` as the previous version wrote it (`infinigen-kv-chunk/2`: per-token scales only) is still read.
+  Beside the rows, each sparse layer's InfiniGen partial keys as the live engine held them (`pk.L`, [kv_heads,
+  rows, r] in the cache's own dtype, the same rows as `k.L`), with metadata `partial_keys` naming, per layer, a
+  digest of the key projection they were made with (skew and chosen channels, policies/infinigen.py). A
+  restore takes them as they are where the running policy's digest for that layer is the same, and otherwise
+  recomputes them from the int8 keys as before: recomputed, the rounding moved which rows the rehearsal
+  selects (+0.98% perplexity after a resume at 8k, docs/BENCHMARKS.md); taken, a resume selects as the
+  uninterrupted engine did. The cost: r = partial_ratio x head_dim channels per sparse layer and KV head, 2
+  bytes each in a float16 cache (the CPU kernels' and a float16 GPU's; 4 in a float32 one, the CPU without
+  the kernels); for SmolLM2-135M (30 layers, 2 dense, 3 KV heads, r = 0.5 x 64 = 32), 28 x 3 x 32 x 2 =
+  5,376 bytes per token, on top of the rows' 11,890. A policy without partial keys (full, h2o) writes none.
+- `int8` as earlier versions wrote it is still read: `infinigen-kv-chunk/3` (the above without partial keys,
+  which a restore then recomputes) and `infinigen-kv-chunk/2` (per-token scales only).
 
 Reading maps the file into memory: the checksum runs over the mapping and the tensors handed to the
 engine are views of it, so the only copy is the one into the pool.
@@ -33,6 +44,7 @@ import mmap
 import os
 import struct
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +55,7 @@ from infinigen_core.rows import (
     KEY_CHANNEL_SCALES,
     KEY_SCALES,
     KEYS,
+    PARTIAL_KEYS,
     POSITIONS,
     TOKEN_IDS,
     VALUE_SCALES,
@@ -55,16 +68,20 @@ from .paths import atomic_write_bytes
 
 EXACT_FORMAT = "infinigen-kv-chunk/1"
 INT8_PER_TOKEN_FORMAT = "infinigen-kv-chunk/2"  # read, no longer written
-INT8_FORMAT = "infinigen-kv-chunk/3"
+INT8_REBUILT_FORMAT = "infinigen-kv-chunk/3"  # read, no longer written: no partial keys
+INT8_FORMAT = "infinigen-kv-chunk/4"
 KV_FORMATS = {"int8": INT8_FORMAT, "exact": EXACT_FORMAT}  # setting name -> chunk format written
-# what the resume benchmark can also write, to compare against: the previous default
-BENCHMARK_FORMATS = {**KV_FORMATS, "int8-per-token": INT8_PER_TOKEN_FORMAT}
-_QUANTIZED_FORMATS = (INT8_FORMAT, INT8_PER_TOKEN_FORMAT)
+# what the resume benchmark can also write, to compare against: the previous defaults
+BENCHMARK_FORMATS = {**KV_FORMATS, "int8-rebuilt": INT8_REBUILT_FORMAT, "int8-per-token": INT8_PER_TOKEN_FORMAT}
+_QUANTIZED_FORMATS = (INT8_FORMAT, INT8_REBUILT_FORMAT, INT8_PER_TOKEN_FORMAT)
+_SMOOTHED_FORMATS = (INT8_FORMAT, INT8_REBUILT_FORMAT)
 _READABLE_FORMATS = (EXACT_FORMAT, *_QUANTIZED_FORMATS)
 KEY_SMOOTHING_MIN_ROWS = 512  # from here the channel scales cost at most 0.4% of the key codes (2 bytes a channel)
 INT8_MAX = 127
 _SCALE_DTYPE = torch.float16
 _MAX_HEADER_BYTES = 100_000_000
+PARTIAL_KEYS_METADATA = "partial_keys"  # JSON {layer: digest} of the layers whose partial keys a chunk holds
+_PARTIAL_KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
                        "I32": torch.int32, "I8": torch.int8}
 
@@ -84,10 +101,11 @@ class ChunkRecord:
 
 # ---------------------------------------------------------------------------------------------- writing
 def write_chunk(data_dir: Path, session_id: str, rows: dict[str, torch.Tensor], signature: dict[str, str],
-                start: int, kv_format: str = "int8") -> ChunkRecord:
-    """Persist exported rows (engine.export_rows) for positions [start, start + len(token_ids))."""
+                start: int, kv_format: str = "int8", partial_keys: Mapping[int, str] | None = None) -> ChunkRecord:
+    """Persist exported rows (engine.export_rows) for positions [start, start + len(token_ids)); `partial_keys`:
+    the engine's partial_key_digests, for the partial keys the rows carry (only int8 writes them)."""
     end = start + int(rows[TOKEN_IDS].numel())
-    return _write_blob(data_dir, session_id, start, end, encode_chunk(rows, signature, start, kv_format))
+    return _write_blob(data_dir, session_id, start, end, encode_chunk(rows, signature, start, kv_format, partial_keys))
 
 
 def resign_chunk(data_dir: Path, session_id: str, record: ChunkRecord, old_signature: dict[str, str],
@@ -107,13 +125,25 @@ def _write_blob(data_dir: Path, session_id: str, start: int, end: int, data: byt
     return ChunkRecord(name, start, end, digest, len(data))
 
 
-def encode_chunk(rows: dict[str, torch.Tensor], signature: dict[str, str], start: int, kv_format: str) -> bytes:
+def encode_chunk(rows: dict[str, torch.Tensor], signature: dict[str, str], start: int, kv_format: str,
+                 partial_keys: Mapping[int, str] | None = None) -> bytes:
     if kv_format not in BENCHMARK_FORMATS:
         raise ValueError(f"unknown KV format {kv_format!r}: choose {' or '.join(KV_FORMATS)}")
+    chunk_format = BENCHMARK_FORMATS[kv_format]
     end = start + int(rows[TOKEN_IDS].numel())
-    metadata = {"format": BENCHMARK_FORMATS[kv_format], "start": str(start), "end": str(end), **signature}
-    smooth_keys = BENCHMARK_FORMATS[kv_format] == INT8_FORMAT
-    tensors = rows if kv_format == "exact" else _int8_tensors(rows, start, end, smooth_keys)
+    metadata = {"format": chunk_format, "start": str(start), "end": str(end), **signature}
+    carried = {name: t for name, t in rows.items() if name.startswith(PARTIAL_KEYS + ".")}
+    rows = {name: t for name, t in rows.items() if name not in carried}
+    tensors = rows if kv_format == "exact" else _int8_tensors(rows, start, end, chunk_format in _SMOOTHED_FORMATS)
+    if chunk_format == INT8_FORMAT and carried:
+        digests = {}
+        for name, partial in carried.items():
+            layer = int(name.split(".")[1])
+            if partial_keys is None or layer not in partial_keys:
+                raise ValueError(f"the rows carry partial keys of layer {layer} without their digest")
+            digests[str(layer)] = partial_keys[layer]
+            tensors[name] = partial
+        metadata[PARTIAL_KEYS_METADATA] = json.dumps(digests, sort_keys=True)
     return save_safetensors({name: t.contiguous() for name, t in tensors.items()}, metadata=metadata)
 
 
@@ -151,14 +181,17 @@ def _int8_tensors(rows: dict[str, torch.Tensor], start: int, end: int, smooth_ke
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_chunk(data_dir: Path, record: ChunkRecord, signature: dict[str, str]) -> dict[str, torch.Tensor]:
+def read_chunk(data_dir: Path, record: ChunkRecord, signature: dict[str, str],
+               partial_keys: Mapping[int, str] | None = None) -> dict[str, torch.Tensor]:
     """The chunk as engine.import_rows takes it: views of the memory-mapped file, checked end to end.
 
     K/V are either in the signature's dtype or int8 codes with `k_scale.L` / `v_scale.L` beside them (and,
     where the keys were smoothed, `k_channel_scale.L`); positions are always present (filled in where the
-    file leaves them out).
+    file leaves them out). A layer's saved partial keys (`pk.L`) are kept only where `partial_keys` (the
+    engine's partial_key_digests) names the digest they were made with; the others are left out, and
+    the engine recomputes them.
     """
-    return parse_chunk(map_chunk(data_dir, record), signature, record.start, record.end)
+    return parse_chunk(map_chunk(data_dir, record), signature, record.start, record.end, partial_keys)
 
 
 def map_chunk(data_dir: Path, record: ChunkRecord) -> memoryview:
@@ -242,8 +275,10 @@ def _tensor_views(data: bytes | memoryview) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def parse_chunk(data: bytes | memoryview, signature: dict[str, str], start: int, end: int) -> dict[str, torch.Tensor]:
-    """Decode and validate a chunk blob against the engine's signature and its expected range."""
+def parse_chunk(data: bytes | memoryview, signature: dict[str, str], start: int, end: int,
+                partial_keys: Mapping[int, str] | None = None) -> dict[str, torch.Tensor]:
+    """Decode and validate a chunk blob against the engine's signature and its expected range; saved partial
+    keys are kept where their digest is `partial_keys`' for the layer (read_chunk)."""
     metadata = chunk_metadata(data)
     kv_format = metadata.get("format")
     if kv_format not in _READABLE_FORMATS:
@@ -257,8 +292,30 @@ def parse_chunk(data: bytes | memoryview, signature: dict[str, str], start: int,
     quantized = kv_format in _QUANTIZED_FORMATS
     if quantized:
         _fill_positions(tensors, signature, start, end)
-    check_shapes(tensors, signature, start, end, quantized, smoothed_keys=kv_format == INT8_FORMAT)
+    saved = _partial_key_digests(metadata, int(signature["num_layers"])) if kv_format == INT8_FORMAT else {}
+    check_shapes(tensors, signature, start, end, quantized, smoothed_keys=kv_format in _SMOOTHED_FORMATS,
+                 partial_keys=saved)
+    for layer, digest in saved.items():
+        if partial_keys is None or partial_keys.get(layer) != digest:
+            del tensors[tensor_name(PARTIAL_KEYS, layer)]
     return tensors
+
+
+def _partial_key_digests(metadata: dict[str, str], num_layers: int) -> dict[int, str]:
+    """The `partial_keys` metadata of a chunk: {layer: digest}; {} where it has none."""
+    text = metadata.get(PARTIAL_KEYS_METADATA)
+    if text is None:
+        return {}
+    try:
+        digests = json.loads(text)
+        if not isinstance(digests, dict):
+            raise ValueError
+        saved = {int(layer): digest for layer, digest in digests.items()}
+    except (ValueError, TypeError):
+        raise ChunkError("chunk partial key digests are malformed") from None
+    if not all(0 <= layer < num_layers and isinstance(digest, str) for layer, digest in saved.items()):
+        raise ChunkError("chunk partial key digests are malformed")
+    return saved
 
 
 def _fill_positions(tensors: dict[str, torch.Tensor], signature: dict[str, str], start: int, end: int) -> None:
@@ -268,13 +325,17 @@ def _fill_positions(tensors: dict[str, torch.Tensor], signature: dict[str, str],
 
 
 def check_shapes(tensors: dict[str, torch.Tensor], signature: dict[str, str], start: int, end: int,
-                 quantized: bool = False, smoothed_keys: bool = False) -> None:
+                 quantized: bool = False, smoothed_keys: bool = False,
+                 partial_keys: Mapping[int, str] | None = None) -> None:
     """Every tensor a chunk must hold for this model, in its shape and dtype; `smoothed_keys`: a layer may
-    also hold key channel scales (format /3 writes them for chunks of KEY_SMOOTHING_MIN_ROWS rows or more)."""
+    also hold key channel scales (formats /3 and /4 write them for chunks of KEY_SMOOTHING_MIN_ROWS rows or
+    more); `partial_keys`: the layers whose partial keys it must hold ([kv_heads, rows, r], one r for all)."""
     layers, heads, dim = (int(signature[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
     dtype = torch.int8 if quantized else getattr(torch, signature["dtype"])
     kinds = (KEYS, VALUES, POSITIONS, KEY_SCALES, VALUE_SCALES) if quantized else (KEYS, VALUES, POSITIONS)
     expected_names = {TOKEN_IDS} | {tensor_name(kind, l) for l in range(layers) for kind in kinds}
+    partial_keys = partial_keys or {}
+    expected_names |= {tensor_name(PARTIAL_KEYS, l) for l in partial_keys}
     smoothing = {tensor_name(KEY_CHANNEL_SCALES, l) for l in range(layers)} if smoothed_keys else set()
     if not expected_names <= set(tensors) <= expected_names | smoothing:
         raise ChunkError("chunk does not hold the expected tensors for this model")
@@ -301,3 +362,11 @@ def check_shapes(tensors: dict[str, torch.Tensor], signature: dict[str, str], st
                 raise ChunkError(f"chunk key channel scales of layer {layer} are malformed")
         if rows and (int(positions.min()) < start or int(positions.max()) >= end):
             raise ChunkError(f"chunk positions of layer {layer} fall outside {start}-{end}")
+    channels = {tuple(tensors[tensor_name(PARTIAL_KEYS, l)].shape[2:]) for l in partial_keys}
+    for layer in partial_keys:
+        partial = tensors[tensor_name(PARTIAL_KEYS, layer)]
+        rows = tensors[tensor_name(POSITIONS, layer)].shape[0]
+        if (partial.dim() != 3 or partial.shape[:2] != (heads, rows) or not 0 < partial.shape[2] <= dim
+                or len(channels) != 1 or partial.dtype not in _PARTIAL_KEY_DTYPES
+                or not bool(torch.isfinite(partial).all())):
+            raise ChunkError(f"chunk partial keys of layer {layer} are malformed")

@@ -44,7 +44,8 @@ def _session(store, engine, kv_format):
     store.add_message(session_id, "user", "hello", 0, split)
     store.add_message(session_id, "assistant", "hi", split, engine.num_tokens)
     for start, end in ((0, split), (split, engine.num_tokens)):
-        record = write_chunk(store.data_dir, session_id, engine.export_rows(start, end), signature, start, kv_format)
+        rows = engine.export_rows(start, end, partial_keys=kv_format == "int8")  # as the app writes them
+        record = write_chunk(store.data_dir, session_id, rows, signature, start, kv_format, engine.partial_key_digests())
         store.add_chunk(session_id, record, signature, end)
     return session_id
 
@@ -222,6 +223,7 @@ def test_legitimate_exports_of_both_formats_import_within_the_bound(engine, tmp_
         assert expected.keys() == restored.keys() and all(torch.equal(expected[k], restored[k]) for k in expected)
     if kv_format == "int8":
         assert "k_channel_scale.0" in read_chunk(store.data_dir, store.chunks(imported)[0], signature)
+        assert "pk.2" in read_chunk(store.data_dir, store.chunks(imported)[0], signature, engine.partial_key_digests())
     assert not [p for p in store.data_dir.iterdir() if p.name.startswith(".import-")]  # staging is gone
 
 

@@ -15,14 +15,17 @@ from safetensors.torch import save as save_safetensors
 from infinigen_core.config import SamplingConfig
 from sessions import ChatSession, SessionStore, StorageConfig, parse_size
 from sessions.budget import enforce_disk_limit
+from sessions.chunk_writer import STREAM_MIN_TOKENS, SessionChunks
 from sessions.lock import session_lock
 from sessions.snapshots import (
     EXACT_FORMAT,
     INT8_PER_TOKEN_FORMAT,
+    INT8_REBUILT_FORMAT,
     KEY_SMOOTHING_MIN_ROWS,
     KV_FORMATS,
     ChunkError,
     ChunkRecord,
+    chunk_metadata,
     quantize_rows,
     read_chunk,
     write_chunk,
@@ -181,6 +184,202 @@ def test_damaged_or_forged_int8_chunks_are_refused(tiny, tiny_llama, tmp_path):
                    {**signature, "head_dim": "32"})
 
 
+# ------------------------------------------------------------------------------ int8 chunks: partial keys
+@pytest.fixture
+def decoded(tiny_llama):
+    """A tiny engine after a prompt and some decode steps (so a chunk holds rows of both), and its chunk rows."""
+    engine = make_tiny_engine(tiny_llama)
+    engine.prefill(random_tokens(200, seed=5))
+    for token in random_tokens(10, seed=6):
+        engine.decode(token)
+    return engine, engine.export_rows(0, engine.num_tokens, partial_keys=True)
+
+
+def _partial_keys(engine):
+    return {layer: engine.policy.partial_keys(layer).clone() for layer in engine.policy.sparse_layers}
+
+
+def _restored(tiny_llama, tmp_path, record, signature, digests, **settings):
+    engine = make_tiny_engine(tiny_llama, **settings)
+    engine.import_rows([read_chunk(tmp_path, record, signature, digests)])
+    return engine
+
+
+def _selections(engine, tokens):
+    """The rows each sparse layer selects, per decode step over `tokens`."""
+    chosen = []
+    for token in tokens:
+        engine.decode(token)
+        chosen.append([layer.selected_positions.sort(dim=-1).values.cpu() for layer in engine.history[-1].layers
+                       if layer.sparse])
+    return chosen
+
+
+def test_int8_chunks_restore_the_live_partial_keys_and_its_selections(decoded, tiny_llama, tmp_path):
+    live, rows = decoded
+    signature, digests, live_keys = live.kv_signature(), live.partial_key_digests(), _partial_keys(live)
+    assert sorted(digests) == live.policy.sparse_layers == [2, 3]
+    record = write_chunk(tmp_path, "s", rows, signature, 0, "int8", digests)
+    previous = write_chunk(tmp_path, "s", rows, signature, 0, "int8-rebuilt", digests)  # format /3: none saved
+    assert previous.size < record.size
+    restored = _restored(tiny_llama, tmp_path, record, signature, digests)
+    rebuilt = _restored(tiny_llama, tmp_path, previous, signature, digests)
+    for layer, keys in live_keys.items():
+        assert torch.equal(restored.policy.partial_keys(layer), keys)  # bit for bit, from int8 rows
+        assert not torch.equal(rebuilt.policy.partial_keys(layer), keys)  # recomputed from the rounded keys
+    follow = random_tokens(4, seed=9)
+    uninterrupted = _selections(live, follow)
+    for step, expected in zip(_selections(restored, follow), uninterrupted):  # the rows the live engine selected
+        assert all(torch.equal(a, b) for a, b in zip(step, expected))
+    # what this guards against: recomputed from the rounded keys, the selection moves
+    assert not all(torch.equal(a, b) for step, expected in zip(_selections(rebuilt, follow), uninterrupted)
+                   for a, b in zip(step, expected))
+
+
+def _recomputed(engine, layers=None):
+    """Whether the engine holds, in `layers` (default: every sparse one), the partial keys its policy computes
+    from its pool's keys as they are now (it computes them again: call it last)."""
+    held = _partial_keys(engine)
+    with torch.inference_mode():
+        engine.policy.rebuild()
+    return all(torch.equal(held[layer], engine.policy.partial_keys(layer)) for layer in layers or held)
+
+
+def test_partial_keys_made_otherwise_are_recomputed(decoded, tiny_llama, tmp_path):
+    """A layer whose digest differs (another skew, other channels) or a policy without partial keys falls back to
+    recomputing them from the restored keys; the layers that match still take theirs."""
+    live, rows = decoded
+    signature, digests, live_keys = live.kv_signature(), live.partial_key_digests(), _partial_keys(live)
+    record = write_chunk(tmp_path, "s", rows, signature, 0, "int8", {**digests, 2: "0" * 16})  # layer 2 foreign
+    chunk = read_chunk(tmp_path, record, signature, digests)
+    assert "pk.3" in chunk and "pk.2" not in chunk
+    restored = make_tiny_engine(tiny_llama)
+    restored.import_rows([chunk])
+    assert torch.equal(restored.policy.partial_keys(3), live_keys[3])
+    assert not torch.equal(restored.policy.partial_keys(2), live_keys[2])
+    assert _recomputed(restored, [2])
+
+    record = write_chunk(tmp_path, "s", rows, signature, 0, "int8", digests)
+    other_ratio = make_tiny_engine(tiny_llama, partial_ratio=0.25)  # other channels: other digests, another r
+    assert set(other_ratio.partial_key_digests().values()).isdisjoint(digests.values())
+    chunk = read_chunk(tmp_path, record, signature, other_ratio.partial_key_digests())
+    assert not any(name.startswith("pk.") for name in chunk)
+    other_ratio.import_rows([chunk])
+    assert other_ratio.policy.partial_keys(2).shape[-1] == 4
+    assert _recomputed(other_ratio)
+
+    fewer_dense = make_tiny_engine(tiny_llama, dense_layers=1)  # layer 1 is sparse too: recomputed; 2 and 3 taken
+    assert fewer_dense.partial_key_digests()[2] == digests[2]
+    fewer_dense.import_rows([read_chunk(tmp_path, record, signature, fewer_dense.partial_key_digests())])
+    assert torch.equal(fewer_dense.policy.partial_keys(2), live_keys[2])
+    assert _recomputed(fewer_dense, [1])
+
+    h2o = make_tiny_engine(tiny_llama, policy="h2o")
+    assert h2o.partial_key_digests() == {}
+    h2o.import_rows([read_chunk(tmp_path, record, signature, h2o.partial_key_digests())])
+    assert h2o.token_ids == live.token_ids
+    # saved partial keys that do not fit the layer (a forged digest) are recomputed rather than trusted
+    forged = dict(read_chunk(tmp_path, record, signature, digests))
+    forged["pk.2"] = forged["pk.2"][..., :4]
+    trusting = make_tiny_engine(tiny_llama)
+    trusting.import_rows([forged])
+    assert torch.equal(trusting.policy.partial_keys(3), live_keys[3])
+    assert _recomputed(trusting, [2])
+
+
+def test_a_settings_change_keeps_the_restored_partial_keys(decoded, tiny_llama, tmp_path):
+    """Settings build a new policy over the same pool: the layers whose digest stays keep the partial keys the
+    chunk gave, instead of recomputing them from the int8-rounded keys."""
+    live, rows = decoded
+    signature, digests, live_keys = live.kv_signature(), live.partial_key_digests(), _partial_keys(live)
+    record = write_chunk(tmp_path, "s", rows, signature, 0, "int8", digests)
+    restored = _restored(tiny_llama, tmp_path, record, signature, digests)
+    restored.configure(restored.config.with_changes(alpha=3.0, dense_layers=1, pool_limit_tokens=1000))
+    for layer, keys in live_keys.items():
+        assert torch.equal(restored.policy.partial_keys(layer), keys)
+    assert _recomputed(restored, [1])  # newly sparse: computed
+    other_ratio = _restored(tiny_llama, tmp_path, record, signature, digests)
+    other_ratio.configure(other_ratio.config.with_changes(partial_ratio=0.25))  # other channels: recomputed
+    assert other_ratio.policy.partial_keys(2).shape[-1] == 4 and _recomputed(other_ratio)
+
+
+def test_int8_chunks_without_partial_keys_still_restore(decoded, tiny_llama, tmp_path):
+    """Format /3 (the previous default) and a policy that keeps none: read as before, partial keys recomputed."""
+    live, rows = decoded
+    signature, digests = live.kv_signature(), live.partial_key_digests()
+    previous = write_chunk(tmp_path, "s", rows, signature, 0, "int8-rebuilt", digests)
+    data = (tmp_path / previous.file).read_bytes()
+    assert chunk_metadata(data)["format"] == INT8_REBUILT_FORMAT and b"pk.2" not in data
+    restored = _restored(tiny_llama, tmp_path, previous, signature, digests)
+    assert restored.token_ids == live.token_ids
+    assert _recomputed(restored)
+    plain = {name: t for name, t in rows.items() if not name.startswith("pk.")}  # rows of a full or h2o engine
+    record = write_chunk(tmp_path, "t", plain, signature, 0, "int8", {})
+    assert "partial_keys" not in chunk_metadata((tmp_path / record.file).read_bytes())
+    assert not any(name.startswith("pk.") for name in read_chunk(tmp_path, record, signature, digests))
+    exact = write_chunk(tmp_path, "t", rows, signature, 0, "exact", digests)  # exact needs none: it writes none
+    assert b"pk.2" not in (tmp_path / exact.file).read_bytes()
+
+
+def test_malformed_partial_keys_are_a_chunk_error(decoded, tmp_path):
+    live, rows = decoded
+    signature, digests = live.kv_signature(), live.partial_key_digests()
+    record = write_chunk(tmp_path, "s", rows, signature, 0, "int8", digests)
+    good = {name: t.clone() for name, t in read_chunk(tmp_path, record, signature, digests).items()}
+    metadata = chunk_metadata((tmp_path / record.file).read_bytes())
+    heads, n, r = good["pk.2"].shape
+    nan = good["pk.3"].clone()
+    nan[0, 5, 1] = float("nan")
+    cases = [
+        ({"pk.2": good["pk.2"][:, :-1]}, {}, "partial keys of layer 2 are malformed"),  # a row short
+        ({"pk.2": good["pk.2"][..., :-1]}, {}, "partial keys of layer 2 are malformed"),  # another r than layer 3's
+        ({"pk.3": nan}, {}, "partial keys of layer 3 are malformed"),
+        ({"pk.2": good["pk.2"].to(torch.int8)}, {}, "partial keys of layer 2 are malformed"),
+        ({"pk.2": good["pk.2"].reshape(heads * n, r)}, {}, "partial keys of layer 2 are malformed"),
+        ({"pk.1": good["pk.2"].clone()}, {}, "expected tensors"),  # a layer the digests do not name
+        ({}, {"partial_keys": json.dumps({"2": digests[2]})}, "expected tensors"),  # pk.3 not named
+        ({}, {"partial_keys": json.dumps({"2": digests[2], "3": digests[3], "9": "x"})}, "digests are malformed"),
+        ({}, {"partial_keys": "[1, 2]"}, "digests are malformed"),
+        ({}, {"partial_keys": "{not json"}, "digests are malformed"),
+        ({}, {"format": INT8_REBUILT_FORMAT}, "expected tensors"),  # /3 never held partial keys
+    ]
+    for index, (tensors, changes, message) in enumerate(cases):
+        forged = {name: t for name, t in good.items() if not name.startswith("pos.")}
+        data = save_safetensors({name: t.contiguous() for name, t in {**forged, **tensors}.items()},
+                                metadata={**metadata, **changes})
+        name = f"forged-{index}.safetensors"
+        (tmp_path / name).write_bytes(data)
+        forged_record = ChunkRecord(name, 0, record.end, hashlib.sha256(data).hexdigest(), len(data))
+        with pytest.raises(ChunkError, match=message):
+            read_chunk(tmp_path, forged_record, signature, digests)
+
+
+def test_session_chunks_carry_partial_keys_in_int8_and_stand_ins_none(tiny_llama, tmp_path):
+    engine = make_tiny_engine(tiny_llama)
+    store = SessionStore(tmp_path / "data", StorageConfig(kv_format="int8"))
+    session_id = store.create("Partial keys")
+    chunks = SessionChunks(store, session_id)
+    engine.sync_to(random_tokens(60, seed=3))
+    chunks.persist(engine, background=True)
+    for token in random_tokens(STREAM_MIN_TOKENS, seed=4):
+        engine.decode(token)
+    assert chunks.stream(engine)
+    chunks.wait()
+    prompt, stand_in = store.chunks(session_id)
+    signature, digests = engine.kv_signature(), engine.partial_key_digests()
+    for record, expected in ((prompt, KV_FORMATS["int8"]), (stand_in, EXACT_FORMAT)):
+        assert chunk_metadata((store.data_dir / record.file).read_bytes())["format"] == expected
+    assert {"pk.2", "pk.3"} <= set(read_chunk(store.data_dir, prompt, signature, digests))
+    assert not any(name.startswith("pk.") for name in read_chunk(store.data_dir, stand_in, signature, digests))
+    chunks.persist(engine)  # the turn's end: one int8 chunk replaces the stand-in
+    live_keys = _partial_keys(engine)
+    restored = make_tiny_engine(tiny_llama)
+    restored.import_rows([read_chunk(store.data_dir, record, signature, digests) for record in store.chunks(session_id)])
+    assert restored.token_ids == engine.token_ids
+    for layer, keys in live_keys.items():
+        assert torch.equal(restored.policy.partial_keys(layer), keys)
+
+
 # ------------------------------------------------------------------------------------------ the store
 def _session_with_chunk(store, engine, title, kv_format="int8"):
     session_id = store.create(title)
@@ -273,14 +472,17 @@ def test_default_budget_is_a_share_of_the_free_space(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ real model
-def test_default_model_int8_chunks_fit_in_12000_bytes_per_token(real_engine, tmp_path):
+def test_default_model_int8_chunks_fit_in_12000_bytes_per_token_and_the_partial_keys(real_engine, tmp_path):
     store = SessionStore(tmp_path)
     session_id = store.create("Size")
     with ChatSession.open(store, real_engine, session_id) as chat:
         list(chat.send("Tell me about the sea. " * 40, SamplingConfig(max_new_tokens=4)))
         tokens = real_engine.num_tokens
         rows = real_engine.export_rows(0, tokens)
-    assert sum(c.size for c in store.chunks(session_id)) / tokens <= 12_000
+    partial = real_engine.policy.partial_keys(real_engine.policy.sparse_layers[0])
+    partial_bytes = len(real_engine.policy.sparse_layers) * partial.shape[0] * partial.shape[2] * partial.element_size()
+    assert partial_bytes == 28 * 3 * 32 * 2  # what snapshots.py's docstring states: float16, 28 sparse layers
+    assert sum(c.size for c in store.chunks(session_id)) / tokens <= 12_000 + partial_bytes
     exact = write_chunk(tmp_path, "x", rows, real_engine.kv_signature(), 0, "exact")
     assert exact.size / tokens > 46_000  # float32 on the CPU: the compact format is 4x smaller
 

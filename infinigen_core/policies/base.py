@@ -7,6 +7,7 @@ InfiniGen to prefetch), or late, when the layer itself runs (`select`). Returnin
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -85,8 +86,21 @@ class KVPolicy:
     def finish_step(self, completed: bool) -> None:
         """A forward step ended (`completed` False: it failed and its tokens were taken back)."""
 
-    def rebuild(self) -> None:
-        """The pool's slots were reordered or restored: recompute any per-slot state from it."""
+    def rebuild(self, stored: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """The pool's slots were reordered or restored: recompute any per-slot state from it. `stored`: per
+        layer, (positions, partial keys [kv_heads, n, r]) saved with the rows, for the layers whose
+        `partial_key_digests` the saved ones matched; a policy that keeps partial keys takes them as they are
+        for those positions instead of recomputing them (rows.stored_partial_keys)."""
+
+    def partial_key_digests(self) -> dict[int, str]:
+        """Per layer that keeps partial keys, a digest of what they depend on beside the keys (a saved layer's
+        partial keys are reusable exactly when its digest matches); {} for a policy that keeps none."""
+        return {}
+
+    def export_partial_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
+        """The partial keys of `slots` (pool device) of `layer` as a CPU tensor [kv_heads, n, r], exactly as
+        held; None for a layer without them."""
+        return None
 
     def ensure_capacity(self, capacity: int) -> None:
         """The pool holds up to `capacity` slots per layer now: grow per-slot state to match (before a step)."""

@@ -17,7 +17,7 @@ class H2OPolicy(KVPolicy):
         super().__init__(ctx)
         self.rebuild()
 
-    def rebuild(self) -> None:
+    def rebuild(self, stored=None) -> None:
         pool = self.ctx.pool
         self.scores: list[torch.Tensor | None] = [None] * pool.num_layers
         # each slot's token position, mirrored on the compute device from the pool's (host) map, so that a

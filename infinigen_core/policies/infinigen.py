@@ -18,7 +18,9 @@ best `kept` first, which is all the mask needs), and the partial key cache is fl
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -57,6 +59,8 @@ class InfiniGenPolicy(KVPolicy):
         # every sparse layer's key projection in one batch: a decode step's new partial keys are one product
         self._stacked_key_projections = (torch.cat([self.key_projections[layer] for layer in self.sparse_layers])
                                          if self.sparse_layers else None)
+        self._digests = {layer: projection_digest(ctx.skew_set.partial_projection(layer, self.config.partial_ratio))
+                         for layer in self.sparse_layers}
         self._partial_all: torch.Tensor | None = None  # [sparse layers, kv_heads, r, capacity]
         self.partial_keys_t: list[torch.Tensor | None] = [None] * adapter.num_layers  # views into it
         self._pending_keys: list[torch.Tensor] = []  # this step's new keys, written in one go at its end
@@ -93,18 +97,52 @@ class InfiniGenPolicy(KVPolicy):
         if self._rank_thresholds.shape[1] > capacity + 1:
             self._rank_thresholds = self._rank_thresholds[:, : capacity + 1].clone()
 
-    def rebuild(self) -> None:
+    def rebuild(self, stored: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """Every slot's partial key again, from the pool's keys (a restore, a truncate that moved rows, a
-        policy built over a pool that holds tokens). Written at once, never left for `finish_step`, which
-        expects exactly one decode step's keys (a pool of one token would otherwise look like one)."""
+        policy built over a pool that holds tokens), or, for the positions `stored` holds (a restore of chunks
+        that carry them, base.KVPolicy.rebuild), the saved ones as they are. Written at once, never left for
+        `finish_step`, which expects exactly one decode step's keys (a pool of one token would otherwise look
+        like one)."""
         pool = self.ctx.pool
         self.ensure_capacity(pool.capacity)
         self._pending_keys = []
-        if pool.size():
-            # the slots index the partial key cache, on the compute device (the pool may be in host memory)
-            slots = torch.arange(pool.size(), device=self.ctx.compute_device)
-            for layer in self.sparse_layers:
-                self._write_partial_keys(layer, slots, pool.keys(layer))
+        if not pool.size():
+            return
+        # the slots index the partial key cache, on the compute device (the pool may be in host memory)
+        device = self.ctx.compute_device
+        for layer in self.sparse_layers:
+            saved = stored.get(layer) if stored else None
+            missing = self._place_stored(layer, *saved) if saved is not None else None
+            if missing is None:
+                self._write_partial_keys(layer, torch.arange(pool.size(), device=device), pool.keys(layer))
+            elif missing.numel():
+                self._write_partial_keys(layer, missing.to(device), pool.keys(layer).index_select(1, missing))
+
+    def _place_stored(self, layer: int, positions: torch.Tensor, partial: torch.Tensor) -> torch.Tensor | None:
+        """Write saved partial keys [kv_heads, n, r] of `positions` [n] into the slots holding those positions;
+        returns the slots (pool device) they do not cover, or None where they do not fit this layer."""
+        pool, cache = self.ctx.pool, self.partial_keys_t[layer]
+        heads, r = cache.shape[0], cache.shape[1]
+        if partial.dim() != 3 or partial.shape != (heads, positions.numel(), r) or not positions.numel():
+            return None
+        held = pool.positions(layer)
+        positions, order = positions.to(held.device).sort()
+        found = torch.searchsorted(positions, held).clamp_(max=positions.numel() - 1)
+        hit = positions[found] == held
+        slots = hit.nonzero().squeeze(1)
+        device = self.ctx.compute_device
+        keys = partial.to(device).index_select(1, order[found[slots]].to(device))
+        cache.index_copy_(2, slots.to(device), self._stored(keys).transpose(1, 2))
+        return (~hit).nonzero().squeeze(1)
+
+    def partial_key_digests(self) -> dict[int, str]:
+        return dict(self._digests)
+
+    def export_partial_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
+        cache = self.partial_keys_t[layer]
+        if layer not in self._digests or cache is None:
+            return None
+        return cache.index_select(2, slots.to(self.ctx.compute_device)).transpose(1, 2).cpu().contiguous()
 
     def on_write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         if not self.is_sparse(layer):
@@ -241,3 +279,12 @@ class InfiniGenPolicy(KVPolicy):
             self.ensure_capacity(k)
         valid = self._rank_thresholds[:, : k + 1] < alpha_total  # [1, k + 1]
         return Selection(slots, scores=scores, valid=valid, alpha_total=alpha_total)
+
+
+def projection_digest(projection: torch.Tensor) -> str:
+    """A short digest of a layer's partial key projection [kv_heads, dim, r] (its skew and chosen channels):
+    what a layer's partial keys depend on besides its keys."""
+    projection = projection.detach().to("cpu", torch.float32).contiguous()
+    digest = hashlib.sha256(str(tuple(projection.shape)).encode())
+    digest.update(projection.numpy().tobytes())
+    return digest.hexdigest()[:16]
