@@ -131,8 +131,10 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 
 def llama_cpp_rows(python: str | Path, gguf: str | Path, ids: Sequence[int], contexts: Sequence[int],
-                   decode_tokens_n: int, rounds: int, threads: int = 2, timeout_s: float = 900) -> list[dict]:
-    """llama.cpp's rows (bench/llama_peer.py run by `python`, an interpreter with llama-cpp-python)."""
+                   decode_tokens_n: int, rounds: int, threads: int = 2, timeout_s: float = 2700) -> list[dict]:
+    """llama.cpp's rows (bench/llama_peer.py run by `python`, an interpreter with llama-cpp-python): per
+    context the faster of flash attention on and off, as the row says (an 8k prefill is ~1-2 minutes a round
+    and setting here, hence the timeout)."""
     if not Path(gguf).is_file():
         raise EvalError(f"--gguf {gguf}: no such file")
     per_round = decode_tokens_n // rounds
