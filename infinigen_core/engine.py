@@ -33,7 +33,7 @@ from .kv_pool import KVPool, release_pinned_memory
 from .pool_lifecycle import return_freed_heap
 from .policies import POLICIES, PolicyContext
 from .prefix import common_prefix_length
-from .rows import export_rows, import_rows, stored_partial_keys
+from .rows import export_rows, held_partial_keys, import_rows, stored_partial_keys
 from .stats import StepStats
 from .step import LayerWork, Step
 from .weights import plain_fp32_weights, weights_label
@@ -139,7 +139,7 @@ class InfiniGenEngine:
         old_pool = self.pool
         if self.fetcher is not None:
             self.fetcher.flush()  # every pending write lands in the old pool first
-        carried, digests = ({}, {}) if old_pool is None else (self._partial_keys_held(), self.partial_key_digests())
+        carried, digests = ({}, {}) if old_pool is None else (held_partial_keys(self.pool, self.policy), self.partial_key_digests())
         if old_pool is None or not old_pool.same_layout(**layout):
             self.pool = KVPool(self.adapter.num_layers, self.adapter.num_kv_heads, self.adapter.head_dim, self.dtype,
                                **layout)
@@ -163,19 +163,6 @@ class InfiniGenEngine:
                                     rows_in_place=self.kernels is not None, zero_copy=config.zero_copy_fetch,
                                     keep=DeviceKeeping.for_policy(self.policy, self.adapter, config))
         self.work = LayerWork(self.pool, self.policy, self.fetcher, self.attention, self.adapter, config)
-
-    def _partial_keys_held(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """The current policy's partial keys with their positions, per layer (a settings change that keeps a
-        layer's digest takes them over rather than recomputing them from the pool's keys)."""
-        if not self.pool.size():
-            return {}
-        slots = torch.arange(self.pool.size(), device=self.pool.device)
-        held = {}
-        for layer in self.policy.partial_key_digests():
-            partial = self.policy.export_partial_keys(layer, slots)
-            if partial is not None:
-                held[layer] = (self.pool.positions(layer).cpu().clone(), partial)
-        return held
 
     def prepare(self, new_tokens: int) -> None:
         """Make room now for `new_tokens` more tokens, so no step of the coming reply allocates pool memory."""

@@ -55,6 +55,21 @@ def export_rows(pool: KVPool, token_ids: list[int], start: int, end: int,
     return tensors
 
 
+def held_partial_keys(pool: KVPool, policy) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The policy's partial keys of every slot with their positions, per layer that keeps them, in
+    `stored_partial_keys`' shape (a settings change that keeps a layer's digest takes them over rather than
+    recomputing them from the pool's possibly int8-rounded keys)."""
+    if not pool.size():
+        return {}
+    slots = torch.arange(pool.size(), device=pool.device)
+    held = {}
+    for layer in policy.partial_key_digests():
+        partial = policy.export_partial_keys(layer, slots)
+        if partial is not None:
+            held[layer] = (pool.positions(layer).cpu().clone(), partial)
+    return held
+
+
 def stored_partial_keys(chunks: Iterable[Mapping[str, torch.Tensor]],
                         num_layers: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the rows whose partial keys the chunks carry: (positions [n], partial keys [kv_heads, n, r]),
