@@ -1,4 +1,4 @@
-"""Closed to strangers: one real `python app.py --api-key KEY` for the module, driven by gradio_client, raw HTTP,
+"""Closed to strangers: one real `python app.py --api-key-file PATH` for the module, driven by gradio_client, raw HTTP,
 the openai client and a headless Chromium (the login page, the CSP, remote images withheld)."""
 
 from __future__ import annotations
@@ -29,8 +29,21 @@ KEY = "sec-key-51c9"
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    with running_app(tmp_path_factory.mktemp("security-data"), args=("--api-key", KEY)) as running:
+    data_dir = tmp_path_factory.mktemp("security-data")
+    key_file = data_dir / "key"  # the key kept off the command line, which every user can read (ps)
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    with running_app(data_dir, args=("--api-key-file", str(key_file))) as running:
         yield running
+
+
+def test_the_key_is_read_from_its_file_and_never_on_the_command_line(app):
+    command_line = Path(f"/proc/{app.process.pid}/cmdline").read_bytes()
+    assert KEY.encode() not in command_line and b"--api-key-file" in command_line
+    log = (app.data_dir / "app.log").read_text()
+    assert "visible to every user" not in log and "can be read by" not in log  # a private file: no warning
+    assert call("GET", app.url + "v1/models")[0] == 401
+    assert call("GET", app.url + "v1/models", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
 
 
 def call(method: str, url: str, body: bytes | None = None, headers: dict | None = None):
