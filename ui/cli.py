@@ -10,6 +10,7 @@ from pathlib import Path
 
 from infinigen_core.model_flags import add_model_flags
 
+from .client_slots import DEFAULT_REQUESTS_PER_CLIENT
 from .key_file import KeyFileError, exposed_key_warning, read_key_file
 
 API_KEY_VARIABLE = "INFINIGEN_API_KEY"
@@ -46,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                               "only, chmod 600)")
     parser.add_argument("--api-max-waiting", type=int, default=4,
                         help="API requests that may wait for their turn; one more gets 429 (default 4)")
+    parser.add_argument("--max-requests-per-client", type=int, default=DEFAULT_REQUESTS_PER_CLIENT, metavar="N",
+                        help=f"POSTs to the API and uploads one client address may have in flight at once; one "
+                             f"more gets 429 (default {DEFAULT_REQUESTS_PER_CLIENT}; 0: no cap). Every program on "
+                             f"this machine counts as one client")
     parser.add_argument("--kv-disk-limit", metavar="SIZE", default=None,
                         help="disk space all sessions' saved KV caches may take, e.g. 20GiB; over it the least recently "
                              "used sessions' KV is dropped (their text stays). Default: a quarter of the free space")
@@ -67,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be between 1 and 65535, got {args.port}")
+    if args.max_requests_per_client < 0:
+        parser.error(f"--max-requests-per-client must be 0 (no cap) or more, got {args.max_requests_per_client}")
     if args.api_max_waiting < 0:
         parser.error(f"--api-max-waiting must be 0 or more, got {args.api_max_waiting}")
     args.api_key = _key(parser, args.api_key, args.api_key_file, "--api-key", API_KEY_VARIABLE)
