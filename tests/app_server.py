@@ -61,6 +61,15 @@ def _ready(url: str, auth: tuple[str, str] | None) -> bool:
     return bool(status["ready"])
 
 
+def _key_given(args: tuple[str, ...], environment: dict[str, str]) -> str | None:
+    """The key the app will take from these flags or this environment (as ui/cli.py reads it)."""
+    if "--api-key" in args:
+        return args[args.index("--api-key") + 1]
+    if "--api-key-file" in args:
+        return Path(args[args.index("--api-key-file") + 1]).read_text().strip()
+    return environment.get("INFINIGEN_API_KEY")
+
+
 @contextlib.contextmanager
 def running_app(data_dir: Path, timeout_s: float = 600, args: tuple[str, ...] = (),
                 env: dict[str, str] | None = None, until_ready: bool = True,
@@ -74,7 +83,7 @@ def running_app(data_dir: Path, timeout_s: float = 600, args: tuple[str, ...] = 
         args = ("--no-compile", *args)
     port = free_port()
     environment = {**os.environ, **(env or {})}
-    key = args[args.index("--api-key") + 1] if "--api-key" in args else environment.get("INFINIGEN_API_KEY")
+    key = _key_given(args, environment)
     auth = ("tester", key) if key else None
     log_path = data_dir / "app.log"
     with open(log_path, "a") as log:
