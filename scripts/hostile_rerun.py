@@ -268,7 +268,8 @@ def import_rows(run: Run, watch: Watch, rows: list[Row], files: dict[str, Path])
 def upload_rows(run: Run, watch: Watch, rows: list[Row]) -> None:
     with measured(watch, rows, "300 MiB upload to /gradio_api/upload (no key)") as row:
         row.outcome = multipart_upload(run, 300 * MiB)
-        row.outcome += f"; upload folder {folder_bytes(run.tmp) / MiB:.0f} MiB"
+        uploads = sum(folder_bytes(folder) for folder in run.tmp.glob("infinigen-uploads-*"))
+        row.outcome += f"; upload folders {uploads / MiB:.0f} MiB"  # TMPDIR also holds torch's compile cache
     with measured(watch, rows, "upload declaring 1.5 GiB (over the cap)") as row:
         connection = http.client.HTTPConnection("127.0.0.1", run.port, timeout=60)
         connection.putrequest("POST", "/gradio_api/upload")
