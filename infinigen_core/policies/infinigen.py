@@ -222,10 +222,11 @@ class InfiniGenPolicy(KVPolicy):
                     bridges[target] = (bridge[0].to(device), bridge[1].to(device))
         return bridges
 
-    def _rehearse(self, target: int, hidden_states, position_embeddings, positions) -> torch.Tensor:
-        """Layer `target`'s partial, skewed, scaled query [kv_heads, group, r] from an attention input."""
+    def _rehearse(self, target: int, hidden_states, position_embeddings, positions, bridged: bool = True) -> torch.Tensor:
+        """Layer `target`'s partial, skewed, scaled query [kv_heads, group, r] from an attention input: the
+        previous layer's (`bridged`: its norm's gains swapped for the target's), else the target's own."""
         adapter = self.ctx.adapter
-        bridge = self.input_bridges.get(target)
+        bridge = self.input_bridges.get(target) if bridged else None
         if bridge is not None:
             scale, offset = bridge
             if scale.dtype != hidden_states.dtype:
@@ -252,9 +253,15 @@ class InfiniGenPolicy(KVPolicy):
         return torch.bmm(rotated, self.query_projections[target])
 
     def speculate(self, layer, hidden_states, position_embeddings, positions, past_len, new_slots=None):
+        return self._select(layer + 1, hidden_states, position_embeddings, positions, past_len, new_slots, True)
+
+    def select_from_input(self, layer, hidden_states, position_embeddings, positions, past_len, new_slots=None):
+        return self._select(layer, hidden_states, position_embeddings, positions, past_len, new_slots, False)
+
+    def _select(self, target, hidden_states, position_embeddings, positions, past_len, new_slots, bridged):
+        """The top-k slots of `target` from an attention input (see `_rehearse`)."""
         started = time.perf_counter()
-        target = layer + 1
-        partial_query = self._rehearse(target, hidden_states, position_embeddings, positions)  # [kv, group, r]
+        partial_query = self._rehearse(target, hidden_states, position_embeddings, positions, bridged)
         kernels = self.ctx.kernels
         k = self.config.budget_tokens_for(past_len)
         if (kernels is not None and new_slots is None and self.ctx.adapter.softcap is None and k <= past_len
