@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from starlette.middleware import Middleware
 
     from sessions.archive import remove_stale_staging
+    from ui.client_slots import ClientSlots
     from ui.guard import PageGuard, filter_cors_of, login_with_key
     from ui.head_script import HeadScript
     from ui.request_limits import MAX_UPLOAD_BYTES
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     # the key guards the page (Gradio's login: any user name, the key as password), Gradio's routes and /v1;
     # the page's HTML gets a script that runs before Gradio's (head_script.py)
     app_kwargs: dict[str, list] = {"middleware": [
-        Middleware(PageGuard, key=args.api_key, hosts=HostPolicy.listening_on(args.host, any_host=args.share)),
+        Middleware(PageGuard, key=args.api_key, hosts=HostPolicy.listening_on(args.host, any_host=args.share),
+                   client_slots=ClientSlots(args.max_requests_per_client)),
         Middleware(HeadScript)]}
     auth = login_with_key(args.api_key) if args.api_key else None
     if args.api:  # routes given to the app's constructor exist before the server takes its first request

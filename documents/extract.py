@@ -1,7 +1,7 @@
 """A file's bytes to a `Document`, in this process, stopping at every bound of `ConversionLimits` that can be
 checked as the work goes: the text's length (each converter counts what it has produced and stops as soon
-as it passes the limit), a DOCX's unpacked size and XML tags (counted while streaming, before mammoth
-builds a tree of them), a PDF's pages. What cannot be counted from here (PDFium inflating a stream, a
+as it passes the limit), a DOCX's unpacked bytes, XML elements and text (counted while streaming through
+expat, before mammoth builds a tree of them: documents/docx_scan.py), a PDF's pages. What cannot be counted from here (PDFium inflating a stream, a
 parser's own memory) is bounded by the worker process that runs this (documents/isolation.py).
 
 PDF text comes from pypdfium2 (PDFium, the PDF engine of Chrome), DOCX through mammoth (DOCX to HTML),
@@ -17,6 +17,7 @@ import re
 import zipfile
 
 from documents.document import Document, DocumentError
+from documents.docx_scan import scan_docx
 from documents.html_text import TextTooLong, html_to_text
 from documents.limits import ConversionLimits
 from documents.page_starts import docx_page_starts, pdf_page_starts
@@ -27,7 +28,6 @@ _LINE_BREAKS = re.compile(r"\r\n?|[\f\v\x85\u2028\u2029]")
 _STRAY_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\ufeff\ufffe]")
 _BLANK_LINE_RUN = re.compile(r"\n{3,}")
 _DOCX_PAGES = re.compile(rb"<(?:\w+:)?Pages>\s*(\d+)\s*</(?:\w+:)?Pages>")
-_XML_PARTS = (".xml", ".rels")
 _READ_BLOCK = 2**20
 
 
@@ -131,7 +131,7 @@ def _damaged_pdf(name: str, where: str = "") -> DocumentError:
 def _docx_text(name: str, data: bytes, limits: ConversionLimits) -> tuple[str, int | None]:
     import mammoth
 
-    _check_xml_tags(name, data, limits)
+    scan_docx(name, data, limits)  # streamed to its first bound before mammoth holds any part whole
     try:
         html = mammoth.convert_to_html(io.BytesIO(data)).value
     except MemoryError:
@@ -140,23 +140,6 @@ def _docx_text(name: str, data: bytes, limits: ConversionLimits) -> tuple[str, i
         raise DocumentError(f"{name} could not be read as a Word document (it may be damaged). "
                             f"Open and save it again, or attach it as PDF.") from None
     return _collapse_blank_lines(_clean(_html_text(name, html, limits))), _docx_page_count(data)
-
-
-def _check_xml_tags(name: str, data: bytes, limits: ConversionLimits) -> None:
-    """Count the tags of every XML part, streaming a block at a time, before mammoth parses any: a small file
-    of millions of empty paragraphs holds no text to stop at, only elements that cost memory."""
-    tags = 0
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        for info in archive.infolist():
-            if not info.filename.lower().endswith(_XML_PARTS):
-                continue
-            with archive.open(info) as member:
-                while block := member.read(_READ_BLOCK):
-                    tags += block.count(b"<")
-                    if tags > limits.xml_tags:
-                        raise DocumentError(
-                            f"{name} is made of more than {limits.xml_tags:,} XML elements, more than an attached "
-                            f"Word document may be. Attach a smaller document, or save it as PDF.")
 
 
 def _docx_page_count(data: bytes) -> int | None:

@@ -26,8 +26,9 @@ class ConversionLimits:
     file_bytes: int = MAX_FILE_BYTES
     text_chars: int = MAX_TEXT_CHARS
     unzipped_bytes: int = MAX_UNZIPPED_BYTES
-    # '<' in a DOCX's XML parts: mammoth keeps ~230 bytes of Python objects per tag (measured: +147 MB for
-    # 640,000 tags), so 500,000 stay inside `memory_bytes` (a document of ~50,000 short paragraphs)
+    # elements in a DOCX's XML parts (counted while streaming, documents/docx_scan.py): mammoth keeps ~230 bytes
+    # of Python objects per element (measured: +147 MB for 640,000 empty ones), so 500,000 stay inside
+    # `memory_bytes` (a document of ~50,000 short paragraphs)
     xml_tags: int = 500_000
     pdf_pages: int = 5_000  # 400 characters a page reaches `text_chars`
     # address space the worker may add to what it starts with; with the ~35 MiB it shares with the fork server,

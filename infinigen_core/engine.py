@@ -9,7 +9,7 @@ One forward step, in order:
   4. the step's statistics are kept for the UI and the benchmarks.
 Masks come from the pool's positions, not from transformers, so the mask registration returns None.
 The attention maths of step 3 lives in attention.py; a saved session's rows are exported and imported by
-rows.py; the engine attaches to the model, runs the step in this order and keeps the conversation.
+session_rows.py (a mixin; the format is rows.py's); the engine attaches to the model, runs the step in this order and keeps the conversation.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .kv_pool import KVPool, release_pinned_memory
 from .pool_lifecycle import return_freed_heap
 from .policies import POLICIES, PolicyContext
 from .prefix import common_prefix_length
-from .rows import export_rows, held_partial_keys, import_rows, stored_partial_keys
+from .session_rows import SessionRows
 from .stats import StepStats
 from .step import LayerWork, Step
 from .weights import plain_fp32_weights, weights_label
@@ -82,7 +82,7 @@ AttentionInterface.register(ATTENTION_NAME, _attention_entry)
 AttentionMaskInterface.register(ATTENTION_NAME, _masks_come_from_the_pool)
 
 
-class InfiniGenEngine:
+class InfiniGenEngine(SessionRows):
     """Holds one conversation's KV cache for one model and runs forward steps over it.
 
     >>> engine.prefill(tokenizer("Hello")["input_ids"])      # doctest: +SKIP
@@ -139,7 +139,7 @@ class InfiniGenEngine:
         old_pool = self.pool
         if self.fetcher is not None:
             self.fetcher.flush()  # every pending write lands in the old pool first
-        carried, digests = ({}, {}) if old_pool is None else (held_partial_keys(self.pool, self.policy), self.partial_key_digests())
+        held = self._held_partial_keys()
         if old_pool is None or not old_pool.same_layout(**layout):
             self.pool = KVPool(self.adapter.num_layers, self.adapter.num_kv_heads, self.adapter.head_dim, self.dtype,
                                **layout)
@@ -151,11 +151,7 @@ class InfiniGenEngine:
         context = PolicyContext(self.pool, config, self.adapter, self._attention_modules, self.device, self.skew_set,
                                 self.kernels)
         self.policy = policy_class(context)
-        # a restored pool's keys may be int8-rounded: keep the partial keys it was restored with where they fit
-        carried = {layer: held for layer, held in carried.items()
-                   if self.policy.partial_key_digests().get(layer) == digests[layer]}
-        if carried:
-            self.policy.rebuild(carried)
+        self._keep_held_partial_keys(held)  # a restored pool's keys may be int8-rounded (session_rows.py)
         self.attention = PoolAttention(self.pool, self.adapter, self.policy, self.device, self.kernels)
         if self.fetcher is not None:
             self.fetcher.close()
@@ -271,48 +267,6 @@ class InfiniGenEngine:
                 f"{self.pool.total_tokens + n_new} tokens would exceed the model's context window of "
                 f"{self.max_context}: start a new session or drop the oldest turns"
             )
-
-    # ------------------------------------------------------------------ restore / export (sessions)
-    @torch.inference_mode()
-    def export_rows(self, start: int, end: int, partial_keys: bool = False) -> dict[str, torch.Tensor]:
-        """K/V rows of positions [start, end) per layer, plus their token ids, as CPU tensors (see rows.py); with
-        `partial_keys` also the policy's partial keys of those rows, where it keeps them (`partial_key_digests`
-        says for which layers, and what they were made with)."""
-        self.fetcher.flush()
-        export = self.policy.export_partial_keys if partial_keys else None
-        return export_rows(self.pool, self.token_ids, start, end, export)
-
-    def partial_key_digests(self) -> dict[int, str]:
-        """Per layer whose partial keys `export_rows` gives, a digest of what they depend on besides the keys
-        (the layer's skewed channels): saved partial keys are reusable where the digest is the same."""
-        return self.policy.partial_key_digests()
-
-    @torch.inference_mode()
-    def import_rows(self, chunks: Iterable[dict[str, torch.Tensor]]) -> int:
-        """Restore exported chunks (in order) after the current tokens, rebuilding partial keys; no model run.
-
-        A chunk's K/V are in any dtype or int8 codes with their scales (rows.py); either way they are written
-        straight into the pool's slots. Partial keys a chunk carries (`pk.L`, made where `partial_key_digests`
-        are this engine's: the caller checks) are taken as they are; the others are recomputed from the keys.
-        """
-        self.fetcher.flush()
-        chunks = list(chunks)
-        restored = import_rows(self.pool, self.token_ids, chunks)
-        self.policy.rebuild(stored_partial_keys(chunks, self.adapter.num_layers))
-        self.fetcher.rebuild()
-        return restored
-
-    def legacy_kv_signatures(self) -> list[dict[str, str]]:
-        """The signatures earlier versions wrote for this very pool (the model under an older fingerprint)."""
-        return [{**self.kv_signature(), "model_fingerprint": old} for old in self.legacy_fingerprints]
-
-    def kv_signature(self) -> dict[str, str]:
-        """What a saved pool must match to be reused."""
-        skew = self.skew_set.fingerprint() if self.skew_set is not None else "none"
-        adapter = self.adapter
-        return {"model_fingerprint": self.fingerprint, "dtype": str(self.dtype).replace("torch.", ""),
-                "num_layers": str(adapter.num_layers), "num_kv_heads": str(adapter.num_kv_heads),
-                "head_dim": str(adapter.head_dim), "skew": skew}
 
     # ------------------------------------------------------------------ one forward step
     @torch.inference_mode()

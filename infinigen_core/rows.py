@@ -87,8 +87,19 @@ def stored_partial_keys(chunks: Iterable[Mapping[str, torch.Tensor]],
     return stored
 
 
+def rows_in(chunk: Mapping[str, torch.Tensor]) -> int:
+    """How many slots a chunk's rows take in a pool (its longest layer: a pool that evicted exports each
+    layer's own rows)."""
+    return max((rows.numel() for name, rows in chunk.items() if name.startswith(POSITIONS + ".")), default=0)
+
+
 def import_rows(pool: KVPool, token_ids: list[int], chunks: Iterable[Mapping[str, torch.Tensor]]) -> int:
-    """Append exported chunks (in order) to the pool after `token_ids`, extending it; returns the tokens added."""
+    """Append exported chunks (in order) to the pool after `token_ids`, extending it; returns the tokens added.
+
+    The pool is sized once for all the chunks before the first is copied in: grown chunk by chunk, it would
+    copy itself into new storage at each growth step, and hold two pools at each copy."""
+    chunks = list(chunks)
+    pool.ensure_capacity(pool.size() + sum(rows_in(chunk) for chunk in chunks))
     restored = 0
     for chunk in chunks:
         ids = chunk[TOKEN_IDS].tolist()

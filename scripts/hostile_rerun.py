@@ -1,12 +1,14 @@
 """Re-run issue 34's import and upload rows against a real app process, and check what a restart leaves.
 
-A fresh `python app.py` on PORT with a throw-away data directory, its own TMPDIR and Gradio temp folder; the
+A fresh `python app.py` (started by tests/app_server.running_app, as the app ships: compiled) on PORT with a
+throw-away data directory and its own TMPDIR (where the app makes its export and upload folders); the
 app's RSS (with its children: the converter's worker processes) sampled every 0.2 s and `GET /v1/models`
 timed every 0.25 s throughout. Rows:
-- a truthful session file that reaches beyond the model's window (its chunks really hold every token's int8
-  KV; the values are random, which nothing on import can tell): refused from its manifest;
+- truthful session files (their chunks really hold every token's int8 KV; the values are random, which
+  nothing on import can tell) of 100,000 tokens (1.19 GB, issue 34's) and of 12,000, beyond the model's
+  window: refused;
 - a truthful session file near the window's size: imported and opened, then shrunk to one short turn
-  (`/edit_last`), to see the memory come back;
+  (`/edit_last`), to see the memory come back (what stays above the app's idle before the import);
 - a 300 MiB upload to the page's upload route, and one that declares more than the cap;
 - kill -9 during an import, then a restart: no `.import-*` staging, no earlier `infinigen-export-*` folder
   and no earlier upload left.
@@ -25,7 +27,6 @@ import os
 import signal
 import sqlite3
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,20 +46,21 @@ from infinigen_core.rows import KEYS, POSITIONS, TOKEN_IDS, VALUES, tensor_name 
 from sessions import SessionStore  # noqa: E402
 from sessions.snapshots import write_chunk  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests"))
+from app_server import RunningApp, running_app  # noqa: E402  the tests' launcher, not a second copy
+
 MiB = 2**20
 
 
 # ------------------------------------------------------------------------------------------- the app
 @dataclass
-class App:
-    port: int
-    workdir: Path
-    flags: list[str]
-    process: subprocess.Popen | None = None
+class Run:
+    """Where a run keeps its app's data and temp folders, and the app now serving (tests/app_server.py's)."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/"
+    workdir: Path
+    flags: tuple[str, ...]
+    port: int
+    app: RunningApp | None = None
 
     @property
     def data_dir(self) -> Path:
@@ -68,19 +70,24 @@ class App:
     def tmp(self) -> Path:
         return self.workdir / "tmp"
 
-    def start(self, timeout_s: float = 900) -> None:
+    @property
+    def url(self) -> str:
+        assert self.app is not None
+        return self.app.url
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[RunningApp]:
+        """A fresh `python app.py` with this run's data and TMPDIR (its export and upload folders), as it
+        ships (compiled), until the block ends or the app is killed in it."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
-        env = {key: value for key, value in os.environ.items() if key != "GRADIO_TEMP_DIR"}
-        env["TMPDIR"] = str(self.tmp)  # where the app keeps its export and upload folders
-        log = open(self.workdir / "app.log", "a")  # noqa: SIM115  kept open for the process's life
-        self.process = subprocess.Popen([sys.executable, "app.py", "--port", str(self.port), "--data-dir",
-                                         str(self.data_dir), *self.flags], cwd=ROOT, stdout=log,
-                                        stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + timeout_s
-        while self.models_status() != 200:
-            if self.process.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"app.py did not come up: {(self.workdir / 'app.log').read_text()[-2000:]}")
-            time.sleep(1)
+        with running_app(self.data_dir, timeout_s=900, args=self.flags, env={"TMPDIR": str(self.tmp)},
+                         compiled=True, port=self.port) as app:
+            self.app = app
+            try:
+                yield app
+            finally:
+                self.app = None
 
     def models_status(self) -> int:
         try:
@@ -91,34 +98,29 @@ class App:
 
     def rss(self) -> int:
         """The app's resident memory with its children's (the converter's workers); 0 when it is not running."""
-        if self.process is None:
+        if self.app is None or self.app.process.poll() is not None:
             return 0
         try:
-            parent = psutil.Process(self.process.pid)
+            parent = psutil.Process(self.app.process.pid)
             return sum(p.memory_info().rss for p in [parent, *parent.children(recursive=True)])
         except psutil.Error:
             return 0
 
-    def stop(self, kill: bool = False) -> None:
-        if self.process is None:
-            return
-        if kill:
-            self.process.send_signal(signal.SIGKILL)
-        else:
-            self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.process = None
+    def kill(self) -> int:
+        """kill -9 the app (running_app's exit then finds it gone); its pid."""
+        assert self.app is not None
+        self.app.process.send_signal(signal.SIGKILL)
+        self.app.process.wait()
+        return self.app.process.pid
 
 
 class Watch:
     """RSS every 0.2 s and /v1/models latency every 0.25 s, in the background, for as long as it runs."""
 
-    def __init__(self, app: App) -> None:
-        self.app, self.rss, self.latency, self._stop = app, [], [], threading.Event()
+    def __init__(self, run: Run) -> None:
+        self.run, self._stop = run, threading.Event()
+        self.rss: list[tuple[float, int]] = []
+        self.latency: list[tuple[float, float, int]] = []
         self._threads = [threading.Thread(target=self._sample_rss, daemon=True),
                          threading.Thread(target=self._time_models, daemon=True)]
         for thread in self._threads:
@@ -126,12 +128,12 @@ class Watch:
 
     def _sample_rss(self) -> None:
         while not self._stop.wait(0.2):
-            self.rss.append((time.monotonic(), self.app.rss()))
+            self.rss.append((time.monotonic(), self.run.rss()))
 
     def _time_models(self) -> None:
         while not self._stop.wait(0.25):
             started = time.monotonic()
-            status = self.app.models_status()
+            status = self.run.models_status()
             self.latency.append((started, time.monotonic() - started, status))
 
     def close(self) -> None:
@@ -156,14 +158,14 @@ class Row:
 def measured(watch: Watch, rows: list[Row], what: str) -> Iterator[Row]:
     row = Row(what)
     time.sleep(1.0)
-    idle = [rss for _, rss in watch.rss[-5:]] or [watch.app.rss()]
+    idle = [rss for _, rss in watch.rss[-5:]] or [watch.run.rss()]
     started = time.monotonic()
     try:
         yield row
     finally:
         time.sleep(1.0)  # what the app keeps once it is done
         row.seconds = time.monotonic() - started - 1.0
-        during = [rss for at, rss in watch.rss if at >= started and rss] or [watch.app.rss()]
+        during = [rss for at, rss in watch.rss if at >= started and rss] or [watch.run.rss()]
         row.idle_mib = statistics.median(idle) / MiB
         row.peak_mib = max(during) / MiB - row.idle_mib
         row.after_mib = during[-1] / MiB - row.idle_mib
@@ -174,14 +176,14 @@ def measured(watch: Watch, rows: list[Row], what: str) -> Iterator[Row]:
 
 
 # ---------------------------------------------------------------------------------- session files
-def seed_signature(app: App) -> dict[str, str]:
+def seed_signature(run: Run) -> dict[str, str]:
     """The loaded model's KV signature, from a one-token API turn's chunk (read from the app's database)."""
     body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).encode()
-    request = urllib.request.Request(app.url + "v1/chat/completions", data=body,
+    request = urllib.request.Request(run.url + "v1/chat/completions", data=body,
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:
         response.read()
-    with contextlib.closing(sqlite3.connect(f"file:{app.data_dir / 'sessions.db'}?mode=ro", uri=True)) as db:
+    with contextlib.closing(sqlite3.connect(f"file:{run.data_dir / 'sessions.db'}?mode=ro", uri=True)) as db:
         return json.loads(db.execute("SELECT signature FROM kv_signatures LIMIT 1").fetchone()[0])
 
 
@@ -206,60 +208,69 @@ def truthful_session_file(signature: dict[str, str], tokens: int, folder: Path) 
     return store.export(session_id, folder / f"session-{tokens}.igchat")
 
 
-def gradio_client(app: App):
+def gradio_client(run: Run):
     from gradio_client import Client
 
-    return Client(app.url, verbose=False)
+    return Client(run.url, verbose=False)
 
 
-def session_count(app: App) -> int:
-    with contextlib.closing(sqlite3.connect(f"file:{app.data_dir / 'sessions.db'}?mode=ro", uri=True)) as db:
+def session_count(run: Run) -> int:
+    with contextlib.closing(sqlite3.connect(f"file:{run.data_dir / 'sessions.db'}?mode=ro", uri=True)) as db:
         return db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+
+
+def session_tokens(run: Run, session_id: str) -> int:
+    with contextlib.closing(sqlite3.connect(f"file:{run.data_dir / 'sessions.db'}?mode=ro", uri=True)) as db:
+        return db.execute("SELECT token_count FROM sessions WHERE id = ?", [session_id]).fetchone()[0]
 
 
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
 
 
-def leftovers(app: App) -> dict[str, list[str]]:
+def leftovers(run: Run) -> dict[str, list[str]]:
     """Import staging in the data directory; export and upload folders (with their files) in the app's TMPDIR."""
     def with_files(folder: Path) -> str:
         return f"{folder.name} ({sum(1 for p in folder.rglob('*') if p.is_file())} files)"
 
-    return {"staging": sorted(p.name for p in app.data_dir.glob(".import-*")),
-            "exports": sorted(with_files(p) for p in app.tmp.glob("infinigen-export-*")),
-            "uploads": sorted(with_files(p) for p in app.tmp.glob("infinigen-uploads-*"))}
+    return {"staging": sorted(p.name for p in run.data_dir.glob(".import-*")),
+            "exports": sorted(with_files(p) for p in run.tmp.glob("infinigen-export-*")),
+            "uploads": sorted(with_files(p) for p in run.tmp.glob("infinigen-uploads-*"))}
 
 
 # ------------------------------------------------------------------------------------------- rows
-def import_rows(app: App, watch: Watch, rows: list[Row], files: dict[str, Path]) -> None:
+def import_rows(run: Run, watch: Watch, rows: list[Row], files: dict[str, Path]) -> None:
     from gradio_client import handle_file
 
-    client = gradio_client(app)
-    before = session_count(app)
-    with measured(watch, rows, f"import beyond the window ({files['beyond'].stat().st_size / MiB:.0f} MiB)") as row:
-        try:
-            client.predict(handle_file(str(files["beyond"])), api_name="/import")
-            row.outcome = "accepted?"
-        except Exception as error:  # noqa: BLE001  the page's refusal comes back as the client's error
-            row.outcome = f"refused: {str(error)[:160]}"
-        row.outcome += f"; sessions {before} -> {session_count(app)}; staging {leftovers(app)['staging']}"
+    client = gradio_client(run)
+    before = session_count(run)
+    for name, what in (("huge", "a truthful 100,000-token int8 import"), ("beyond", "import beyond the window")):
+        with measured(watch, rows, f"{what} ({files[name].stat().st_size / MiB:,.0f} MiB)") as row:
+            try:
+                client.predict(handle_file(str(files[name])), api_name="/import")
+                row.outcome = "accepted?"
+            except Exception as error:  # noqa: BLE001  the page's refusal comes back as the client's error
+                row.outcome = f"refused: {str(error)[:160]}"
+            row.outcome += f"; sessions {before} -> {session_count(run)}; staging {leftovers(run)['staging']}"
+    idle_before = run.rss()
     with measured(watch, rows, f"import near the window ({files['near'].stat().st_size / MiB:.0f} MiB), "
                                "opened") as row:
         client.predict(handle_file(str(files["near"])), api_name="/import")
-        row.outcome = f"imported; sessions {before} -> {session_count(app)}"
+        row.outcome = f"imported; sessions {before} -> {session_count(run)}"
     with measured(watch, rows, "that session shrunk to one short turn (/edit_last)") as row:
         client.predict("Hi.", api_name="/edit_last")
         time.sleep(2)
-        row.outcome = "shrunk"
+        tokens = session_tokens(run, client.predict(api_name="/status")["session"])
+        row.outcome = (f"shrunk to {tokens} tokens; kept above the app's idle before the import: "
+                       f"{(run.rss() - idle_before) / MiB:+.0f} MiB")
 
 
-def upload_rows(app: App, watch: Watch, rows: list[Row]) -> None:
+def upload_rows(run: Run, watch: Watch, rows: list[Row]) -> None:
     with measured(watch, rows, "300 MiB upload to /gradio_api/upload (no key)") as row:
-        row.outcome = multipart_upload(app, 300 * MiB)
-        row.outcome += f"; upload folder {folder_bytes(app.tmp) / MiB:.0f} MiB"
+        row.outcome = multipart_upload(run, 300 * MiB)
+        row.outcome += f"; upload folder {folder_bytes(run.tmp) / MiB:.0f} MiB"
     with measured(watch, rows, "upload declaring 1.5 GiB (over the cap)") as row:
-        connection = http.client.HTTPConnection("127.0.0.1", app.port, timeout=60)
+        connection = http.client.HTTPConnection("127.0.0.1", run.port, timeout=60)
         connection.putrequest("POST", "/gradio_api/upload")
         connection.putheader("content-type", "multipart/form-data; boundary=x")
         connection.putheader("content-length", str(3 * 2**29))
@@ -268,12 +279,12 @@ def upload_rows(app: App, watch: Watch, rows: list[Row]) -> None:
         row.outcome = f"{answer.status} {answer.read()[:100]!r}"
 
 
-def multipart_upload(app: App, size: int) -> str:
+def multipart_upload(run: Run, size: int) -> str:
     boundary = "hostile-rerun"
     head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"big.bin\"\r\n"
             f"Content-Type: application/octet-stream\r\n\r\n").encode()
     tail = f"\r\n--{boundary}--\r\n".encode()
-    connection = http.client.HTTPConnection("127.0.0.1", app.port, timeout=600)
+    connection = http.client.HTTPConnection("127.0.0.1", run.port, timeout=600)
     connection.putrequest("POST", "/gradio_api/upload")
     connection.putheader("content-type", f"multipart/form-data; boundary={boundary}")
     connection.putheader("content-length", str(len(head) + size + len(tail)))
@@ -290,18 +301,18 @@ def multipart_upload(app: App, size: int) -> str:
     return f"{answer.status} {answer.read()[:80]!r}"
 
 
-def kill_mid_import(app: App, watch: Watch, rows: list[Row], near: Path) -> None:
+def kill_mid_import(run: Run, watch: Watch, rows: list[Row], near: Path) -> None:
     from gradio_client import handle_file
 
     with measured(watch, rows, "kill -9 during an import") as row:
-        client = gradio_client(app)
+        client = gradio_client(run)
         threading.Thread(target=lambda: _quietly(client.predict, handle_file(str(near)), api_name="/import"),
                          daemon=True).start()
         deadline = time.monotonic() + 120
-        while not list(app.data_dir.glob(".import-*")) and time.monotonic() < deadline:
+        while not list(run.data_dir.glob(".import-*")) and time.monotonic() < deadline:
             time.sleep(0.02)
-        seen, pid = leftovers(app), app.process.pid
-        app.stop(kill=True)
+        seen = leftovers(run)
+        pid = run.kill()
         row.outcome = f"killed (pid {pid}) with staging {seen['staging']}, uploads {seen['uploads']}"
 
 
@@ -317,28 +328,25 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("app_flags", nargs="*", help="more app.py flags (after --)")
     args = parser.parse_args()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hostile-rerun-"))
-    app = App(args.port, workdir, list(args.app_flags))
+    os.environ.pop("GRADIO_TEMP_DIR", None)  # the app makes its own upload folder under TMPDIR, as it ships
+    run = Run(args.workdir or Path(tempfile.mkdtemp(prefix="hostile-rerun-")), tuple(args.app_flags), args.port)
     print(f"load at start: {os.getloadavg()}; {psutil.cpu_count()} cores, "
-          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; workdir {workdir}", flush=True)
+          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; workdir {run.workdir}", flush=True)
     rows: list[Row] = []
-    app.start()
-    try:
-        watch = Watch(app)
-        signature = seed_signature(app)
-        files = {"beyond": truthful_session_file(signature, 12_000, workdir / "files"),
-                 "near": truthful_session_file(signature, 8_000, workdir / "files")}
-        import_rows(app, watch, rows, files)
-        upload_rows(app, watch, rows)
-        kill_mid_import(app, watch, rows, files["near"])
+    with run.serving():
+        watch = Watch(run)
+        signature = seed_signature(run)
+        files = {name: truthful_session_file(signature, tokens, run.workdir / "files")
+                 for name, tokens in (("huge", 100_000), ("beyond", 12_000), ("near", 8_000))}
+        import_rows(run, watch, rows, files)
+        upload_rows(run, watch, rows)
+        kill_mid_import(run, watch, rows, files["near"])
         watch.close()
-        app.start()
-        watch = Watch(app)
+    with run.serving() as app:
+        watch = Watch(run)
         with measured(watch, rows, f"after the restart (pid {app.process.pid})") as row:
-            row.outcome = json.dumps(leftovers(app))
+            row.outcome = json.dumps(leftovers(run))
         watch.close()
-    finally:
-        app.stop()
     print(f"\nload at the end: {os.getloadavg()}\n")
     print("| row | outcome | s | idle RSS MiB | peak above idle MiB | kept above idle MiB | slowest /v1/models ms |")
     print("|---|---|---|---|---|---|---|")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import load_token_ids, read_text  # noqa: E402
 from infinigen_core import SamplingConfig, load_engine  # noqa: E402
 from sessions import ChatSession, SessionStore  # noqa: E402
 from sessions.chunk_writer import SessionChunks  # noqa: E402
@@ -82,12 +83,8 @@ def main() -> None:
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     args = parser.parse_args()
     engine = load_engine(progress=lambda message: None)
-    files = sorted(args.text.iterdir()) if args.text.is_dir() else [args.text]
-    words = " ".join(f.read_text(encoding="utf-8", errors="replace") for f in files).split()
-    long_prompt = " ".join(words[: args.prompt_tokens * 2])
-    while len(engine.tokenizer.encode(long_prompt)) > args.prompt_tokens:
-        long_prompt = long_prompt[: int(len(long_prompt) * 0.98)]
-    long_prompt += "\n\nSummarise this in one sentence."
+    ids = load_token_ids(engine.tokenizer, read_text(args.text), args.prompt_tokens, args.text)
+    long_prompt = engine.tokenizer.decode(ids[: args.prompt_tokens]) + "\n\nSummarise this in one sentence."
     with tempfile.TemporaryDirectory() as folder:
         store = SessionStore(Path(folder) / "data")
         one_turn(store, engine, STORY, 8)  # warm-up

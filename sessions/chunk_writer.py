@@ -83,7 +83,11 @@ class SessionChunks:
         writing run on another thread (`wait`). Stand-in chunks that `stream` wrote are rewritten as one."""
         self.wait()
         rewrite_from, self._stand_ins_from = self._stand_ins_from, None
-        self._append(engine, boundary, background, rewrite_from)
+        try:
+            self._append(engine, boundary, background, rewrite_from)
+        except BaseException:  # nothing was swapped (one transaction): the next persist swaps the stand-ins
+            self._stand_ins_from = rewrite_from
+            raise
 
     def _append(self, engine, boundary: int | None, background: bool, rewrite_from: int | None = None,
                 kv_format: str | None = None) -> None:
@@ -117,7 +121,8 @@ class SessionChunks:
     def _write(self, pieces: list[Piece], signature: dict[str, str], kv_format: str,
                partial_keys: dict[int, str] | None) -> None:
         """Encode and write exported rows as chunks, in order, each registered once its file is durable; chunks
-        on disk from a piece's start on (stand-ins) are swapped for it in one transaction."""
+        on disk from a piece's start on (stand-ins) are swapped for it, with the session's token count, in one
+        transaction."""
         for start, end, rows in pieces:
             record = write_chunk(self.store.data_dir, self.id, rows, signature, start, kv_format, partial_keys)
             stored = self.store.chunks(self.id)
@@ -125,6 +130,5 @@ class SessionChunks:
             if len(kept) == len(stored):
                 self.store.add_chunk(self.id, record, signature, end)
             else:  # stand-ins from `stream`: a crash now leaves them or this chunk, never neither
-                self.store.replace_chunks(self.id, kept + [record], signature)
-                self.store.update(self.id, token_count=end)
+                self.store.replace_chunks(self.id, kept + [record], signature, token_count=end)
         enforce_disk_limit(self.store)  # this session holds its lock, so only other sessions' chunks can go

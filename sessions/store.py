@@ -293,9 +293,10 @@ class SessionStore:
             self.db.table("sessions").update(session_id, {"token_count": token_count, "updated": time.time()})
 
     @_locked
-    def replace_chunks(self, session_id: str, records: builtins.list[ChunkRecord], signature: dict[str, str]) -> None:
-        """Swap the session's chunks for `records` (durable files) under `signature`, in one transaction;
-        the old files go unless another session shares them."""
+    def replace_chunks(self, session_id: str, records: builtins.list[ChunkRecord], signature: dict[str, str],
+                       token_count: int | None = None) -> None:
+        """Swap the session's chunks for `records` (durable files) under `signature`, and set its token count
+        where given, in one transaction; the old files go unless another session shares them."""
         old = [c.file for c in self.chunks(session_id)]
         with self.db.atomic():
             self.db.execute("DELETE FROM chunks WHERE session_id = ?", [session_id])
@@ -303,6 +304,8 @@ class SessionStore:
                 self.db.table("chunks").insert({"session_id": session_id, **record.__dict__})
             self.db.table("kv_signatures").upsert({"session_id": session_id, "signature": json.dumps(signature)},
                                             pk="session_id")
+            if token_count is not None:
+                self.db.table("sessions").update(session_id, {"token_count": token_count, "updated": time.time()})
         self.remove_unreferenced([name for name in old if name not in {r.file for r in records}])
 
     @_locked

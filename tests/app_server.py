@@ -61,20 +61,30 @@ def _ready(url: str, auth: tuple[str, str] | None) -> bool:
     return bool(status["ready"])
 
 
+def _key_given(args: tuple[str, ...], environment: dict[str, str]) -> str | None:
+    """The key the app will take from these flags or this environment (as ui/cli.py reads it)."""
+    if "--api-key" in args:
+        return args[args.index("--api-key") + 1]
+    if "--api-key-file" in args:
+        return Path(args[args.index("--api-key-file") + 1]).read_text().strip()
+    return environment.get("INFINIGEN_API_KEY")
+
+
 @contextlib.contextmanager
 def running_app(data_dir: Path, timeout_s: float = 600, args: tuple[str, ...] = (),
                 env: dict[str, str] | None = None, until_ready: bool = True,
-                compiled: bool = False) -> Iterator[RunningApp]:
+                compiled: bool = False, port: int | None = None) -> Iterator[RunningApp]:
     """The first run on a machine downloads and converts the model, hence the generous timeout. `args` are
     more flags for app.py, `env` more environment variables; `until_ready=False` hands the app over as soon
     as its page answers, while the model still loads. The app decodes eager (`--no-compile`) unless
     `compiled`: compiling costs every start 20-60 s on 2 cores, and the compiled step has its own tests
-    (test_compiled.py on the shared real engine; test_browser_startup.py runs the app as it ships)."""
+    (test_compiled.py on the shared real engine; test_browser_startup.py runs the app as it ships). `port`:
+    a free one unless given. The app is stopped when the block ends, unless it was stopped (or killed) in it."""
     if not compiled:
         args = ("--no-compile", *args)
-    port = free_port()
+    port = port or free_port()
     environment = {**os.environ, **(env or {})}
-    key = args[args.index("--api-key") + 1] if "--api-key" in args else environment.get("INFINIGEN_API_KEY")
+    key = _key_given(args, environment)
     auth = ("tester", key) if key else None
     log_path = data_dir / "app.log"
     with open(log_path, "a") as log:

@@ -142,3 +142,41 @@ def test_stand_in_chunks_follow_the_stream_and_one_chunk_replaces_them(tmp_path,
     reply = read_chunk(store.data_dir, records[1], engine.kv_signature())
     assert reply["token_ids"].tolist() == engine.token_ids[40:end]
     engine.close()
+
+
+def test_the_swap_of_stand_ins_and_the_token_count_commit_together(tmp_path, tiny_llama, monkeypatch):
+    """A failure while the turn's end swaps its stand-ins (a crash mid-commit) leaves the stand-ins and their
+    count, never the new chunk with the count of the stand-ins: the two are one transaction."""
+    import sqlite_utils.db
+
+    engine = make_tiny_engine(tiny_llama)
+    store = SessionStore(tmp_path / "data")
+    session_id = store.create("One transaction")
+    chunks = SessionChunks(store, session_id)
+    prompt = random_tokens(40, seed=3)
+    engine.sync_to(prompt)
+    chunks.persist(engine, boundary=len(prompt))
+    for token in random_tokens(STREAM_MIN_TOKENS, seed=4):
+        engine.decode(token)
+    assert chunks.stream(engine)
+    chunks.wait()
+    for token in random_tokens(5, seed=5):
+        engine.decode(token)
+    before = [(c.start, c.end) for c in store.chunks(session_id)]
+    original_update = sqlite_utils.db.Table.update
+
+    def failing_update(table, *args, **kwargs):
+        if table.name == "sessions":
+            raise OSError("the disk went away mid-commit")
+        return original_update(table, *args, **kwargs)
+
+    monkeypatch.setattr(sqlite_utils.db.Table, "update", failing_update)
+    with pytest.raises(OSError, match="mid-commit"):
+        chunks.persist(engine, boundary=len(prompt))
+    monkeypatch.undo()
+    assert [(c.start, c.end) for c in store.chunks(session_id)] == before == [(0, 40), (40, 40 + STREAM_MIN_TOKENS)]
+    assert store.get(session_id).token_count == 40 + STREAM_MIN_TOKENS
+    chunks.persist(engine, boundary=len(prompt))  # the next save swaps them
+    assert [(c.start, c.end) for c in store.chunks(session_id)] == [(0, 40), (40, engine.num_tokens)]
+    assert store.get(session_id).token_count == engine.num_tokens
+    engine.close()

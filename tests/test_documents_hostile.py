@@ -125,7 +125,7 @@ def test_docx_under_the_element_bound_still_converts():
     small = docx_bytes(paragraph("fits"), pages=None)
     assert convert_bytes("small.docx", small, limits).text == "fits"
     with pytest.raises(DocumentError, match="more than 100 XML elements"):
-        convert_bytes("many.docx", docx_bytes(paragraph("x") * 30, pages=None), limits)
+        convert_bytes("many.docx", docx_bytes(paragraph("x") * 40, pages=None), limits)  # 3 elements each
 
 
 def test_pdf_page_whose_stream_inflates_past_the_memory_bound_is_refused():

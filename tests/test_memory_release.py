@@ -6,6 +6,7 @@ heap's free pages back. Run under the separate-devices mode (the pool in emulate
 state on the emulated compute device), where a mixed or stale storage would be refused."""
 
 import gc
+import inspect
 import weakref
 
 import pytest
@@ -152,3 +153,35 @@ def test_a_shrink_hands_the_freed_c_heap_back_to_the_system(tiny_llama):
         assert engine.pool.capacity == 3 * GROWTH
         assert resident_mib() < resident - 60, (resident, resident_mib())
         del top
+
+
+def test_a_many_chunk_import_sizes_the_pool_once(tiny_llama, separate_devices, monkeypatch):
+    """Issue 34: a restore of many chunks allocates the pool's storage once, for all of them, before the first
+    chunk is copied in; grown chunk by chunk it copied the whole pool at every growth step and held two pools
+    during each copy. Counted where storage is made (PoolStorage.allocate), with the bytes alive at that moment:
+    the pool it replaces plus the new one never exceed the restored pool and the small one it started with."""
+    from infinigen_core.pool_lifecycle import PoolStorage
+
+    long_ids = random_tokens(900, seed=18)
+    with make_tiny_engine(tiny_llama, budget=0.3, prefill_chunk=300) as source:
+        source.prefill(long_ids)
+        chunks = [source.export_rows(start, start + 150) for start in range(0, len(long_ids), 150)]
+        reference = source.score(random_tokens(3, seed=19))
+    with make_tiny_engine(tiny_llama, budget=0.3, prefill_chunk=40) as engine:
+        engine.pool.growth_tokens = GROWTH
+        started_with = engine.pool.bytes_allocated()
+        made: list[tuple[int, int]] = []  # (capacity of the new storage, bytes alive once it exists)
+        allocate = PoolStorage.allocate
+
+        def counted(*args, **kwargs):
+            storage = allocate(*args, **kwargs)
+            replaced = inspect.signature(allocate).bind(*args, **kwargs).arguments.get("keep_from")
+            made.append((storage.capacity, storage.bytes_allocated() + (replaced.bytes_allocated() if replaced else 0)))
+            return storage
+
+        monkeypatch.setattr(PoolStorage, "allocate", staticmethod(counted))
+        assert engine.import_rows(chunks) == len(long_ids)
+        assert [capacity for capacity, _ in made] == [29 * GROWTH]  # 900 tokens in 32-token steps: 928, once
+        assert max(alive for _, alive in made) <= engine.pool.bytes_allocated() + started_with
+        monkeypatch.undo()
+        torch.testing.assert_close(engine.score(random_tokens(3, seed=19)), reference, rtol=0, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Closed to strangers: one real `python app.py --api-key KEY` for the module, driven by gradio_client, raw HTTP,
+"""Closed to strangers: one real `python app.py --api-key-file PATH` for the module, driven by gradio_client, raw HTTP,
 the openai client and a headless Chromium (the login page, the CSP, remote images withheld)."""
 
 from __future__ import annotations
@@ -29,8 +29,21 @@ KEY = "sec-key-51c9"
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    with running_app(tmp_path_factory.mktemp("security-data"), args=("--api-key", KEY)) as running:
+    data_dir = tmp_path_factory.mktemp("security-data")
+    key_file = data_dir / "key"  # the key kept off the command line, which every user can read (ps)
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    with running_app(data_dir, args=("--api-key-file", str(key_file))) as running:
         yield running
+
+
+def test_the_key_is_read_from_its_file_and_never_on_the_command_line(app):
+    command_line = Path(f"/proc/{app.process.pid}/cmdline").read_bytes()
+    assert KEY.encode() not in command_line and b"--api-key-file" in command_line
+    log = (app.data_dir / "app.log").read_text()
+    assert "visible to every user" not in log and "can be read by" not in log  # a private file: no warning
+    assert call("GET", app.url + "v1/models")[0] == 401
+    assert call("GET", app.url + "v1/models", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
 
 
 def call(method: str, url: str, body: bytes | None = None, headers: dict | None = None):
@@ -178,6 +191,47 @@ def test_clients_trickling_their_headers_are_cut_off_while_the_api_answers(app):
         assert HEAD_DEADLINE_S - 1 <= seconds <= HEAD_DEADLINE_S + 3
         assert answer.startswith(b"HTTP/1.1 408 ")
     assert max(api_seconds) < 1.0, api_seconds  # every other request was answered meanwhile
+
+
+def test_one_client_cannot_take_every_place_while_another_gets_through(app):
+    """Slow senders from one address hold the app's slots (a body trickling in is read for up to 30 s): past
+    the cap (4) that address gets 429 in OpenAI's shape, another address (127.0.0.2) is still served."""
+    from ui.client_slots import DEFAULT_REQUESTS_PER_CLIENT
+
+    host, port = app.url.split("//")[1].rstrip("/").split(":")
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+    def probe(source: str) -> tuple[int, dict]:
+        """An invalid body sent whole: 400 from the API's own checks once the guard lets it through."""
+        connection = http.client.HTTPConnection(host, int(port), timeout=30, source_address=(source, 0))
+        connection.request("POST", "/v1/chat/completions", body=b"{", headers=headers)
+        answer = connection.getresponse()
+        status, body = answer.status, json.loads(answer.read())
+        connection.close()
+        return status, body
+
+    slow = []
+    for _ in range(DEFAULT_REQUESTS_PER_CLIENT):
+        connection = http.client.HTTPConnection(host, int(port), timeout=30, source_address=("127.0.0.1", 0))
+        connection.putrequest("POST", "/v1/chat/completions")
+        for name, value in {**headers, "Content-Length": "100000"}.items():
+            connection.putheader(name, value)
+        connection.endheaders(b'{"messages": [')  # a little of the body, then nothing
+        slow.append(connection)
+    deadline = time.monotonic() + 20
+    while (answer := probe("127.0.0.1"))[0] != 429:  # the app takes each slow request in its own time
+        assert answer[0] == 400 and time.monotonic() < deadline, answer
+        time.sleep(0.05)
+    assert answer[1]["error"]["code"] == "rate_limit_exceeded"
+    assert f"already has {DEFAULT_REQUESTS_PER_CLIENT} requests in progress" in answer[1]["error"]["message"]
+    status, body = probe("127.0.0.2")
+    assert status == 400 and body["error"]["code"] == "invalid_json"  # the other client reached the API
+    for connection in slow:
+        connection.close()
+    deadline = time.monotonic() + 20
+    while probe("127.0.0.1")[0] != 400:  # the slow senders' slots come back when they go away
+        assert time.monotonic() < deadline, "slots stayed held after their clients left"
+        time.sleep(0.05)
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):

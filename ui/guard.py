@@ -11,6 +11,8 @@
   request or a WebSocket from another Origin is refused, without a key a POST to /v1 must say
   `application/json` (a cross-site form or `text/plain` fetch cannot), and no CORS header ever names another origin;
 - /login takes a few failed attempts a minute per client address;
+- a client address has at most a few POSTs to the API and the upload route in flight (ui/client_slots.py);
+  one more gets 429;
 - an upload larger than MAX_UPLOAD_BYTES is refused by its declared length (413), and one that sends more than
   it declared is cut off at the bound (ui/request_limits.py).
 
@@ -26,6 +28,7 @@ import html
 import json
 from http.cookies import SimpleCookie
 
+from .client_slots import RETRY_AFTER_S, ClientSlots
 from .request_limits import MAX_UPLOAD_BYTES, receive_at_most, upload_refusal
 from .site_checks import (
     HostPolicy,
@@ -94,6 +97,9 @@ def refusal_page(status: int, message: str) -> bytes:
             f"<p>{html.escape(message)}</p></body></html>").encode()
 
 
+_ERROR_KINDS = {403: ("invalid_request_error", "forbidden"), 429: ("rate_limit_error", "rate_limit_exceeded")}
+
+
 async def _refuse(scope, send, status: int, message: str, headers: tuple = ()) -> None:
     """A refusal in the API's error shape (OpenAI's `{"error": {...}}`, whose `detail` Gradio's page shows as a
     sentence too), or, to a browser opening a page, a page that says the sentence."""
@@ -102,8 +108,8 @@ async def _refuse(scope, send, status: int, message: str, headers: tuple = ()) -
     if _is_page_load(scope):
         body, content_type = refusal_page(status, message), b"text/html; charset=utf-8"
     else:
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                     "code": "forbidden" if status == 403 else None},
+        kind, code = _ERROR_KINDS.get(status, ("invalid_request_error", None))
+        body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code},
                            "detail": {"error": message}}).encode()
         content_type = b"application/json"
     await send({"type": "http.response.start", "status": status,
@@ -142,10 +148,12 @@ def filter_cors_of(app) -> None:
 
 class PageGuard:
     def __init__(self, app, key: str | None = None, hosts: HostPolicy | None = None,
-                 login_throttle: LoginThrottle | None = None, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> None:
+                 login_throttle: LoginThrottle | None = None, max_upload_bytes: int = MAX_UPLOAD_BYTES,
+                 client_slots: ClientSlots | None = None) -> None:
         self.app, self.key, self.max_upload_bytes = app, key, max_upload_bytes
         self.hosts = hosts if hosts is not None else HostPolicy()
         self.login_throttle = login_throttle if login_throttle is not None else LoginThrottle()
+        self.client_slots = client_slots if client_slots is not None else ClientSlots()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -166,6 +174,10 @@ class PageGuard:
         too_large = upload_refusal(scope, self.max_upload_bytes)
         if too_large is not None:
             return await _refuse(scope, send, 413, too_large)
+        slot = self.client_slots.claim(scope)
+        if slot.refused:
+            return await _refuse(scope, send, 429, self.client_slots.refusal(),
+                                 ((b"retry-after", str(RETRY_AFTER_S).encode()),))
         if scope.get("method") == "POST":
             receive = receive_at_most(receive, self.max_upload_bytes)
 
@@ -180,4 +192,7 @@ class PageGuard:
                 message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_policy)
+        try:
+            await self.app(scope, receive, send_with_policy)
+        finally:  # the response's last byte is sent, or the client went away
+            slot.release()

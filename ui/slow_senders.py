@@ -1,4 +1,5 @@
-"""A deadline on each request's head: a client that trickles its request line and headers is cut off.
+"""A deadline on each request's head: a client that trickles its request line and headers is cut off; and a
+cap on the connections one client address may hold open (ui/client_slots.py).
 
 uvicorn closes a connection left idle after a response (`timeout_keep_alive`), but one that has sent part of
 a request head is waited on for ever: each byte cancels the idle timer, and nothing else runs before the
@@ -8,6 +9,11 @@ whenever the connection waits for a request head (on connect, after each respons
 a head not complete within HEAD_DEADLINE_S gets a 408 and the connection is closed.
 
     use_head_deadline()          # before demo.launch(): Gradio's server asks uvicorn for its "auto" protocol
+
+The same protocol counts each client address's open connections before reading a byte: past
+MAX_CONNECTIONS_PER_CLIENT a connection gets a plain 429 and is closed, so idle or trickling connections from
+one address cannot spend the process's open files (each lasts at most HEAD_DEADLINE_S, but a client opens
+new ones faster).
 
 "auto" then means h11 even where httptools is installed (`uvicorn[standard]`; not in requirements.txt).
 """
@@ -20,25 +26,43 @@ import h11
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .client_slots import ConnectionCounter
+
 # A browser or client sends its whole head in one packet; ten seconds leave room for a slow network
 # (nginx waits 60 s, Apache 20-40 s; uvicorn drops an idle kept-alive connection after 5 s)
 HEAD_DEADLINE_S = 10.0
 _REASON = f"The request's headers did not all arrive within {HEAD_DEADLINE_S:.0f} s.\n".encode()
 TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
              b"Content-Length: %d\r\n\r\n%s" % (len(_REASON), _REASON))
+_CROWDED = b"This address has too many connections open to this app; close some, then retry.\n"
+TOO_MANY_CONNECTIONS = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                        b"Retry-After: 2\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                        % (len(_CROWDED), _CROWDED))
 
 
 class HeadDeadlineProtocol(H11Protocol):
     """uvicorn's h11 protocol, with the head deadline described above."""
 
     _head_timer: asyncio.TimerHandle | None = None
+    _counted_as: str | None = None  # the client address this connection is counted against
+    client_connections = ConnectionCounter()  # of every server in this process (one per app)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        address = self.client[0] if self.client else "unknown"
+        if not self.client_connections.admit(address):
+            self.logger.info("refused a connection from %s: %d open already", address, self.client_connections.most)
+            self.transport.write(TOO_MANY_CONNECTIONS)
+            self.transport.close()
+            return
+        self._counted_as = address
         self._watch_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_watching()
+        if self._counted_as is not None:
+            self.client_connections.close(self._counted_as)
+            self._counted_as = None
         super().connection_lost(exc)
 
     def handle_events(self) -> None:  # also where a response completes: uvicorn starts the next cycle here

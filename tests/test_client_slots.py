@@ -1,0 +1,163 @@
+"""One client cannot hold all of the server: a cap on its requests in flight (429 in OpenAI's shape, applied by
+PageGuard) and on its open connections (the server's protocol), while another client still gets through.
+
+A real uvicorn server in a thread, with the app's protocol and guard around a small app whose chat route
+streams until the test lets it end; the second client is another loopback address (127.0.0.2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from ui.client_slots import ClientSlots, ConnectionCounter, holds_server_resources
+from ui.guard import PageGuard
+from ui.slow_senders import HeadDeadlineProtocol
+
+from app_server import free_port
+
+MOST = 3
+reached: list[str] = []
+release = threading.Event()
+
+
+async def _chat(request):
+    reached.append(request.client.host)
+    if request.query_params.get("hold") != "1":
+        return JSONResponse({"object": "chat.completion"})
+
+    async def tokens():
+        yield b"data: {}\n\n"  # the headers and a first chunk go out: the stream is open
+        while not release.is_set():
+            await asyncio.sleep(0.02)
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(tokens(), media_type="text/event-stream")
+
+
+async def _models(request):
+    return JSONResponse({"object": "list", "data": []})
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[int, ClientSlots]]:
+    slots = ClientSlots(most=MOST)
+    app = Starlette(routes=[Route("/v1/chat/completions", _chat, methods=["POST"]), Route("/v1/models", _models)],
+                    middleware=[Middleware(PageGuard, client_slots=slots)])
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=HeadDeadlineProtocol, log_level="warning",
+                            lifespan="off")
+    running = uvicorn.Server(config)
+    thread = threading.Thread(target=running.run, daemon=True)
+    thread.start()
+    while not running.started:
+        time.sleep(0.02)
+    yield port, slots
+    release.set()
+    running.should_exit = True
+    thread.join(timeout=10)
+
+
+def connect(port: int, source: str) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
+
+
+def post_chat(connection: http.client.HTTPConnection, hold: bool) -> http.client.HTTPResponse:
+    connection.request("POST", f"/v1/chat/completions?hold={int(hold)}", body=b"{}",
+                       headers={"Content-Type": "application/json"})
+    return connection.getresponse()
+
+
+def wait_until(condition, what: str, most_s: float = 10) -> None:
+    """Wait for the server's side to catch up (a bound, not a timing: the test fails only if it never does)."""
+    deadline = time.monotonic() + most_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_the_extra_request_of_one_client_gets_429_while_another_client_gets_through(server):
+    port, slots = server
+    release.clear()
+    reached.clear()
+    streams = [connect(port, "127.0.0.1") for _ in range(MOST)]
+    for connection in streams:
+        response = post_chat(connection, hold=True)
+        assert response.status == 200 and response.read1(64).startswith(b"data:")  # streaming, holding its slot
+    assert slots.held_by("127.0.0.1") == MOST
+
+    extra = connect(port, "127.0.0.1")
+    refused = post_chat(extra, hold=False)
+    body = json.loads(refused.read())
+    assert refused.status == 429 and refused.getheader("Retry-After") == "2"
+    assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "rate_limit_exceeded"
+    assert f"already has {MOST} requests in progress" in body["error"]["message"]
+    assert reached == ["127.0.0.1"] * MOST  # the refused request never reached the app
+
+    other = post_chat(connect(port, "127.0.0.2"), hold=False)
+    assert other.status == 200 and json.loads(other.read()) == {"object": "chat.completion"}
+    models = connect(port, "127.0.0.1")
+    models.request("GET", "/v1/models")
+    assert models.getresponse().status == 200  # a GET holds nothing and is not counted
+
+    streams[0].close()  # the client goes away mid-stream: its slot comes back
+    wait_until(lambda: slots.held_by("127.0.0.1") == MOST - 1, "a closed stream kept its slot")
+    assert post_chat(connect(port, "127.0.0.1"), hold=False).status == 200
+    release.set()  # the others' streams end: every slot comes back
+    wait_until(lambda: slots.held_by("127.0.0.1") == 0, "an ended stream kept its slot")
+    for connection in streams[1:]:
+        connection.close()
+
+
+def test_one_address_cannot_open_more_than_its_connections(server, monkeypatch):
+    port, _ = server
+    counter = ConnectionCounter(most=5)
+    monkeypatch.setattr(HeadDeadlineProtocol, "client_connections", counter)
+    idle = [socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.3", 0)) for _ in range(5)]
+    wait_until(lambda: counter.open_from("127.0.0.3") == 5, "the idle connections were not counted")
+    crowded = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.3", 0))
+    answer = crowded.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 429 ") and b"too many connections" in answer
+    assert crowded.recv(4096) == b""  # and closed
+    assert counter.open_from("127.0.0.3") == 5  # the refused one was never counted
+
+    fine = connect(port, "127.0.0.4")  # another address is served meanwhile
+    fine.request("GET", "/v1/models")
+    assert fine.getresponse().status == 200
+    idle[0].close()
+    wait_until(lambda: counter.open_from("127.0.0.3") == 4, "a closed connection stayed counted")
+    again = connect(port, "127.0.0.3")
+    again.request("GET", "/v1/models")
+    assert again.getresponse().status == 200
+    for connection in idle[1:]:
+        connection.close()
+
+
+def test_what_is_counted_and_the_caps_settings():
+    assert holds_server_resources("POST", "/v1/chat/completions") and holds_server_resources("POST", "/tokenize")
+    assert holds_server_resources("POST", "/gradio_api/upload")
+    assert not holds_server_resources("GET", "/v1/models")
+    assert not holds_server_resources("POST", "/gradio_api/queue/join")  # the page's own routes: every tab holds some
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "client": ("10.0.0.9", 1)}
+    unlimited = ClientSlots(most=0)
+    assert not any(unlimited.claim(scope).refused for _ in range(50))
+    one = ClientSlots(most=1)
+    first = one.claim(scope)
+    assert not first.refused and one.claim(scope).refused
+    first.release()
+    first.release()  # a second release frees nothing more
+    assert one.held_by("10.0.0.9") == 0 and not one.claim(scope).refused
+    with pytest.raises(ValueError):
+        ClientSlots(most=-1)
