@@ -87,8 +87,6 @@ class ModelAdapter:
     # module and each layer's type let a rehearsal use the target layer's own (cos, sin).
     rotary: torch.nn.Module | None = field(default=None, compare=False, repr=False)
     layer_types: tuple[str, ...] = ()
-    # per layer: the norm its attention input went through (None: the family normalises after attention)
-    input_norms: tuple[torch.nn.Module | None, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def group_size(self) -> int:
@@ -155,7 +153,6 @@ class ModelAdapter:
             family=family,
             rotary=rotary if per_type else None,
             layer_types=tuple(config.layer_types) if per_type else (),
-            input_norms=tuple(_input_norm(layer) for layer in attention),
         )
 
     def decoder_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -218,14 +215,6 @@ def _decoder_layers(model: torch.nn.Module, model_type: str) -> list[torch.nn.Mo
     if model_type == "opt":
         return list(model.model.decoder.layers)
     return list(_language_model(model).layers)
-
-
-def _input_norm(decoder_layer: torch.nn.Module) -> torch.nn.Module | None:
-    """The norm a decoder layer applies to the residual stream before its attention, or None (OLMo 2/3 and
-    OPT-350m normalise after attention: their attention reads the residual itself)."""
-    if hasattr(decoder_layer, "self_attn_layer_norm"):  # OPT
-        return decoder_layer.self_attn_layer_norm if getattr(decoder_layer, "do_layer_norm_before", True) else None
-    return getattr(decoder_layer, "input_layernorm", None)
 
 
 def _window(family: Family, config, attention: torch.nn.Module, max_context: int) -> int | None:

@@ -3,7 +3,9 @@
 The engine (engine.py) runs the model over a `Step`; the model's attention calls (through compiled.py's
 opaque op) `LayerWork.attend` once per layer, which, in order:
   1. lets the policy speculate from this layer's input which slots the next layer needs and starts their
-     fetch (or the next layer's whole fetch), so that it overlaps this layer's work;
+     fetch (or the next layer's whole fetch), so that it overlaps this layer's work; where the pool shares
+     the compute device's memory there is no fetch to overlap, and a selecting layer chooses its own slots
+     from its own input instead (`rehearses_ahead`);
   2. writes the layer's new K/V to the pool (through the fetcher: on a GPU a copy to host memory);
   3. attends densely (prefill, dense layers, dense policies) or over the fetched rows plus the new token;
   4. records the layer's statistics, without reading any device value on the host.
@@ -21,7 +23,7 @@ import torch
 from .arch import ModelAdapter
 from .attention import PoolAttention
 from .config import EngineConfig
-from .fetch import PendingFetch
+from .fetch import DirectFetcher, PendingFetch
 from .kv_pool import KVPool
 from .policies import KVPolicy, Selection
 from .stats import DeferredValues, LayerStats, StepStats
@@ -82,9 +84,20 @@ class LayerWork:
             return True
         return self.config.dense_under_budget and self.config.budget_tokens_for(past_len) >= past_len
 
+    @cached_property
+    def rehearses_ahead(self) -> bool:
+        """Whether a selecting layer's rows are chosen one layer early, from the previous layer's input, so
+        that their fetch across devices overlaps that layer's work (InfiniGen's pipeline). Where the pool
+        shares the compute device's memory nothing crosses, so the early start would buy nothing and cost
+        accuracy: each selecting layer then chooses from its own input, its true query."""
+        return not isinstance(self.fetcher, DirectFetcher)
+
     def attend(self, step: Step, layer: int, query, key, value, scaling: float, layer_input, position_embeddings):
         if step.is_decode and layer_input is not None:
-            self._speculate_next(layer, layer_input, position_embeddings, step)
+            if self.rehearses_ahead:
+                self._speculate_next(layer, layer_input, position_embeddings, step)
+            elif step.selects(layer):
+                self._select_from_input(layer, layer_input, position_embeddings, step)
         started = time.perf_counter()
         new_keys, new_values = key[0], value[0]  # [kv_heads, n, dim]
         slots = step.device_slots[layer]
@@ -124,6 +137,14 @@ class LayerWork:
                 step.prefetched[target] = (self.fetcher.start_rows(target, selection.slots), selection)
         elif not self.policy.keeps_pool_on_device:
             step.prefetched[target] = self.start_fetch(target, step)
+
+    def _select_from_input(self, layer: int, layer_input, position_embeddings, step: Step) -> None:
+        """A selecting layer's rows, chosen from its own attention input (where nothing is fetched ahead)."""
+        new_slots = None if self.pool.last_reserved_contiguous else step.device_slots[layer]
+        selection = self.policy.select_from_input(layer, layer_input, position_embeddings, step.query_positions,
+                                                  step.past_len, new_slots)
+        if selection is not None:
+            step.prefetched[layer] = (self.fetcher.start_rows(layer, selection.slots), selection)
 
     def start_fetch(self, layer: int, step: Step) -> tuple[PendingFetch, Selection | None]:
         """Start the fetch of a layer that nothing speculated for: its selected rows, or all of it."""

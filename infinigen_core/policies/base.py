@@ -73,6 +73,12 @@ class KVPolicy:
         `past_len`."""
         return None
 
+    def select_from_input(self, layer: int, hidden_states, position_embeddings, positions: torch.Tensor,
+                          past_len: int, new_slots: torch.Tensor | None) -> Selection | None:
+        """Called as a sparse `layer` starts attending, during decoding, where nothing was speculated for it:
+        may choose its slots from its own attention input (arguments as for `speculate`)."""
+        return None
+
     def select(self, layer: int, past_len: int, first_position: int) -> Selection | None:
         """Slots for a sparse `layer` that was not speculated for; None means every row."""
         return None

@@ -24,7 +24,6 @@ from collections.abc import Mapping
 
 import torch
 
-from ..norm_bridge import input_bridge
 from .base import KVPolicy, Selection
 
 
@@ -56,8 +55,6 @@ class InfiniGenPolicy(KVPolicy):
         if any(self.rotary):
             self._init_rotary_rehearsal(device)
         self.sparse_layers = [layer for layer in range(adapter.num_layers) if self.is_sparse(layer)]
-        # layer i's attention input as layer i+1's input norm would have made it (norm_bridge.py)
-        self.input_bridges = self._input_bridges(device)
         # every sparse layer's key projection in one batch: a decode step's new partial keys are one product
         self._stacked_key_projections = (torch.cat([self.key_projections[layer] for layer in self.sparse_layers])
                                          if self.sparse_layers else None)
@@ -211,26 +208,10 @@ class InfiniGenPolicy(KVPolicy):
         self._rope_source: torch.Tensor | None = None
         self._rope_factors: torch.Tensor | None = None
 
-    def _input_bridges(self, device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Per sparse layer whose input norm differs from the previous layer's: (scale, offset) [hidden]."""
-        norms = self.ctx.adapter.input_norms
-        bridges = {}
-        for target in self.sparse_layers:
-            if 0 < target < len(norms):
-                bridge = input_bridge(norms[target - 1], norms[target])
-                if bridge is not None:
-                    bridges[target] = (bridge[0].to(device), bridge[1].to(device))
-        return bridges
-
     def _rehearse(self, target: int, hidden_states, position_embeddings, positions) -> torch.Tensor:
-        """Layer `target`'s partial, skewed, scaled query [kv_heads, group, r] from an attention input."""
+        """Layer `target`'s partial, skewed, scaled query [kv_heads, group, r] from an attention input (the
+        previous layer's when speculating ahead, the target's own in `select_from_input`)."""
         adapter = self.ctx.adapter
-        bridge = self.input_bridges.get(target)
-        if bridge is not None:
-            scale, offset = bridge
-            if scale.dtype != hidden_states.dtype:
-                scale, offset = scale.to(hidden_states.dtype), offset.to(hidden_states.dtype)
-            hidden_states = torch.addcmul(offset, hidden_states, scale)
         attention = self.ctx.attention_modules[target]
         cos = position_embeddings[0] if position_embeddings is not None else None
         # the family's own recipe where it is not plain RoPE (query norms, fused projections, no RoPE, ...)
@@ -252,9 +233,15 @@ class InfiniGenPolicy(KVPolicy):
         return torch.bmm(rotated, self.query_projections[target])
 
     def speculate(self, layer, hidden_states, position_embeddings, positions, past_len, new_slots=None):
+        return self._select(layer + 1, hidden_states, position_embeddings, positions, past_len, new_slots)
+
+    def select_from_input(self, layer, hidden_states, position_embeddings, positions, past_len, new_slots=None):
+        return self._select(layer, hidden_states, position_embeddings, positions, past_len, new_slots)
+
+    def _select(self, target, hidden_states, position_embeddings, positions, past_len, new_slots):
+        """The top-k slots of `target` from an attention input (see `_rehearse`)."""
         started = time.perf_counter()
-        target = layer + 1
-        partial_query = self._rehearse(target, hidden_states, position_embeddings, positions)  # [kv, group, r]
+        partial_query = self._rehearse(target, hidden_states, position_embeddings, positions)
         kernels = self.ctx.kernels
         k = self.config.budget_tokens_for(past_len)
         if (kernels is not None and new_slots is None and self.ctx.adapter.softcap is None and k <= past_len
