@@ -90,7 +90,8 @@ class EngineConfig:
         if not (0 < self.partial_ratio <= 1):
             raise ConfigError(f"partial ratio must be in (0, 1] (the paper uses 0.2-0.3), got {self.partial_ratio}")
         if self.dense_layers < 1:
-            raise ConfigError("dense_layers must be at least 1: speculation for layer i needs layer i-1's input")
+            raise ConfigError("dense_layers must be at least 1: across devices the selection for layer i is "
+                              "rehearsed from layer i-1's input, so layer 0 has none")
         if self.sink_tokens < 0 or self.recent_window < 1:
             raise ConfigError("sink_tokens must be >= 0 and recent_window >= 1")
         if self.prefill_chunk < 1:
