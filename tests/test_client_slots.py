@@ -22,6 +22,7 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ui import slow_senders
 from ui.client_slots import ClientSlots, ConnectionCounter, holds_server_resources
 from ui.guard import PageGuard
 from ui.slow_senders import HeadDeadlineProtocol
@@ -51,11 +52,10 @@ async def _models(request):
     return JSONResponse({"object": "list", "data": []})
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[int, ClientSlots]]:
+def serve(key: str | None) -> Iterator[tuple[int, ClientSlots]]:
     slots = ClientSlots(most=MOST)
     app = Starlette(routes=[Route("/v1/chat/completions", _chat, methods=["POST"]), Route("/v1/models", _models)],
-                    middleware=[Middleware(PageGuard, client_slots=slots)])
+                    middleware=[Middleware(PageGuard, key=key, client_slots=slots)])
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, http=HeadDeadlineProtocol, log_level="warning",
                             lifespan="off")
@@ -68,6 +68,16 @@ def server() -> Iterator[tuple[int, ClientSlots]]:
     release.set()
     running.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[int, ClientSlots]]:
+    yield from serve(key=None)
+
+
+@pytest.fixture
+def keyed_server() -> Iterator[tuple[int, ClientSlots]]:
+    yield from serve(key="the-key")
 
 
 def connect(port: int, source: str) -> http.client.HTTPConnection:
@@ -117,7 +127,35 @@ def test_the_extra_request_of_one_client_gets_429_while_another_client_gets_thro
     assert post_chat(connect(port, "127.0.0.1"), hold=False).status == 200
     release.set()  # the others' streams end: every slot comes back
     wait_until(lambda: slots.held_by("127.0.0.1") == 0, "an ended stream kept its slot")
-    for connection in streams[1:]:
+    for connection in (*streams[1:], extra, models):
+        connection.close()
+
+
+def test_requests_without_the_key_hold_no_slot_so_they_cannot_lock_out_the_keyed_client(keyed_server):
+    port, slots = keyed_server
+    release.clear()
+    reached.clear()
+    senders = []
+    for _ in range(MOST + 2):  # each would trickle its body for as long as the server waits for it
+        sender = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sender.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                       b"\r\nContent-Length: 100000\r\n\r\n{")
+        answer = b""  # refused at its head: the key is checked before a slot is taken
+        while b"invalid_api_key" not in answer and (piece := sender.recv(4096)):
+            answer += piece
+        assert answer.startswith(b"HTTP/1.1 401 ") and b"invalid_api_key" in answer
+        senders.append(sender)
+    assert slots.held_by("127.0.0.1") == 0 and reached == []
+    keyed = connect(port, "127.0.0.1")
+    keyed.request("POST", "/v1/chat/completions", body=b"{}",
+                  headers={"Content-Type": "application/json", "Authorization": "Bearer the-key"})
+    assert keyed.getresponse().status == 200 and reached == ["127.0.0.1"]
+    wrong = connect(port, "127.0.0.1")
+    wrong.request("POST", "/v1/chat/completions", body=b"{}",
+                  headers={"Content-Type": "application/json", "Authorization": "Bearer not-the-key"})
+    refused = wrong.getresponse()
+    assert refused.status == 401 and json.loads(refused.read())["error"]["message"] == "incorrect API key"
+    for connection in (*senders, keyed, wrong):
         connection.close()
 
 
@@ -125,6 +163,7 @@ def test_one_address_cannot_open_more_than_its_connections(server, monkeypatch):
     port, _ = server
     counter = ConnectionCounter(most=5)
     monkeypatch.setattr(HeadDeadlineProtocol, "client_connections", counter)
+    monkeypatch.setattr(slow_senders, "HEAD_DEADLINE_S", 120.0)  # idle sockets are not closed on a slow machine
     idle = [socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.3", 0)) for _ in range(5)]
     wait_until(lambda: counter.open_from("127.0.0.3") == 5, "the idle connections were not counted")
     crowded = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.3", 0))

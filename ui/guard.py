@@ -97,7 +97,28 @@ def refusal_page(status: int, message: str) -> bytes:
             f"<p>{html.escape(message)}</p></body></html>").encode()
 
 
-_ERROR_KINDS = {403: ("invalid_request_error", "forbidden"), 429: ("rate_limit_error", "rate_limit_exceeded")}
+_ERROR_KINDS = {401: ("invalid_request_error", "invalid_api_key"), 403: ("invalid_request_error", "forbidden"),
+                429: ("rate_limit_error", "rate_limit_exceeded")}
+
+
+def bearer_refusal(authorization: str, key: str | None) -> str | None:
+    """Why an `Authorization` header does not carry the API key (None: it does, or no key is set)."""
+    if key is None:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return "this server needs an API key: send it as 'Authorization: Bearer KEY'"
+    if not hmac.compare_digest(token.strip().encode(), key.encode()):
+        return "incorrect API key"
+    return None
+
+
+def _is_api_path(path: str) -> bool:
+    return path.startswith("/v1/") or path.rstrip("/") == "/tokenize"
+
+
+def _authorization(scope) -> str:
+    return next((value for name, value in scope.get("headers", ()) if name == b"authorization"), b"").decode("latin-1")
 
 
 async def _refuse(scope, send, status: int, message: str, headers: tuple = ()) -> None:
@@ -174,6 +195,10 @@ class PageGuard:
         too_large = upload_refusal(scope, self.max_upload_bytes)
         if too_large is not None:
             return await _refuse(scope, send, 413, too_large)
+        if _is_api_path(path):  # a client without the key holds no slot: it cannot fill its address's places
+            wrong_key = bearer_refusal(_authorization(scope), self.key)
+            if wrong_key is not None:
+                return await _refuse(scope, send, 401, wrong_key)
         slot = self.client_slots.claim(scope)
         if slot.refused:
             return await _refuse(scope, send, 429, self.client_slots.refusal(),

@@ -8,7 +8,6 @@ flag, and what was generated is stored.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import threading
 import time
@@ -30,6 +29,7 @@ from infinigen_core import GenerationEvent, chat_token_ids
 from sessions import ContextWindowError
 from sessions.chat import conversation, reply_prompt_ids
 
+from ..guard import bearer_refusal
 from ..request_limits import JsonTooDeep, check_json_nesting
 from .protocol import ApiError, ChatRequest, TokenizeRequest
 
@@ -47,14 +47,9 @@ BODY_DEADLINE_S = 30.0
 
 # ---------------------------------------------------------------------- checks before a turn
 def check_key(request: Request, key: str | None) -> None:
-    if key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise ApiError(401, "this server needs an API key: send it as 'Authorization: Bearer KEY'", None,
-                       "invalid_api_key")
-    if not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise ApiError(401, "incorrect API key", None, "invalid_api_key")
+    refusal = bearer_refusal(request.headers.get("authorization", ""), key)
+    if refusal is not None:
+        raise ApiError(401, refusal, None, "invalid_api_key")
 
 
 def served_model(service: ChatService) -> str:
