@@ -75,8 +75,9 @@ def test_a_file_others_may_read_is_used_with_a_warning(tmp_path, capsys):
     (" \n\t\n", "the file is empty"),
     ("first\nsecond\n", "more than one line"),
     (b"\xff\xfe\x00k", "not UTF-8 text"),
+    ("k3y\x00with-a-nul", "holds control characters"),
     ("k" * (MOST_KEY_FILE_BYTES + 1), f"over {MOST_KEY_FILE_BYTES:,} bytes"),
-], ids=["empty", "blank", "two-lines", "binary", "too-long"])
+], ids=["empty", "blank", "two-lines", "binary", "nul", "too-long"])
 def test_a_file_that_holds_no_single_key_is_refused_saying_why(tmp_path, capsys, content, why):
     path = key_file(tmp_path, content)
     err = refusal(["--api-key-file", str(path)], capsys)
@@ -87,6 +88,14 @@ def test_a_missing_file_a_directory_and_a_device_are_refused(tmp_path, capsys):
     assert "no such file" in refusal(["--api-key-file", str(tmp_path / "nowhere")], capsys)
     assert "a directory, not a file" in refusal(["--api-key-file", str(tmp_path)], capsys)
     assert "not a regular file" in refusal(["--api-key-file", "/dev/zero"], capsys)  # not read for ever
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert "not a regular file" in refusal(["--api-key-file", str(fifo)], capsys)  # no writer: no hang
+
+
+def test_an_editors_byte_order_mark_is_not_part_of_the_key(tmp_path, capsys):
+    path = key_file(tmp_path, b"\xef\xbb\xbf" + KEY.encode() + b"\r\n")
+    assert parse_args(["--api-key-file", str(path)]).api_key == KEY
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file")

@@ -26,11 +26,14 @@ def read_key_file(path: Path, flag: str) -> str:
     where others than its owner may read it; refuses a missing, unreadable, empty, binary or long file."""
     shown = str(path)
     path = path.expanduser()
-    try:
-        with open(path, "rb") as file:
+    try:  # opened without blocking, so a FIFO with no writer is refused below instead of hanging the start
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
             mode = os.fstat(file.fileno()).st_mode
+            if stat.S_ISDIR(mode):
+                raise KeyFileError(f"{flag} {shown}: a directory, not a file")
             if not stat.S_ISREG(mode):
-                raise KeyFileError(f"{flag} {shown}: not a regular file")
+                raise KeyFileError(f"{flag} {shown}: not a regular file (a pipe or a device is not read); write "
+                                   f"the key in a file, or set it in the environment")
             raw = file.read(MOST_KEY_FILE_BYTES + 1)
     except FileNotFoundError:
         raise KeyFileError(f"{flag} {shown}: no such file") from None
@@ -44,13 +47,16 @@ def read_key_file(path: Path, flag: str) -> str:
         raise KeyFileError(f"{flag} {shown}: over {MOST_KEY_FILE_BYTES:,} bytes; a key file holds the key alone, "
                            f"on one line")
     try:
-        key = raw.decode("utf-8").strip()
+        key = raw.decode("utf-8-sig").strip()  # -sig: an editor's byte-order mark is not part of the key
     except UnicodeDecodeError:
         raise KeyFileError(f"{flag} {shown}: not UTF-8 text; a key file holds the key alone, on one line") from None
     if not key:
         raise KeyFileError(f"{flag} {shown}: the file is empty; write the key in it, on one line")
     if "\n" in key or "\r" in key:
         raise KeyFileError(f"{flag} {shown}: more than one line; a key file holds the key alone, on one line")
+    if any(ord(character) < 32 or ord(character) == 127 for character in key):
+        raise KeyFileError(f"{flag} {shown}: holds control characters (a binary file?); a key file holds the key "
+                           f"alone, on one line")
     readers = _other_readers(mode)
     if readers:
         print(f"warning: {flag} {shown} can be read by {readers}, who can then use the key; "
