@@ -6,14 +6,17 @@ it passes: XML elements, unpacked bytes, characters of text, the length of any o
 mammoth reads each part whole and builds a tree of it (~230 bytes of Python objects per element), and its
 text is only counted once it has all been converted. This scan holds one block of a part at a time and no
 tree: a 30 KB file of 20 MiB of `<w:p/>`, or one of 190 MiB of text in a single run, is refused after
-reading as far as the bound, in a few MiB. Text is counted where mammoth takes it from (`t` elements of the
-body, footnotes, endnotes and comments); elements and bytes in every XML part. A part with a DTD is refused:
-Word writes none, and entities are how a small XML file expands.
+reading as far as the bound, in a few MiB. Text is counted where mammoth takes it from: the main document,
+footnotes, endnotes and comments, found as mammoth finds them (the relationships, `_rels/.rels` and the
+parts' own, whatever the parts are named), their `t` elements and any other text that is not whitespace;
+elements (and their attributes) and bytes in every XML part and every part a relationship names. A part with
+a DTD is refused: Word writes none, and entities are how a small XML file expands.
 """
 
 from __future__ import annotations
 
 import io
+import posixpath
 import zipfile
 from dataclasses import dataclass
 from xml.parsers import expat
@@ -23,6 +26,8 @@ from documents.limits import ConversionLimits
 
 XML_PARTS = (".xml", ".rels")
 TEXT_PARTS = frozenset({"word/document.xml", "word/footnotes.xml", "word/endnotes.xml", "word/comments.xml"})
+# relationship types (the end of their URI) whose target mammoth reads text from
+TEXT_RELATIONSHIPS = ("/officeDocument", "/footnotes", "/endnotes", "/comments")
 BLOCK_BYTES = 64 * 1024
 # One tag, comment or run of markup between two events: Word's longest are a few KB (an embedded font's
 # name list, a long hyperlink); expat holds a token whole until it ends, so a longer one is refused
@@ -43,8 +48,8 @@ class DocxBudget:
     text_chars: int = 0
     unpacked_bytes: int = 0
 
-    def add_element(self) -> None:
-        self.elements += 1
+    def add_element(self, count: int = 1) -> None:
+        self.elements += count
         if self.elements > self.limits.xml_tags:
             raise _Refused(f"{self.name} is made of more than {self.limits.xml_tags:,} XML elements, more than an "
                            f"attached Word document may be. Attach a smaller document, or save it as PDF.")
@@ -68,10 +73,19 @@ def scan_docx(name: str, data: bytes, limits: ConversionLimits) -> DocxBudget:
     budget = DocxBudget(name, limits)
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            for info in archive.infolist():
-                if info.filename.lower().endswith(XML_PARTS):
-                    with archive.open(info) as member:
-                        _scan_part(member, budget, counts_text=info.filename in TEXT_PARTS)
+            members = {info.filename: info for info in archive.infolist()}
+            relationships = [info for path, info in members.items() if path.lower().endswith(".rels")]
+            named: dict[str, bool] = {}  # every part a relationship names -> whether mammoth reads text from it
+            for info in relationships:
+                with archive.open(info) as member:
+                    for target, kind in _scan_part(member, budget, counts_text=False):
+                        part = _resolve(info.filename, target)
+                        named[part] = named.get(part, False) or kind.endswith(TEXT_RELATIONSHIPS)
+            for path, info in members.items():
+                if path.lower().endswith(".rels") or not (path.lower().endswith(".xml") or path in named):
+                    continue
+                with archive.open(info) as member:
+                    _scan_part(member, budget, counts_text=path in TEXT_PARTS or named.get(path, False))
     except _Refused as refusal:
         raise DocumentError(str(refusal)) from None
     except (expat.ExpatError, zipfile.BadZipFile, EOFError, OSError, ValueError):
@@ -80,8 +94,19 @@ def scan_docx(name: str, data: bytes, limits: ConversionLimits) -> DocxBudget:
     return budget
 
 
-def _scan_part(member, budget: DocxBudget, counts_text: bool) -> None:
+def _resolve(relationships_part: str, target: str) -> str:
+    """The archive path a relationship's target names: `word/_rels/document.xml.rels` speaks for `word/`."""
+    if target.startswith("/"):
+        return posixpath.normpath(target.lstrip("/"))
+    folder = posixpath.dirname(posixpath.dirname(relationships_part))
+    return posixpath.normpath(posixpath.join(folder, target))
+
+
+def _scan_part(member, budget: DocxBudget, counts_text: bool) -> list[tuple[str, str]]:
+    """Stream one part through expat within the budget; the (target, type) of every internal relationship it
+    declares (a `.rels` part's)."""
     parser = expat.ParserCreate()
+    declared: list[tuple[str, str]] = []
     since_event = 0  # bytes fed since expat last reported something: one token's length, at most
     text_depth = 0  # how many `t` elements the parse is inside (0 or 1 in a sound file)
 
@@ -89,12 +114,15 @@ def _scan_part(member, budget: DocxBudget, counts_text: bool) -> None:
         nonlocal since_event
         since_event = 0
 
-    def start(tag: str, attributes: dict) -> None:  # noqa: ARG001
+    def start(tag: str, attributes: dict) -> None:
         nonlocal text_depth
         seen()
-        budget.add_element()
+        budget.add_element(1 + len(attributes))  # mammoth's tree keeps an object per attribute too
         if counts_text and tag.rpartition(":")[2] == "t":
             text_depth += 1
+        if tag.rpartition(":")[2] == "Relationship" and attributes.get("TargetMode") != "External" \
+                and "Target" in attributes:
+            declared.append((attributes["Target"], attributes.get("Type", "")))
 
     def end(tag: str) -> None:
         nonlocal text_depth
@@ -104,7 +132,7 @@ def _scan_part(member, budget: DocxBudget, counts_text: bool) -> None:
 
     def characters(text: str) -> None:
         seen()
-        if text_depth:
+        if text_depth or (counts_text and not text.isspace()):
             budget.add_text(len(text))
 
     def doctype(*_: object) -> None:
@@ -123,3 +151,4 @@ def _scan_part(member, budget: DocxBudget, counts_text: bool) -> None:
             raise _Refused(f"{budget.name} has an XML tag or comment over {MOST_TOKEN_BYTES // 2**20} MiB long, "
                            f"which Word never writes. Open and save it again in Word, or attach it as PDF.")
     parser.Parse(b"", True)
+    return declared

@@ -97,3 +97,39 @@ def test_a_dtd_and_damaged_xml_are_refused_saying_why():
     cut = docx_bytes(paragraph("fine"), pages=None, extra_parts={"word/styles.xml": b"<w:styles><w:style>"})
     with pytest.raises(DocumentError, match="could not be read as a Word document"):
         scan_docx("cut.docx", cut, ConversionLimits())
+
+
+def decoy_docx(main_part: str, body_xml: str) -> bytes:
+    """A small `word/document.xml` as a decoy, while `_rels/.rels` sends mammoth to `main_part`."""
+    rels = ('<?xml version="1.0"?><Relationships xmlns="http://schemas.openxmlformats.org/package/2006/'
+            'relationships"><Relationship Id="rId1" Type="http://schemas.openxmlformats.org/officeDocument/2006/'
+            f'relationships/officeDocument" Target="/{main_part}"/></Relationships>')
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("[Content_Types].xml", '<?xml version="1.0"?><Types xmlns="http://schemas.openxmlformats'
+                                                '.org/package/2006/content-types"/>')
+        archive.writestr("_rels/.rels", rels)
+        archive.writestr("word/document.xml", f'<w:document {W}><w:body>{paragraph("decoy")}</w:body></w:document>')
+        archive.writestr(main_part, f'<w:document {W}><w:body>{body_xml}</w:body></w:document>')
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("main_part", ["word/main", "word/main.xml"], ids=["no-extension", "other-name"])
+def test_the_main_document_is_found_as_mammoth_finds_it_not_by_its_name(main_part):
+    limits = ConversionLimits(xml_tags=1_000, text_chars=1_000)
+    with pytest.raises(DocumentError, match="more than 1,000 XML elements"):
+        scan_docx("decoy.docx", decoy_docx(main_part, "<w:p/>" * 5_000), limits)
+    with pytest.raises(DocumentError, match="more than 1,000 characters of text"):
+        scan_docx("decoy.docx", decoy_docx(main_part, paragraph("x" * 2_000)), limits)
+
+
+def test_attributes_and_text_outside_t_elements_are_counted():
+    limits = ConversionLimits(xml_tags=1_000, text_chars=1_000)
+    attributes = " ".join(f'w:a{n}="1"' for n in range(2_000))  # one element, one object per attribute in a tree
+    with pytest.raises(DocumentError, match="more than 1,000 XML elements"):
+        scan_docx("attributes.docx", docx_bytes(f"<w:p {attributes}/>", pages=None), limits)
+    field_code = f"<w:p><w:r><w:instrText>{'y' * 2_000}</w:instrText></w:r></w:p>"
+    with pytest.raises(DocumentError, match="more than 1,000 characters of text"):
+        scan_docx("field.docx", docx_bytes(field_code, pages=None), limits)
+    # whitespace between elements (pretty-printed XML) is not text
+    assert scan_docx("pretty.docx", docx_bytes("\n  " * 600 + paragraph("ok"), pages=None), limits).text_chars == 2
