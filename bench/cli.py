@@ -71,6 +71,8 @@ def _add_page_commands(commands) -> None:
     page.add_argument("--max-new-tokens", type=int, default=200)
     page.add_argument("--cases", default="short,long", help="comma-separated: short, long")
     page.add_argument("--rounds", type=int, default=5)
+    page.add_argument("--without-browser", action="store_true",
+                      help="send the page's turn through its handler and Gradio's queue, no browser (isolates the browser)")
     updates = commands.add_parser("page-updates", help="CPU of one streaming update in the app and the browser")
     updates.add_argument("--updates", type=int, default=80)
     updates.add_argument("--interval", type=float, default=0.1)
@@ -426,7 +428,7 @@ def run_page(args) -> tuple[None, dict]:
     from .page import measure_rounds
 
     return None, measure_rounds(args.max_new_tokens, args.rounds, tuple(args.cases.split(",")),
-                                show=lambda line: print(line, flush=True))
+                                show=lambda line: print(line, flush=True), browser=not args.without_browser)
 
 
 def run_page_updates(args) -> tuple[None, dict]:

@@ -3,6 +3,7 @@
 short conversation and a long one.
 
     python -m bench page [--max-new-tokens 200] [--rounds 5] [--cases short,long] [--save results/page.json]
+    python -m bench page --without-browser ...   # the page's turn through its handler and Gradio's queue only
 
 One `python app.py` on a free port and a throw-away data directory serves every round. Each round runs, for
 each case, (a) the API: a streamed request with the case's messages, max_tokens N, temperature 0; then
@@ -199,6 +200,38 @@ def _page_reply(url: str, case: Case, long_session: str | None, playwright, cloc
         browser.close()
 
 
+def reply_text(history: list[dict]) -> str:
+    """The text of the reply at the end of a chat value as gradio_client gives it ("" when the last message is
+    not the assistant's); a message's content is a string or Gradio's list of typed parts."""
+    if not history or history[-1].get("role") != "assistant":
+        return ""
+    content = history[-1].get("content", "")
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+    return content if isinstance(content, str) else ""
+
+
+def _queue_reply(url: str, case: Case, long_session: str | None, clock: CpuClock) -> dict:
+    """The page's turn without a browser: the same message through the page's own handler (`/send`), Gradio's
+    queue and its streamed diffs, read by gradio_client; timed like the page, at each change of the reply's text.
+    Set beside the browser's figure, it says whether a loss is the server's or the browser's."""
+    from gradio_client import Client
+
+    _open_case(url, case, long_session)
+    first = last = None
+    text, cpu_first = "", (0.0, 0.0)
+    for history, *_ in Client(url, verbose=False).submit(PROMPT, api_name="/send"):
+        content = reply_text(history)
+        if content and content != text:
+            last, text = time.perf_counter(), content
+            if first is None:
+                first, cpu_first = last, clock.sample()
+    cpu_last = clock.sample()
+    seconds = last - first
+    return {"seconds": seconds, "text": text, "app_cores": (cpu_last[0] - cpu_first[0]) / seconds,
+            "browser_cores": 0.0}
+
+
 def _set_max_new_tokens(url: str, max_new_tokens: int) -> None:
     """The page's settings: the defaults (greedy) with the reply's length capped like the API request's."""
     from gradio_client import Client
@@ -264,7 +297,9 @@ def _row_line(r: dict) -> str:
 
 
 def measure_rounds(max_new_tokens: int, rounds: int, cases: tuple[str, ...] = ("short", "long"),
-                   show=print) -> dict:
+                   show=print, browser: bool = True) -> dict:
+    """`browser=False`: the page's turn goes through the page's handler and Gradio's queue without a browser
+    (`_queue_reply`); the browser CPU column is then 0."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -290,7 +325,8 @@ def measure_rounds(max_new_tokens: int, rounds: int, cases: tuple[str, ...] = ("
             for case in chosen:
                 api = _api_reply(app.url, case, max_new_tokens, clock)
                 time.sleep(2)
-                page = _page_reply(app.url, case, long_session, playwright, clock)
+                page = _page_reply(app.url, case, long_session, playwright, clock) if browser else \
+                    _queue_reply(app.url, case, long_session, clock)
                 time.sleep(2)
                 rows.append(_round_row(number, case, api, page, count_tokens))
                 show(_row_line(rows[-1]))
@@ -304,5 +340,5 @@ def measure_rounds(max_new_tokens: int, rounds: int, cases: tuple[str, ...] = ("
         show(f"{case.name}: median of the rounds' page/API ratios {summary[case.name]['median_round_ratio']:.3f} "
              f"(median rates: API {summary[case.name]['api_tokens_per_s']:.2f}, "
              f"page {summary[case.name]['page_tokens_per_s']:.2f} tokens/s)")
-    return {"max_new_tokens": max_new_tokens, "prompt": PROMPT, "long_turns": LONG_TURNS, "rows": rows,
+    return {"max_new_tokens": max_new_tokens, "prompt": PROMPT, "long_turns": LONG_TURNS, "browser": browser, "rows": rows,
             "summary": summary}
