@@ -29,9 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         # id on the command line may download (unless the user set HF_HUB_OFFLINE=1 themselves).
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from chat_service import ChatService
+    from chat_service.torch_threads import confine_new_threads
     from sessions import SessionError
     from ui.layout import CSS, ChatPage
 
+    confine_new_threads()  # web workers and writers run torch's loops alone: the model's threads keep the cores
     try:
         service = ChatService(args.data_dir, args.model, args.device, quantize=args.quantize,
                               storage=args.storage, backend=args.backend_config)
