@@ -210,7 +210,7 @@ class InfiniGenPolicy(KVPolicy):
 
     def _rehearse(self, target: int, hidden_states, position_embeddings, positions) -> torch.Tensor:
         """Layer `target`'s partial, skewed, scaled query [kv_heads, group, r] from an attention input (the
-        previous layer's when speculating ahead, the target's own in `select_from_input`)."""
+        previous layer's, when speculating ahead)."""
         adapter = self.ctx.adapter
         attention = self.ctx.attention_modules[target]
         cos = position_embeddings[0] if position_embeddings is not None else None
@@ -235,13 +235,24 @@ class InfiniGenPolicy(KVPolicy):
     def speculate(self, layer, hidden_states, position_embeddings, positions, past_len, new_slots=None):
         return self._select(layer + 1, hidden_states, position_embeddings, positions, past_len, new_slots)
 
-    def select_from_input(self, layer, hidden_states, position_embeddings, positions, past_len, new_slots=None):
-        return self._select(layer, hidden_states, position_embeddings, positions, past_len, new_slots)
+    def select_from_query(self, layer, query, scaling, past_len, new_slots=None):
+        """The layer's own query, as its attention gets it (normed and rotated), through the partial skew: the
+        true partial logits, with no projection computed again."""
+        started = time.perf_counter()
+        adapter = self.ctx.adapter
+        own = query.reshape(adapter.num_kv_heads, adapter.group_size, adapter.head_dim).to(self.partial_dtype)
+        scale = adapter.head_dim ** -0.5 if scaling is None else scaling  # None: SDPA's default, as attention
+        partial_query = torch.bmm(own, self.key_projections[layer]).mul_(scale)
+        return self._select_partial(layer, partial_query, past_len, new_slots, started)
 
     def _select(self, target, hidden_states, position_embeddings, positions, past_len, new_slots):
         """The top-k slots of `target` from an attention input (see `_rehearse`)."""
         started = time.perf_counter()
         partial_query = self._rehearse(target, hidden_states, position_embeddings, positions)
+        return self._select_partial(target, partial_query, past_len, new_slots, started)
+
+    def _select_partial(self, target, partial_query, past_len, new_slots, started: float) -> Selection:
+        """The top-k slots of `target` for a partial, skewed, scaled query [kv_heads, group, r]."""
         kernels = self.ctx.kernels
         k = self.config.budget_tokens_for(past_len)
         if (kernels is not None and new_slots is None and self.ctx.adapter.softcap is None and k <= past_len
