@@ -52,6 +52,11 @@ class EngineConfig:
         layer's selected rows from it in place (zero_copy.py: no host gather, no host round trip) once a
         probe at load agreed with the staged path; False, or a failed probe, gathers them on the host and
         copies them up (the staged path). Layers under `selected_rows_cache` and a limited pool stay staged.
+    selects_ahead: whether a selecting layer's rows are rehearsed one layer ahead, from the previous layer's
+        input (InfiniGen's pipeline, which overlaps their fetch with that layer's work), or chosen with the
+        layer's own query. None (the default): ahead only where the pool is apart from the compute device,
+        since where they share memory nothing is fetched and the own query is the true one; True rehearses
+        ahead on the CPU too (to compare it with the GPU path).
     """
 
     policy: str = "infinigen"
@@ -71,8 +76,11 @@ class EngineConfig:
     dense_layers_on_device: bool = True
     selected_rows_cache: int = 0
     zero_copy_fetch: bool = True
+    selects_ahead: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.selects_ahead not in (None, True, False):
+            raise ConfigError(f"selects_ahead must be true, false or unset, got {self.selects_ahead!r}")
         if self.policy not in POLICY_NAMES:
             raise ConfigError(f"unknown policy {self.policy!r}: choose one of {', '.join(POLICY_NAMES)}")
         if not (self.alpha > 0) or math.isnan(self.alpha):

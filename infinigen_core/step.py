@@ -90,6 +90,8 @@ class LayerWork:
         that their fetch across devices overlaps that layer's work (InfiniGen's pipeline). Where the pool
         shares the compute device's memory nothing crosses, so the early start would buy nothing and cost
         accuracy: each selecting layer then chooses from its own input, its true query."""
+        if self.config.selects_ahead is not None:
+            return self.config.selects_ahead
         return not isinstance(self.fetcher, DirectFetcher)
 
     def attend(self, step: Step, layer: int, query, key, value, scaling: float, layer_input, position_embeddings):

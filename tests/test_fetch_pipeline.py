@@ -80,6 +80,7 @@ def run(model, monkeypatch, attended, delay_s=None, restore=False, zero_copy=Fal
         else:
             patch.delenv(SEPARATE_DEVICES_ENV, raising=False)
         attended.clear()
+        settings.setdefault("selects_ahead", True)  # direct and streamed select alike, one layer ahead
         with make_tiny_engine(model, prefill_chunk=40, **settings) as engine:
             assert type(engine.fetcher) is (DirectFetcher if delay_s is None else StreamFetcher)
             assert getattr(engine.fetcher, "mapped", None) is not None or not zero_copy

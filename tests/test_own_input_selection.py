@@ -59,3 +59,20 @@ def test_across_devices_the_selection_is_still_rehearsed_one_layer_ahead(tiny_ll
     engine.decode(7)
     assert [stats.layer for stats in engine.history[-1].sparse_layers()] == [2, 3]
     engine.close()
+
+
+def test_the_setting_can_make_the_cpu_rehearse_ahead_as_the_gpu_path_does(tiny_llama):
+    from infinigen_core.config import ConfigError, EngineConfig
+
+    with make_tiny_engine(tiny_llama, selects_ahead=True, **SETTINGS) as ahead:
+        assert ahead.work.rehearses_ahead
+        ahead.prefill(random_tokens(40, seed=3))
+        assert ahead.decode(5).isfinite().all()  # the rehearsal ahead runs on the CPU too
+    with make_tiny_engine(tiny_llama, selects_ahead=False, **SETTINGS) as own:
+        assert not own.work.rehearses_ahead
+    try:
+        EngineConfig(selects_ahead="yes")  # type: ignore[arg-type]
+    except ConfigError as error:
+        assert "selects_ahead" in str(error)
+    else:
+        raise AssertionError("a malformed selects_ahead was accepted")

@@ -119,7 +119,9 @@ def test_worker_threads_keep_the_rules():
 
 # ------------------------------------------------------------------ the engine under the mode
 def plain(monkeypatch, model, **settings):
-    """An engine on the plain CPU (the reference a separated run must match)."""
+    """An engine on the plain CPU (the reference a separated run must match): its layers select one layer
+    ahead, as the separated run's do (on the plain CPU they would use their own query)."""
+    settings.setdefault("selects_ahead", True)
     with monkeypatch.context() as patch:
         patch.delenv(SEPARATE_DEVICES_ENV)
         return make_tiny_engine(model, prefill_chunk=40, **settings)

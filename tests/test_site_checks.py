@@ -53,7 +53,9 @@ def test_a_cross_site_text_plain_post_to_the_api_is_refused_and_reaches_nothing(
     assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 200  # curl, the OpenAI client
     assert calls == ["POST /v1/chat/completions"]
     with_key = _client(key="k")  # the key guards it: a cross-site page lacks it, whatever the content type
-    assert with_key.post("/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"}).status_code == 200
+    assert with_key.post("/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"}).status_code == 401
+    assert with_key.post("/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain",
+                                                                       "authorization": "Bearer k"}).status_code == 200
 
 
 def test_state_changing_page_routes_refuse_another_origin_but_not_the_apps_own():
