@@ -5,7 +5,7 @@ opaque op) `LayerWork.attend` once per layer, which, in order:
   1. lets the policy speculate from this layer's input which slots the next layer needs and starts their
      fetch (or the next layer's whole fetch), so that it overlaps this layer's work; where the pool shares
      the compute device's memory there is no fetch to overlap, and a selecting layer chooses its own slots
-     from its own input instead (`rehearses_ahead`);
+     with its own query instead (`rehearses_ahead`);
   2. writes the layer's new K/V to the pool (through the fetcher: on a GPU a copy to host memory);
   3. attends densely (prefill, dense layers, dense policies) or over the fetched rows plus the new token;
   4. records the layer's statistics, without reading any device value on the host.
@@ -89,7 +89,7 @@ class LayerWork:
         """Whether a selecting layer's rows are chosen one layer early, from the previous layer's input, so
         that their fetch across devices overlaps that layer's work (InfiniGen's pipeline). Where the pool
         shares the compute device's memory nothing crosses, so the early start would buy nothing and cost
-        accuracy: each selecting layer then chooses from its own input, its true query."""
+        accuracy: each selecting layer then chooses with its own query. `EngineConfig.selects_ahead` overrides."""
         if self.config.selects_ahead is not None:
             return self.config.selects_ahead
         return not isinstance(self.fetcher, DirectFetcher)
