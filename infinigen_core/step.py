@@ -95,11 +95,11 @@ class LayerWork:
         return not isinstance(self.fetcher, DirectFetcher)
 
     def attend(self, step: Step, layer: int, query, key, value, scaling: float, layer_input, position_embeddings):
-        if step.is_decode and layer_input is not None:
-            if self.rehearses_ahead:
-                self._speculate_next(layer, layer_input, position_embeddings, step)
-            elif step.selects(layer):
-                self._select_from_query(layer, query, scaling, step)
+        if step.is_decode and not self.rehearses_ahead:
+            if step.selects(layer):
+                self._select_from_query(layer, query, step)
+        elif step.is_decode and layer_input is not None:
+            self._speculate_next(layer, layer_input, position_embeddings, step)
         started = time.perf_counter()
         new_keys, new_values = key[0], value[0]  # [kv_heads, n, dim]
         slots = step.device_slots[layer]
@@ -140,10 +140,10 @@ class LayerWork:
         elif not self.policy.keeps_pool_on_device:
             step.prefetched[target] = self.start_fetch(target, step)
 
-    def _select_from_query(self, layer: int, query, scaling: float, step: Step) -> None:
+    def _select_from_query(self, layer: int, query, step: Step) -> None:
         """A selecting layer's rows, chosen from its own query (where nothing is fetched ahead)."""
         new_slots = None if self.pool.last_reserved_contiguous else step.device_slots[layer]
-        selection = self.policy.select_from_query(layer, query, scaling, step.past_len, new_slots)
+        selection = self.policy.select_from_query(layer, query, step.past_len, new_slots)
         if selection is not None:
             step.prefetched[layer] = (self.fetcher.start_rows(layer, selection.slots), selection)
 

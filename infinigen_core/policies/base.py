@@ -73,11 +73,12 @@ class KVPolicy:
         `past_len`."""
         return None
 
-    def select_from_query(self, layer: int, query: torch.Tensor, scaling: float, past_len: int,
+    def select_from_query(self, layer: int, query: torch.Tensor, past_len: int,
                           new_slots: torch.Tensor | None) -> Selection | None:
         """Called as a sparse `layer` starts attending, during decoding, where nothing was speculated for it:
         may choose its slots from the layer's own query (as attention gets it, [1, heads, 1, dim] in some
-        layout whose heads are in order) and the attention's `scaling`; `new_slots` as for `speculate`."""
+        layout whose heads are in order; its scale is the adapter's `logit_scale`); `new_slots` as for
+        `speculate`."""
         return None
 
     def select(self, layer: int, past_len: int, first_position: int) -> Selection | None:

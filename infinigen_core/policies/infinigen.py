@@ -216,11 +216,7 @@ class InfiniGenPolicy(KVPolicy):
         cos = position_embeddings[0] if position_embeddings is not None else None
         # the family's own recipe where it is not plain RoPE (query norms, fused projections, no RoPE, ...)
         if not self.rotary[target] or cos.shape[-1] != adapter.head_dim:
-            query = adapter.rehearse_query(attention, hidden_states, position_embeddings, positions)
-            query = query.reshape(adapter.num_kv_heads, adapter.group_size, adapter.head_dim)
-            if query.dtype != self.partial_dtype:
-                query = query.to(self.partial_dtype)
-            return torch.bmm(query, self.single_query_projections[target])
+            return self._skewed(target, adapter.rehearse_query(attention, hidden_states, position_embeddings, positions))
         sin = position_embeddings[1]
         if cos is not self._rope_source:  # the same for every layer of a step: build it once per step
             self._rope_source = cos
@@ -235,15 +231,20 @@ class InfiniGenPolicy(KVPolicy):
     def speculate(self, layer, hidden_states, position_embeddings, positions, past_len, new_slots=None):
         return self._select(layer + 1, hidden_states, position_embeddings, positions, past_len, new_slots)
 
-    def select_from_query(self, layer, query, scaling, past_len, new_slots=None):
+    def select_from_query(self, layer, query, past_len, new_slots=None):
         """The layer's own query, as its attention gets it (normed and rotated), through the partial skew: the
         true partial logits, with no projection computed again."""
         started = time.perf_counter()
+        return self._select_partial(layer, self._skewed(layer, query), past_len, new_slots, started)
+
+    def _skewed(self, layer: int, query: torch.Tensor) -> torch.Tensor:
+        """A layer's query (normed and rotated as its attention computes it; heads in order) through the
+        layer's partial skew and the attention scale (`logit_scale`, folded in): [kv_heads, group, r]."""
         adapter = self.ctx.adapter
-        own = query.reshape(adapter.num_kv_heads, adapter.group_size, adapter.head_dim).to(self.partial_dtype)
-        scale = adapter.head_dim ** -0.5 if scaling is None else scaling  # None: SDPA's default, as attention
-        partial_query = torch.bmm(own, self.key_projections[layer]).mul_(scale)
-        return self._select_partial(layer, partial_query, past_len, new_slots, started)
+        query = query.reshape(adapter.num_kv_heads, adapter.group_size, adapter.head_dim)
+        if query.dtype != self.partial_dtype:
+            query = query.to(self.partial_dtype)
+        return torch.bmm(query, self.single_query_projections[layer])
 
     def _select(self, target, hidden_states, position_embeddings, positions, past_len, new_slots):
         """The top-k slots of `target` from an attention input (see `_rehearse`)."""
