@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .request_limits import UPLOAD_PATHS
+from .site_checks import is_api_path
 
 DEFAULT_REQUESTS_PER_CLIENT = 4
 # A browser opens 6 connections per host (all its tabs together) and the page keeps one or two; a hundred
@@ -41,7 +42,7 @@ def holds_server_resources(method: str, path: str) -> bool:
     API or the upload route. A GET there (`/v1/models`) holds nothing and is answered at once."""
     if method in ("GET", "HEAD", "OPTIONS"):
         return False
-    return path.startswith("/v1/") or path.rstrip("/") in ("/tokenize", *UPLOAD_PATHS)
+    return is_api_path(path) or path.rstrip("/") in UPLOAD_PATHS
 
 
 @dataclass

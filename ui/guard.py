@@ -34,6 +34,8 @@ from .site_checks import (
     HostPolicy,
     LoginThrottle,
     cross_site_refusal,
+    header,
+    is_api_path,
     without_foreign_cors,
 )
 
@@ -113,14 +115,6 @@ def bearer_refusal(authorization: str, key: str | None) -> str | None:
     return None
 
 
-def _is_api_path(path: str) -> bool:
-    return path.startswith("/v1/") or path.rstrip("/") == "/tokenize"
-
-
-def _authorization(scope) -> str:
-    return next((value for name, value in scope.get("headers", ()) if name == b"authorization"), b"").decode("latin-1")
-
-
 async def _refuse(scope, send, status: int, message: str, headers: tuple = ()) -> None:
     """A refusal in the API's error shape (OpenAI's `{"error": {...}}`, whose `detail` Gradio's page shows as a
     sentence too), or, to a browser opening a page, a page that says the sentence."""
@@ -195,8 +189,8 @@ class PageGuard:
         too_large = upload_refusal(scope, self.max_upload_bytes)
         if too_large is not None:
             return await _refuse(scope, send, 413, too_large)
-        if _is_api_path(path):  # a client without the key holds no slot: it cannot fill its address's places
-            wrong_key = bearer_refusal(_authorization(scope), self.key)
+        if is_api_path(path):  # a client without the key holds no slot: it cannot fill its address's places
+            wrong_key = bearer_refusal(header(scope, b"authorization") or "", self.key)
             if wrong_key is not None:
                 return await _refuse(scope, send, 401, wrong_key)
         slot = self.client_slots.claim(scope)

@@ -77,7 +77,8 @@ def _host_name(host_header: str) -> str:
         return ""
 
 
-def _header(scope, name: bytes) -> str | None:
+def header(scope, name: bytes) -> str | None:
+    """A request header's value (latin-1, as HTTP sends it), or None."""
     for key, value in scope.get("headers", ()):
         if key == name:
             return value.decode("latin-1")
@@ -86,7 +87,7 @@ def _header(scope, name: bytes) -> str | None:
 
 def own_origin(scope) -> str | None:
     """The origin the request was sent to, as a browser on the app's page would write it."""
-    host = _header(scope, b"host")
+    host = header(scope, b"host")
     if not host:
         return None
     secure = scope.get("scheme") in ("https", "wss")
@@ -113,25 +114,26 @@ def cross_site_refusal(scope, hosts: HostPolicy, json_only_api: bool = True) -> 
     """Why this request may not reach the app, or None. `json_only_api`: a POST to the API (/v1 and /tokenize
     beside it) must say JSON (the app asks it where there is no key; with one, a cross-site request lacks the
     key anyway)."""
-    host = _header(scope, b"host") or ""
+    host = header(scope, b"host") or ""
     if not hosts.allows(host):
         return Refusal(403, f"This app does not answer to the host name {_host_name(host) or host!r}; open it as "
                             f"http://127.0.0.1 or http://localhost (a page that renames itself to reach the app "
                             f"is refused).")
-    origin = _header(scope, b"origin")
+    origin = header(scope, b"origin")
     changes_state = scope["type"] == "websocket" or scope.get("method", "GET") not in SAFE_METHODS
     if changes_state and origin is not None and not _same_origin(origin, scope):
         return Refusal(403, f"Requests from another site ({origin}) may not use this app.")
     if (json_only_api and scope["type"] == "http" and scope.get("method") == "POST"
-            and _is_api_path(scope.get("path", ""))):
-        content_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+            and is_api_path(scope.get("path", ""))):
+        content_type = (header(scope, b"content-type") or "").split(";")[0].strip().lower()
         if content_type != "application/json":
             return Refusal(415, "The request body must be JSON, sent with 'Content-Type: application/json'.")
     return None
 
 
-def _is_api_path(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/tokenize"
+def is_api_path(path: str) -> bool:
+    """The OpenAI-compatible API's routes: /v1 and the tokenizer beside it (vLLM's place)."""
+    return path.startswith("/v1/") or path.rstrip("/") == "/tokenize"
 
 
 def without_foreign_cors(scope, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -26,7 +26,7 @@ import h11
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .client_slots import ConnectionCounter
+from .client_slots import RETRY_AFTER_S, ConnectionCounter
 
 # A browser or client sends its whole head in one packet; ten seconds leave room for a slow network
 # (nginx waits 60 s, Apache 20-40 s; uvicorn drops an idle kept-alive connection after 5 s)
@@ -36,8 +36,8 @@ TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset
              b"Content-Length: %d\r\n\r\n%s" % (len(_REASON), _REASON))
 _CROWDED = b"This address has too many connections open to this app; close some, then retry.\n"
 TOO_MANY_CONNECTIONS = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: text/plain; charset=utf-8\r\n"
-                        b"Retry-After: 2\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-                        % (len(_CROWDED), _CROWDED))
+                        b"Retry-After: %d\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                        % (RETRY_AFTER_S, len(_CROWDED), _CROWDED))
 
 
 class HeadDeadlineProtocol(H11Protocol):
