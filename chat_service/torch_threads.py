@@ -23,7 +23,7 @@ import glob
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -48,29 +48,23 @@ def openmp_runtime() -> ctypes.CDLL | None:
     return None
 
 
-def openmp_thread_setter() -> Callable[[int], None] | None:
-    """`omp_set_num_threads` of torch's OpenMP runtime (see `openmp_runtime`), or None."""
-    runtime = openmp_runtime()
-    return None if runtime is None else runtime.omp_set_num_threads
-
-
-def run_alone(setter: Callable[[int], None]) -> None:
+def run_alone(runtime: ctypes.CDLL) -> None:
     """This thread's torch loops run inline from now on (no team of helpers), whatever torch's setting."""
     torch.get_num_threads()  # torch sets a thread's OpenMP count at its first use: let it, then override that
-    setter(1)
+    runtime.omp_set_num_threads(1)
 
 
 def confine_new_threads(keep: Iterable[str] = MODEL_THREADS) -> None:
     """Every thread started from now on runs its torch loops alone, except those whose name starts with one of
     `keep`. Uses `threading.setprofile`: the hook runs at a new thread's first call and removes itself."""
     kept = tuple(keep)
-    setter = openmp_thread_setter()
-    if setter is None:
+    runtime = openmp_runtime()
+    if runtime is None:
         return
 
     def first_call(frame, event, arg) -> None:  # noqa: ARG001
         sys.setprofile(None)
         if not threading.current_thread().name.startswith(kept):
-            run_alone(setter)
+            run_alone(runtime)
 
     threading.setprofile(first_call)

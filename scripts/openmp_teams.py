@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chat_service.torch_threads import openmp_thread_setter, run_alone  # noqa: E402
+from chat_service.torch_threads import openmp_runtime, run_alone  # noqa: E402
 
 
 def small_products_us(vector: torch.Tensor, matrix: torch.Tensor, count: int = 3000) -> float:
@@ -44,9 +44,9 @@ def one_round(confined: bool) -> tuple[float, float]:
 
     def other() -> None:
         if confined:
-            setter = openmp_thread_setter()
-            assert setter is not None, "torch runs without OpenMP here: nothing to measure"
-            run_alone(setter)
+            runtime = openmp_runtime()
+            assert runtime is not None, "torch runs without OpenMP here: nothing to measure"
+            run_alone(runtime)
         (torch.randn(3_000_000) * 2).sum()
         other_done.set()
         finish.wait()  # alive while the model thread is timed, as a web server's worker thread is

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from gradio_client import Client
 
+from ui.key_file import read_key_file
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -66,7 +68,7 @@ def _key_given(args: tuple[str, ...], environment: dict[str, str]) -> str | None
     if "--api-key" in args:
         return args[args.index("--api-key") + 1]
     if "--api-key-file" in args:
-        return Path(args[args.index("--api-key-file") + 1]).read_text().strip()
+        return read_key_file(Path(args[args.index("--api-key-file") + 1]), "--api-key-file")
     return environment.get("INFINIGEN_API_KEY")
 
 
