@@ -61,6 +61,25 @@ def make_tiny_engine(model_and_skew, **settings) -> InfiniGenEngine:
     return InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny")
 
 
+def decode_seeing_attention_inputs(engine: InfiniGenEngine, attentions: list[torch.nn.Module], prompt: list[int],
+                                   token: int) -> dict[int, tuple]:
+    """Prefill `prompt`, decode `token`; per attention module given, its (hidden_states, position_embeddings) at
+    that last step (each call overwrites the last)."""
+    seen: dict[int, tuple] = {}
+
+    def keep(module, args, kwargs) -> None:
+        seen[module.layer_idx] = (kwargs["hidden_states"], kwargs["position_embeddings"])
+
+    hooks = [attention.register_forward_pre_hook(keep, with_kwargs=True) for attention in attentions]
+    try:
+        engine.prefill(prompt)
+        engine.decode(token)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
 @pytest.fixture(scope="session")
 def real_engine_shared():
     from infinigen_core.devices import SEPARATE_DEVICES_ENV

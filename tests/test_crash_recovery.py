@@ -111,14 +111,19 @@ def test_a_streamed_replys_chunks_trail_its_text_and_are_swapped_for_one_at_its_
         assert real_engine.token_ids == tokens
 
 
-def test_stand_in_chunks_follow_the_stream_and_one_chunk_replaces_them(tmp_path, tiny_llama):
-    """SessionChunks alone, on a tiny random model: what a streamed reply leaves on disk, and what its end does."""
+def prompt_read_in_a_session(tmp_path, tiny_llama, title: str):
+    """A tiny engine that has read a 40-token prompt, a new session, and the session's chunk writer."""
     engine = make_tiny_engine(tiny_llama)
     store = SessionStore(tmp_path / "data")
-    session_id = store.create("Stand-ins")
-    chunks = SessionChunks(store, session_id)
+    session_id = store.create(title)
     prompt = random_tokens(40, seed=3)
     engine.sync_to(prompt)
+    return engine, store, session_id, SessionChunks(store, session_id), prompt
+
+
+def test_stand_in_chunks_follow_the_stream_and_one_chunk_replaces_them(tmp_path, tiny_llama):
+    """SessionChunks alone, on a tiny random model: what a streamed reply leaves on disk, and what its end does."""
+    engine, store, session_id, chunks, prompt = prompt_read_in_a_session(tmp_path, tiny_llama, "Stand-ins")
     chunks.persist(engine, boundary=len(prompt), background=True)  # the prompt's chunk, at the first token
     assert not chunks.stream(engine)  # nothing new yet
     for round_, token in enumerate(random_tokens(3 * STREAM_MIN_TOKENS, seed=4)):
@@ -149,12 +154,7 @@ def test_the_swap_of_stand_ins_and_the_token_count_commit_together(tmp_path, tin
     count, never the new chunk with the count of the stand-ins: the two are one transaction."""
     import sqlite_utils.db
 
-    engine = make_tiny_engine(tiny_llama)
-    store = SessionStore(tmp_path / "data")
-    session_id = store.create("One transaction")
-    chunks = SessionChunks(store, session_id)
-    prompt = random_tokens(40, seed=3)
-    engine.sync_to(prompt)
+    engine, store, session_id, chunks, prompt = prompt_read_in_a_session(tmp_path, tiny_llama, "One transaction")
     chunks.persist(engine, boundary=len(prompt))
     for token in random_tokens(STREAM_MIN_TOKENS, seed=4):
         engine.decode(token)

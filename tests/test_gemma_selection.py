@@ -14,7 +14,7 @@ import transformers
 
 from infinigen_core.calibration import calibrate
 
-from conftest import make_tiny_engine, random_tokens
+from conftest import decode_seeing_attention_inputs, make_tiny_engine, random_tokens
 
 SOURCE, TARGET = 1, 2  # a sliding layer, then the global layer after it
 SETTINGS = dict(policy="infinigen", partial_ratio=1.0, budget=0.1, alpha=1e9, dense_under_budget=False,
@@ -42,19 +42,8 @@ def test_a_global_layer_picks_the_true_top_k_of_its_own_query(gemma_with_distinc
     model, _ = gemma_with_distinct_norms
     engine = make_tiny_engine(gemma_with_distinct_norms, **SETTINGS)
     assert not engine.work.rehearses_ahead
-    captured = {}
-
-    def capture(module, args, kwargs):
-        captured[module.layer_idx] = (kwargs["hidden_states"], kwargs["position_embeddings"])
-
-    hooks = [model.model.layers[layer].self_attn.register_forward_pre_hook(capture, with_kwargs=True)
-             for layer in (SOURCE, TARGET)]
-    try:
-        engine.prefill(random_tokens(150, seed=6))
-        engine.decode(7)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    captured = decode_seeing_attention_inputs(engine, [model.model.layers[layer].self_attn for layer in (SOURCE, TARGET)],
+                                              random_tokens(150, seed=6), 7)
     position = engine.num_tokens - 1
     query = engine.adapter.rehearse_query(model.model.layers[TARGET].self_attn, captured[TARGET][0], None,
                                           torch.tensor([position]))  # [heads, 1, dim], QK-normed and rotated

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from conftest import make_tiny_engine, random_tokens
+from infinigen_core.config import ConfigError, EngineConfig
+
+from conftest import decode_seeing_attention_inputs, make_tiny_engine, random_tokens
 
 SETTINGS = dict(policy="infinigen", partial_ratio=1.0, budget=0.1, alpha=1e9, dense_under_budget=False)
 
@@ -23,19 +26,8 @@ def test_a_selecting_layer_on_one_device_picks_the_true_top_k_of_its_own_query(t
     model, _ = tiny_llama
     engine = make_tiny_engine(tiny_llama, **SETTINGS)
     assert not engine.work.rehearses_ahead
-    captured = {}
-
-    def capture(module, args, kwargs):
-        captured[module.layer_idx] = (kwargs["hidden_states"], kwargs["position_embeddings"])
-
     attentions = [layer.self_attn for layer in model.model.layers]
-    hooks = [attention.register_forward_pre_hook(capture, with_kwargs=True) for attention in attentions]
-    try:
-        engine.prefill(random_tokens(150, seed=5))
-        engine.decode(7)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    captured = decode_seeing_attention_inputs(engine, attentions, random_tokens(150, seed=5), 7)
     position = engine.num_tokens - 1
     selected = {stats.layer: stats.selected_positions for stats in engine.history[-1].sparse_layers()}
     assert sorted(selected) == [2, 3]
@@ -52,27 +44,38 @@ def test_a_selecting_layer_on_one_device_picks_the_true_top_k_of_its_own_query(t
     engine.close()
 
 
+def count_selections(engine) -> dict[str, list[int]]:
+    """The layers each of the policy's two ways of selecting was called for (ahead: the speculating layer)."""
+    calls: dict[str, list[int]] = {"ahead": [], "own": []}
+    for name, way in (("speculate", "ahead"), ("select_from_query", "own")):
+        method = getattr(engine.policy, name)
+
+        def counted(layer, *args, _method=method, _way=way, **kwargs):
+            calls[_way].append(layer)
+            return _method(layer, *args, **kwargs)
+
+        setattr(engine.policy, name, counted)
+    return calls
+
+
 def test_across_devices_the_selection_is_still_rehearsed_one_layer_ahead(tiny_llama, separate_devices):
     engine = make_tiny_engine(tiny_llama, **SETTINGS)
     assert engine.work.rehearses_ahead
+    calls = count_selections(engine)
     engine.prefill(random_tokens(150, seed=5))
     engine.decode(7)
     assert [stats.layer for stats in engine.history[-1].sparse_layers()] == [2, 3]
+    assert calls == {"ahead": [1, 2], "own": []}  # layers 2 and 3 rehearsed from layers 1 and 2
     engine.close()
 
 
 def test_the_setting_can_make_the_cpu_rehearse_ahead_as_the_gpu_path_does(tiny_llama):
-    from infinigen_core.config import ConfigError, EngineConfig
-
-    with make_tiny_engine(tiny_llama, selects_ahead=True, **SETTINGS) as ahead:
-        assert ahead.work.rehearses_ahead
-        ahead.prefill(random_tokens(40, seed=3))
-        assert ahead.decode(5).isfinite().all()  # the rehearsal ahead runs on the CPU too
-    with make_tiny_engine(tiny_llama, selects_ahead=False, **SETTINGS) as own:
-        assert not own.work.rehearses_ahead
-    try:
+    for setting, expected in ((True, {"ahead": [1, 2], "own": []}), (False, {"ahead": [], "own": [2, 3]})):
+        with make_tiny_engine(tiny_llama, selects_ahead=setting, **SETTINGS) as engine:
+            assert engine.work.rehearses_ahead is setting
+            calls = count_selections(engine)
+            engine.prefill(random_tokens(40, seed=3))
+            assert engine.decode(5).isfinite().all()
+            assert calls == expected
+    with pytest.raises(ConfigError, match="selects_ahead"):
         EngineConfig(selects_ahead="yes")  # type: ignore[arg-type]
-    except ConfigError as error:
-        assert "selects_ahead" in str(error)
-    else:
-        raise AssertionError("a malformed selects_ahead was accepted")
