@@ -143,16 +143,17 @@ def _whole_run_separated() -> bool:
     return separate_devices_requested()
 
 
-# what these files test exists only where pool and compute share one device (the CPU kernels read the pool in
-# place), so a whole run under the mode skips them rather than report the path it switched off as failing
+# what these files (and tests marked `one_device`) test exists only where pool and compute share one device (the
+# CPU kernels read the pool in place; a layer selects with its own query), so a whole run under the mode skips
+# them rather than report the path it switched off as failing
 ONE_DEVICE_TEST_FILES = {"test_cpu_kernels.py"}
 
 
 def pytest_collection_modifyitems(config, items):
     whole_run = _whole_run_separated()
     for item in items:
-        if whole_run and item.path.name in ONE_DEVICE_TEST_FILES:
-            item.add_marker(pytest.mark.skip(reason="CPU kernels run only where pool and compute share a device"))
+        if whole_run and (item.path.name in ONE_DEVICE_TEST_FILES or item.get_closest_marker("one_device")):
+            item.add_marker(pytest.mark.skip(reason="a path that runs only where pool and compute share a device"))
         # the real engine is shared by the whole run and built once, on the plain CPU: it keeps it
         if (whole_run or item.path.name in SEPARATE_DEVICES_TEST_FILES) and "separate_devices" not in item.fixturenames \
                 and not {"real_engine", "real_engine_shared"} & set(item.fixturenames):

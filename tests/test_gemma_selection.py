@@ -37,6 +37,7 @@ def gemma_with_distinct_norms():
     return model, calibrate(model, random_tokens(200, seed=1))
 
 
+@pytest.mark.one_device
 @torch.inference_mode()
 def test_a_global_layer_picks_the_true_top_k_of_its_own_query(gemma_with_distinct_norms):
     model, _ = gemma_with_distinct_norms

@@ -21,6 +21,7 @@ from conftest import decode_seeing_attention_inputs, make_tiny_engine, random_to
 SETTINGS = dict(policy="infinigen", partial_ratio=1.0, budget=0.1, alpha=1e9, dense_under_budget=False)
 
 
+@pytest.mark.one_device
 @torch.inference_mode()
 def test_a_selecting_layer_on_one_device_picks_the_true_top_k_of_its_own_query(tiny_llama):
     model, _ = tiny_llama
