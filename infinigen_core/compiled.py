@@ -57,6 +57,11 @@ COMPILE_HELP = ("compile the one-token decode step with torch.compile at load (d
 EAGER_UNDER_CHECKS = ("the separate-devices checks (INFINIGEN_SEPARATE_DEVICES) are a dispatch mode: dynamo "
                       "compiles nothing under it, and they must see every op")
 
+# On the CPU the compiled step's wrapper is C++ (inductor's cpp_wrapper): its ~200 kernel and op calls per
+# token then cost no Python each, ~12% of a short chat's step with the default model (docs/BENCHMARKS.md,
+# "The output head at its Q8_0 codes"), for a longer first compilation (~3 minutes on 2 cores, cached after)
+CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+
 _running = threading.local()  # .step: the step this thread's forward is running (step.py's Step)
 
 
@@ -156,6 +161,8 @@ class DecodeStep:
         """
         device = next(self.model.parameters()).device
         reason = compile_unavailable_reason(device, options.get("backend"))
+        if device.type == "cpu" and not options:
+            options = {"options": CPU_INDUCTOR_OPTIONS}
         if reason is None:
             try:
                 self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False, **options)
@@ -199,7 +206,7 @@ def compile_decode(engine, progress: Callable[[str], None] = print, **options) -
     happens now and not in the first reply; returns why decoding stays eager, or None."""
     if engine.num_tokens:
         raise ValueError("compile_decode warms up on an empty conversation: call it before the first prefill")
-    progress("Compiling the decode step with torch.compile (a minute or more the first time, seconds from "
+    progress("Compiling the decode step with torch.compile (minutes the first time, seconds from "
              "inductor's cache after)...")
     started = time.perf_counter()
     reason = engine.decode_step.compile(**options)
