@@ -81,7 +81,13 @@ def _attend(layer: int, query, key, value, scaling: float, layer_input, position
     return step.work.attend(step, layer, query, key, value, scaling, layer_input, position_embeddings)
 
 
-@torch.library.custom_op("infinigen::pool_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+# Defined through torch.library.Library, not the custom_op decorator: the decorator's Python wrapper checks
+# every call's outputs for aliasing, ~10 us per layer and token that the compiled step does not need.
+_LIBRARY = torch.library.Library("infinigen", "DEF")
+_LIBRARY.define("pool_attention(Tensor query, Tensor key, Tensor value, Tensor? layer_input, Tensor? cos, "
+                "Tensor? sin, int layer, float scaling) -> Tensor", tags=(torch.Tag.cudagraph_unsafe,))
+
+
 def _pool_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_input: torch.Tensor | None,
                        cos: torch.Tensor | None, sin: torch.Tensor | None, layer: int, scaling: float) -> torch.Tensor:
     # The graph reuses its buffers once the op returns, but the engine keeps the new K/V past it (InfiniGen's
@@ -90,10 +96,13 @@ def _pool_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return _attend(layer, query, key, value, scaling, layer_input, None if cos is None else (cos, sin))
 
 
-@_pool_attention_op.register_fake
-def _(query, key, value, layer_input, cos, sin, layer, scaling):
+def _pool_attention_shape(query, key, value, layer_input, cos, sin, layer, scaling):
     batch, heads, tokens, dim = query.shape
     return query.new_empty(batch, tokens, heads, dim)
+
+
+_LIBRARY.impl("pool_attention", _pool_attention_op, "CompositeExplicitAutograd")
+torch.library.register_fake("infinigen::pool_attention", _pool_attention_shape, lib=_LIBRARY)
 
 
 def pool_attention(layer: int, query, key, value, scaling: float, layer_input, position_embeddings) -> torch.Tensor:
@@ -103,7 +112,7 @@ def pool_attention(layer: int, query, key, value, scaling: float, layer_input, p
     """
     if torch.compiler.is_compiling():
         cos, sin = position_embeddings if position_embeddings is not None else (None, None)
-        return _pool_attention_op(query, key, value, layer_input, cos, sin, layer, scaling)
+        return torch.ops.infinigen.pool_attention(query, key, value, layer_input, cos, sin, layer, scaling)
     return _attend(layer, query, key, value, scaling, layer_input, position_embeddings)
 
 
