@@ -10,7 +10,8 @@
   loopback name, an IP address nor one the app was told of is refused (DNS rebinding), a state-changing
   request or a WebSocket from another Origin is refused, without a key a POST to /v1 must say
   `application/json` (a cross-site form or `text/plain` fetch cannot), and no CORS header ever names another origin;
-- /login takes a few failed attempts a minute per client address;
+- /login takes a few failed attempts a minute per client address, and so does the API's bearer key (after
+  that, 429 with Retry-After until the oldest failure is a minute old; ui/failure_throttle.py);
 - a client address has at most a few POSTs to the API and the upload route in flight (ui/client_slots.py);
   one more gets 429;
 - an upload larger than MAX_UPLOAD_BYTES is refused by its declared length (413), and one that sends more than
@@ -28,7 +29,8 @@ import html
 import json
 from http.cookies import SimpleCookie
 
-from .client_slots import RETRY_AFTER_S, ClientSlots
+from .client_slots import RETRY_AFTER_S, ClientSlots, client_address
+from .failure_throttle import FailureThrottle
 from .request_limits import MAX_UPLOAD_BYTES, receive_at_most, upload_refusal
 from .site_checks import (
     HostPolicy,
@@ -103,15 +105,20 @@ _ERROR_KINDS = {401: ("invalid_request_error", "invalid_api_key"), 403: ("invali
                 429: ("rate_limit_error", "rate_limit_exceeded")}
 
 
+NO_KEY = "this server needs an API key: send it as 'Authorization: Bearer KEY'"
+WRONG_KEY = "incorrect API key"
+
+
 def bearer_refusal(authorization: str, key: str | None) -> str | None:
-    """Why an `Authorization` header does not carry the API key (None: it does, or no key is set)."""
+    """Why an `Authorization` header does not carry the API key (None: it does, or no key is set): NO_KEY or
+    WRONG_KEY (a guess, which the key throttle counts)."""
     if key is None:
         return None
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token:
-        return "this server needs an API key: send it as 'Authorization: Bearer KEY'"
+        return NO_KEY
     if not hmac.compare_digest(token.strip().encode(), key.encode()):
-        return "incorrect API key"
+        return WRONG_KEY
     return None
 
 
@@ -164,10 +171,11 @@ def filter_cors_of(app) -> None:
 class PageGuard:
     def __init__(self, app, key: str | None = None, hosts: HostPolicy | None = None,
                  login_throttle: LoginThrottle | None = None, max_upload_bytes: int = MAX_UPLOAD_BYTES,
-                 client_slots: ClientSlots | None = None) -> None:
+                 client_slots: ClientSlots | None = None, key_throttle: FailureThrottle | None = None) -> None:
         self.app, self.key, self.max_upload_bytes = app, key, max_upload_bytes
         self.hosts = hosts if hosts is not None else HostPolicy()
         self.login_throttle = login_throttle if login_throttle is not None else LoginThrottle()
+        self.key_throttle = key_throttle if key_throttle is not None else FailureThrottle()
         self.client_slots = client_slots if client_slots is not None else ClientSlots()
 
     async def __call__(self, scope, receive, send) -> None:
@@ -189,10 +197,9 @@ class PageGuard:
         too_large = upload_refusal(scope, self.max_upload_bytes)
         if too_large is not None:
             return await _refuse(scope, send, 413, too_large)
-        if is_api_path(path):  # a client without the key holds no slot: it cannot fill its address's places
-            wrong_key = bearer_refusal(header(scope, b"authorization") or "", self.key)
-            if wrong_key is not None:
-                return await _refuse(scope, send, 401, wrong_key)
+        if is_api_path(path) and self.key is not None:  # a client without the key holds no slot
+            if (refused := self._key_refusal(scope)) is not None:
+                return await _refuse(scope, send, *refused)
         slot = self.client_slots.claim(scope)
         if slot.refused:
             return await _refuse(scope, send, 429, self.client_slots.refusal(),
@@ -215,3 +222,18 @@ class PageGuard:
             await self.app(scope, receive, send_with_policy)
         finally:  # the response's last byte is sent, or the client went away
             slot.release()
+
+    def _key_refusal(self, scope) -> tuple[int, str, tuple] | None:
+        """Why an API request may not go on for its key: its address sent too many wrong keys lately (429, every
+        key refused until Retry-After: see ui/failure_throttle.py), or its key is missing or wrong (401)."""
+        address = client_address(scope)
+        wait = self.key_throttle.wait_for(address)
+        if wait is not None:
+            return (429, f"Too many wrong API keys from this address; try again in {wait} seconds.",
+                    ((b"retry-after", str(wait).encode()),))
+        refusal = bearer_refusal(header(scope, b"authorization") or "", self.key)
+        if refusal is None:
+            return None
+        if refusal == WRONG_KEY:  # a guess; a missing key is not (a client that forgot it learns so at once)
+            self.key_throttle.note_failure(address)
+        return 401, refusal, ()
