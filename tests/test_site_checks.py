@@ -105,6 +105,17 @@ def test_gradios_own_cors_middleware_outside_the_guard_is_filtered_too():
         assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
     own = filtered.get("/v1/models", headers={"host": "127.0.0.1:7860", "origin": "http://127.0.0.1:7860"})
     assert own.headers["access-control-allow-origin"] == "http://127.0.0.1:7860"
+    # a rebinding page's Host and Origin agree (the page is evil.example now): its origin is the request's
+    # own, but not the app's, and Gradio's layer named it on the guard's 403 (scripts/hostile_files_rerun.py)
+    rebinding = {"host": "evil.example:7860", "origin": "http://evil.example:7860"}
+    assert unfiltered.get("/v1/models", headers=rebinding).headers["access-control-allow-origin"] == \
+        "http://evil.example:7860"
+    answer = filtered.get("/v1/models", headers=rebinding)
+    assert answer.status_code == 403 and "access-control-allow-origin" not in answer.headers
+    tunnel = TestClient(app_with_gradios_cors())
+    filter_cors_of(tunnel.app, HostPolicy(any_host=True))  # --share: any Host is the app's own
+    named = {"host": "abc.gradio.live", "origin": "http://abc.gradio.live"}
+    assert tunnel.get("/v1/models", headers=named).headers["access-control-allow-origin"] == "http://abc.gradio.live"
 
 
 def test_the_host_policy_knows_the_listening_name_and_can_be_opened_for_a_tunnel():

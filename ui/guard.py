@@ -17,9 +17,10 @@
 - an upload larger than MAX_UPLOAD_BYTES is refused by its declared length (413), and one that sends more than
   it declared is cut off at the bound (ui/request_limits.py).
 
-    app_kwargs["middleware"] = [Middleware(PageGuard, key="secret", hosts=HostPolicy.listening_on(args.host))]
+    hosts = HostPolicy.listening_on(args.host)
+    app_kwargs["middleware"] = [Middleware(PageGuard, key="secret", hosts=hosts)]
     demo.launch(app_kwargs=app_kwargs, ...)
-    filter_cors_of(demo.app)   # Gradio's own CORS middleware sits outside PageGuard: filter around it too
+    filter_cors_of(demo.app, hosts)   # Gradio's own CORS middleware sits outside PageGuard: filter around it too
 """
 
 from __future__ import annotations
@@ -141,10 +142,12 @@ async def _refuse(scope, send, status: int, message: str, headers: tuple = ()) -
 
 
 class ForeignCorsFilter:
-    """ASGI wrapper that removes an Access-Control-Allow-Origin naming another origin from every answer."""
+    """ASGI wrapper that removes an Access-Control-Allow-Origin naming another origin from every answer (any
+    origin, under a Host that `hosts` refuses)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, hosts: HostPolicy | None = None) -> None:
         self.app = app
+        self.hosts = hosts if hosts is not None else HostPolicy()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -152,20 +155,22 @@ class ForeignCorsFilter:
 
         async def send_filtered(message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": without_foreign_cors(scope, list(message.get("headers", ())))}
+                message = {**message,
+                           "headers": without_foreign_cors(scope, list(message.get("headers", ())), self.hosts)}
             await send(message)
 
         await self.app(scope, receive, send_filtered)
 
 
-def filter_cors_of(app) -> None:
+def filter_cors_of(app, hosts: HostPolicy | None = None) -> None:
     """Put a ForeignCorsFilter around the whole of a Starlette app's middleware stack. Gradio adds its CORS
     middleware itself, outside every middleware given to launch(), and it names the request's Origin when the
-    Host is not a loopback name (a LAN address) or the Origin is one (another local port): only a filter
-    around it can take that back. Call once, after launch() (which builds the stack)."""
+    Host is not a loopback name (a LAN address) or the Origin is one (another local port), a rebinding
+    page's included: only a filter around it can take that back. `hosts`: the guard's. Call once, after
+    launch() (which builds the stack)."""
     stack = app.middleware_stack if app.middleware_stack is not None else app.build_middleware_stack()
     if not isinstance(stack, ForeignCorsFilter):
-        app.middleware_stack = ForeignCorsFilter(stack)
+        app.middleware_stack = ForeignCorsFilter(stack, hosts)
 
 
 class PageGuard:

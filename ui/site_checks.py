@@ -135,9 +135,12 @@ def is_api_path(path: str) -> bool:
     return path.startswith("/v1/") or path.rstrip("/") == "/tokenize"
 
 
-def without_foreign_cors(scope, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The response's headers without an Access-Control-Allow-Origin that names another site (or '*')."""
-    own = own_origin(scope)
+def without_foreign_cors(scope, headers: list[tuple[bytes, bytes]],
+                         hosts: HostPolicy | None = None) -> list[tuple[bytes, bytes]]:
+    """The response's headers without an Access-Control-Allow-Origin that names another site (or '*'). With
+    `hosts`, an origin is the app's own only under a Host it answers to: a rebinding page's Origin and Host
+    agree (both name the attacker's site), and the guard's 403 to it must not name that site either."""
+    own = own_origin(scope) if hosts is None or hosts.allows(header(scope, b"host") or "") else None
     kept = []
     for name, value in headers:
         if name.lower() == b"access-control-allow-origin":
