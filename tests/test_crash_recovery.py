@@ -30,10 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 STREAMED = 150  # reply tokens the worker streams before the kill (tests/crash_worker.py's REPLY_TOKENS)
 
 
-def kill_worker_mid_reply(data_dir: Path, session_id: str) -> tuple[int, str]:
+def kill_worker_mid_reply(data_dir: Path, session_id: str, notes_repeats: int = 12) -> tuple[int, str]:
     """Run the worker until its reply's KV rows have been written while streaming, SIGKILL it; returns (prompt
-    tokens, the reply text stored at the kill)."""
-    worker = subprocess.Popen([sys.executable, str(ROOT / "tests" / "crash_worker.py"), str(data_dir), session_id],
+    tokens, the reply text stored at the kill). `notes_repeats`: the prompt's length (crash_worker.py)."""
+    worker = subprocess.Popen([sys.executable, str(ROOT / "tests" / "crash_worker.py"), str(data_dir), session_id,
+                               str(notes_repeats)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     prompt_tokens, partial = None, None
     try:
