@@ -1,8 +1,8 @@
 """Compact weights for decoding on the CPU: one-row calls read int4/int8/bf16 copies, more rows the fp32 weight.
 
     kinds = use_decode_weights(model, "auto", kernels)   # {"int4": 210, "q8_0": 1}: what each swapped layer runs
-    weights_label(model)                        # "int4 weights (head q8_0)" or "fp32 weights"
-    restore_fp32_weights(model)                 # the plain Linear layers back (nothing was dropped)
+    weights_label(model)                                 # "int4 weights (head q8_0)" or "fp32 weights"
+    restore_fp32_weights(model)                          # the plain Linear layers back (nothing was dropped)
 
 A decode step reads every weight once for one token: on the CPU it is bound by memory bandwidth, so the
 bytes per weight set its speed (SmolLM2-135M at 2 threads, docs/BENCHMARKS.md: fp32 ~62 ms per token, int4
@@ -39,7 +39,8 @@ from .cpu_kernels import CpuKernels
 
 WEIGHT_CHOICES = ("auto", "fp32", "int8", "int4")
 WEIGHTS_HELP = ("what decode steps read on the CPU: auto (the default: int4 where the file was 4-bit, int8 elsewhere, "
-                "the output head bf16), int4, int8 or fp32; prefill always reads fp32")
+                "the output head at the file's Q8_0 codes where it has them, else bf16), int4, int8 or fp32; prefill "
+                "always reads fp32")
 GROUP = 32  # input channels per int4 scale (GGUF's Q4_0/Q4_1 block)
 # Below this many weights fp32 is as fast at one row (a [192, 576] K/V projection is in cache either way)
 MIN_COMPACT_WEIGHTS = 64 * 1024
