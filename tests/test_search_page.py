@@ -11,6 +11,9 @@ from sessions import SessionStore
 from app_server import chromium_page, running_app
 
 SESSIONS = 300
+# issue 34: an assistant message that tried to cover the page with a fake key prompt
+OVERLAY = ('<div id="ig-trap" style="position:fixed;inset:0;z-index:99999;background:white">Session expired: '
+           'paste your API key <input name="key"></div> The lighthouse keeper waves.')
 LATER = 20  # turns after the target's matching one: the chat opens scrolled to its end
 
 
@@ -26,6 +29,8 @@ def app(tmp_path_factory):
     store.add_messages(target, [("user", "Where did I leave the zeppelin tickets?", 0, 0),
                                 ("assistant", "In the blue folder.", 0, 0)]
                        + [(role, f"later {role} message {n}", 0, 0) for n in range(LATER) for role in ("user", "assistant")])
+    overlay = store.create("Overlay attempt")
+    store.add_messages(overlay, [("user", "what does the lighthouse keeper say?", 0, 0), ("assistant", OVERLAY, 0, 0)])
     del store  # the app opens the database itself
     with running_app(data_dir) as running:
         yield running, target
@@ -69,3 +74,28 @@ def test_the_sidebar_search_opens_the_matching_chat_scrolled_to_the_matching_mes
         page.wait_for_function(IN_VIEW, arg="zeppelin tickets", timeout=10_000)
         assert not page.evaluate(IN_VIEW, f"later assistant message {LATER - 1}")  # the chat's end is out of view
         page.locator("#ig-chat .ig-found").wait_for(state="detached", timeout=30_000)  # briefly
+
+
+# the innermost element holding the message's would-be overlay: how it is placed and whether it fills the page
+TRAP = """() => {
+  const found = [...document.querySelectorAll('#ig-chat div')]
+    .filter(element => element.textContent.trim().startsWith('Session expired'));
+  const trap = found[found.length - 1], box = trap.getBoundingClientRect();
+  return {position: getComputedStyle(trap).position, styled: trap.hasAttribute('style'),
+          fillsPage: box.width >= window.innerWidth - 1 && box.height >= window.innerHeight - 1};
+}"""
+
+
+def test_a_message_that_tries_to_cover_the_page_renders_as_plain_content(app):
+    """Issue 34: a stored assistant message with a fixed, full-page element shows as text in the chat; the page
+    around it stays usable (the new-session button takes a click)."""
+    app, _ = app
+    with chromium_page(app.url) as page:
+        page.locator("#ig-search textarea, #ig-search input").first.fill("lighthouse keeper")
+        page.locator("#ig-search-snippets mark").first.wait_for(timeout=60_000)
+        page.locator("#ig-search-hits input").first.click()
+        page.get_by_role("option", name="Overlay attempt").click()
+        page.locator("#ig-chat").get_by_text("The lighthouse keeper waves.").wait_for(timeout=60_000)
+        trap = page.evaluate(TRAP)
+        assert trap == {"position": "static", "styled": False, "fillsPage": False}
+        page.locator("#ig-new").click(timeout=10_000)  # nothing lies over it
