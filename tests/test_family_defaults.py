@@ -168,3 +168,50 @@ def test_generate_reports_the_defaults_it_ran_with(checkpoints, cache, capsys):
 
 def tuned_report(report: dict) -> dict:
     return {name: report["settings"][name] for name in GEMMA}
+
+
+# ------------------------------------------------------------------------------------ the app
+def shown_form(service, **changes):
+    """The settings form as the page shows it (the settings now in use), with `changes` typed in."""
+    from chat_service.settings import SettingsForm
+
+    shown = service.settings.current
+    values = dict(alpha=shown.alpha, budget=shown.budget, partial_ratio=shown.partial_ratio,
+                  min_fetch_tokens=shown.min_fetch_tokens)
+    return SettingsForm(**{**values, **changes})
+
+
+def test_the_app_applies_them_says_so_and_keeps_what_the_user_set_across_models(checkpoints, cache):
+    from chat_service import ChatService
+    from chat_service.settings import engine_config
+
+    def loader(model, device, config, quantize, progress, **options):  # the app's own config, given whole
+        return load(checkpoints[model or "llama"], cache, config=config)
+
+    service = ChatService(cache / "data", loader=loader)
+    service.load(progress=lambda message: None)
+    try:
+        assert service.host.engine.config == GENERAL and "defaults" not in service.host.model_summary()
+        service.switch_model("gemma3_text")
+        engine = service.host.engine
+        assert tuned(engine.config) == GEMMA
+        assert "Gemma 3 defaults: partial ratio 1, budget 0.1 (on gemma-3-270m" in service.host.model_summary()
+        shown = service.settings.current
+        assert (shown.partial_ratio, shown.budget, shown.chosen) == (1.0, "0.1", ())  # the page shows them
+
+        service.settings.apply(engine, shown_form(service, temperature=0.5))  # nothing tuned changed: still theirs
+        assert service.settings.current.chosen == () and engine_config(service.settings.current, engine) == \
+            engine.config
+        service.settings.apply(engine, shown_form(service, partial_ratio=0.5))  # the general value, typed in: mine
+        assert service.settings.current.chosen == ("partial_ratio",)
+        assert tuned(engine_config(service.settings.current, engine)) == {"partial_ratio": 0.5, "budget": 0.1}
+
+        service.switch_model(service.host.DEFAULT_CHOICE)  # Gemma's budget does not follow to another family
+        assert service.host.engine.config == GENERAL and service.settings.current.budget == "0.15"
+        service.switch_model("gemma3_text")
+        assert tuned(service.host.engine.config) == {"partial_ratio": 0.5, "budget": 0.1}
+        assert "Gemma 3 defaults: budget 0.1; yours kept: partial ratio" in service.host.model_summary()
+    finally:
+        if service.open_sessions.page is not None:
+            service.open_sessions.page.close()
+        service.host.engine.close()
