@@ -32,9 +32,14 @@ def _log(message: str) -> None:
 
 
 def _base_config(args, engine=None) -> EngineConfig:
-    """The settings given on the command line (checked before the model loads), or, once `engine` is loaded,
-    its own: those with the model family's defaults (config.FAMILY_DEFAULTS) in every setting left unset."""
-    return engine.config if engine is not None else engine_settings(args)[0]
+    """The settings given on the command line (checked before the model loads); with the loaded `engine`, its
+    model family's defaults (config.FAMILY_DEFAULTS) in every setting left unset."""
+    config, chosen = engine_settings(args)
+    if engine is None:
+        return config
+    from infinigen_core.loading import settings_for_model
+
+    return settings_for_model(engine.model, config, chosen)[0]
 
 
 def _configs(args, engine=None) -> dict[str, EngineConfig]:
