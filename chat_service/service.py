@@ -61,7 +61,8 @@ class ChatService:
     def load(self, progress: Callable[[str], None] = print) -> None:
         """Load the model (download, convert and calibrate on first use), then open the latest session."""
         def opened() -> None:
-            self.settings.settle(self.host.require_engine_loaded())  # the model family's defaults, before a session
+            if self.host.engine is not None:  # a remote server has none here
+                self.settings.settle(self.host.engine)  # the model family's defaults, before a session opens
             self.pages.open_latest_free()
             enforce_disk_limit(self.store)  # a lower limit than last time takes effect at once
 
