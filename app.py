@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # the key guards the page (Gradio's login: any user name, the key as password), Gradio's routes and /v1;
     # the page's HTML gets a script that runs before Gradio's (head_script.py)
+    hosts = HostPolicy.listening_on(args.host, any_host=args.share)
     app_kwargs: dict[str, list] = {"middleware": [
-        Middleware(PageGuard, key=args.api_key, hosts=HostPolicy.listening_on(args.host, any_host=args.share),
-                   client_slots=ClientSlots(args.max_requests_per_client)),
+        Middleware(PageGuard, key=args.api_key, hosts=hosts, client_slots=ClientSlots(args.max_requests_per_client)),
         Middleware(HeadScript)]}
     auth = login_with_key(args.api_key) if args.api_key else None
     if args.api:  # routes given to the app's constructor exist before the server takes its first request
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             app_kwargs=app_kwargs, auth=auth, auth_message="Log in with the app's key as the password "
                                                            "(any user name).",
         )
-        filter_cors_of(demo.app)  # Gradio's own CORS layer sits outside the middleware given to launch()
+        filter_cors_of(demo.app, hosts)  # Gradio's own CORS layer sits outside the middleware given to launch()
         print(f"InfiniGen Chat on http://{args.host}:{args.port} (sessions in {service.store.data_dir})"
               f"{'; log in with the key (any user name)' if auth else ''}", flush=True)
         if args.api:

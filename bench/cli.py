@@ -176,6 +176,12 @@ def _speed_commands(commands) -> None:
     gpu.add_argument("--h2d-gbps", type=float, help="with --predict: a measured pinned host-to-device peak")
     gpu.add_argument("--emulate", action="store_true",
                      help="the same flow on the CPU under CUDA's rules (INFINIGEN_SEPARATE_DEVICES), tiny shape")
+    gpu.add_argument("--compile", choices=["eager", "default", "reduce-overhead"], default="eager",
+                     help="the decode step: eager (default), compiled by inductor, or compiled with CUDA graphs "
+                          "(reduce-overhead: each layer's attention op stays eager between captured pieces)")
+    gpu.add_argument("--trace", type=Path, metavar="DIR",
+                     help="also profile one step per model, context and policy (InfiniGen at the first budget): a "
+                          "Chrome trace and the top ops by device and host time, written to DIR")
     _output_flags(gpu)
 
 
@@ -419,10 +425,10 @@ def run_gpu(args) -> tuple[str, dict]:
         models = args.models or ("tiny" if args.emulate else "llama2-7b,llama3-8b")
         result = gpu_benchmark(parse_shapes(models), parse_numbers(args.context, int), policies,
                                parse_numbers(args.budgets), args.decode_tokens, _log, save=args.save,
-                               emulate=args.emulate)
+                               emulate=args.emulate, compile_mode=args.compile, trace=args.trace)
     if not result["cuda"] and not result.get("predicted") and not result.get("emulated"):
         return NO_CUDA_MESSAGE, result
-    table = format_table(result["rows"], ["model", "context", "policy", "budget", "fetch", "tokens_per_s", "speedup_vs_offload",
+    table = format_table(result["rows"], ["model", "context", "policy", "budget", "fetch", "step", "tokens_per_s", "speedup_vs_offload",
                                           "speedup_vs_hf_offload", "ratio_to_full", "ms_per_token",
                                           "bytes_fetched_per_token", "fetch_wait_ms_per_step", "h2d_gbps",
                                           "peak_h2d_gbps", "peak_gpu_bytes"])

@@ -25,8 +25,11 @@ unless --models names others, and writes the same rows: it proves the flow befor
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import re
+import shutil
 import statistics
 import time
 from collections.abc import Sequence
@@ -192,35 +195,49 @@ class BenchTarget:
         return self.device == "cpu"
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """How the engine's decode step runs: `compile_mode` eager, default (inductor) or reduce-overhead (inductor
+    with CUDA graphs); `trace`: a folder for one profiled step per model, context and policy (InfiniGen at the
+    first budget), or None."""
+
+    compile_mode: str = "eager"
+    trace: Path | None = None
+
+
 def gpu_benchmark(shape_names: Sequence[str], contexts: Sequence[int], policies: Sequence[str],
                   budgets: Sequence[float], decode_steps: int, progress=print, save: Path | None = None,
-                  emulate: bool = False) -> dict:
+                  emulate: bool = False, compile_mode: str = "eager", trace: Path | None = None) -> dict:
     """Rows per (model, context, policy, budget): tokens_per_s, speed-ups, ratio to full, bytes, waits, memory.
 
     `emulate`: the same flow on the CPU with the pool and the compute side kept apart as on a GPU
     (INFINIGEN_SEPARATE_DEVICES=1 and its checking mode); hf-offload needs CUDA and is left out there.
+    `compile_mode` and `trace`: see StepOptions; every row says which step it timed (`step`).
     """
+    options = StepOptions(compile_mode, trace)
     if emulate:
         from infinigen_core.devices import SEPARATE_DEVICES_ENV, SeparateDevicesMode
 
         os.environ[SEPARATE_DEVICES_ENV] = "1"
         target = BenchTarget("cpu", torch.float32, "CPU emulating separate devices (INFINIGEN_SEPARATE_DEVICES=1)", None)
-        writer = RowWriter(save, {"cuda": False, "emulated": True, "device": target.name, "peak_h2d_gbps": None})
+        writer = RowWriter(save, {"cuda": False, "emulated": True, "device": target.name, "peak_h2d_gbps": None,
+                                  "compile": compile_mode})
         with SeparateDevicesMode():
             _measure(shape_names, contexts, [p for p in policies if p != "hf-offload"], budgets, decode_steps,
-                     progress, target, writer)
+                     progress, target, writer, options)
         return writer.result()
     if not torch.cuda.is_available():
         return {"cuda": False, "message": NO_CUDA_MESSAGE, "rows": []}
     target = BenchTarget("cuda", torch.float16, torch.cuda.get_device_name(0), peak_h2d_gbps())
     progress(f"peak pinned host-to-device copy: {target.peak_h2d_gbps:.1f} GB/s")
-    writer = RowWriter(save, {"cuda": True, "device": target.name, "peak_h2d_gbps": target.peak_h2d_gbps})
-    _measure(shape_names, contexts, policies, budgets, decode_steps, progress, target, writer)
+    writer = RowWriter(save, {"cuda": True, "device": target.name, "peak_h2d_gbps": target.peak_h2d_gbps,
+                              "compile": compile_mode, "torch": torch.__version__})
+    _measure(shape_names, contexts, policies, budgets, decode_steps, progress, target, writer, options)
     return writer.result()
 
 
 def _measure(shape_names, contexts, policies, budgets, decode_steps, progress, target: BenchTarget,
-             writer: RowWriter) -> None:
+             writer: RowWriter, options: StepOptions) -> None:
     from infinigen_core import InfiniGenEngine
     from infinigen_core.calibration import calibrate
 
@@ -234,10 +251,11 @@ def _measure(shape_names, contexts, policies, budgets, decode_steps, progress, t
         fixed = bench_config(budgets[0])
         engine = InfiniGenEngine(model, None, fixed, skew_set=skew, device=target.device, fingerprint=shape_name)
         try:
+            _compile_step(engine, options.compile_mode, progress, writer)
             for context in contexts:
                 ids = torch.randint(0, shape.vocab, (context + decode_steps + 2,), generator=generator).tolist()
                 _measure_context(engine, model, shape, ids, context, policies, budgets, decode_steps, progress,
-                                 target, writer)
+                                 target, writer, options)
         finally:
             engine.close()
             del engine, model
@@ -245,8 +263,23 @@ def _measure(shape_names, contexts, policies, budgets, decode_steps, progress, t
                 torch.cuda.empty_cache()
 
 
+def _compile_step(engine, compile_mode: str, progress, writer: RowWriter) -> None:
+    """Compile the engine's decode step as asked (before its first prefill); why it stays eager goes in the header."""
+    if compile_mode == "eager":
+        return
+    from infinigen_core.compiled import compile_decode
+
+    options = {} if compile_mode == "default" else {"mode": compile_mode}
+    if compile_mode == "reduce-overhead":
+        # each layer's attention op is cudagraph_unsafe: captured pieces between them need graph partitions
+        import torch._inductor.config as inductor_config
+
+        inductor_config.graph_partition = True
+    writer.header["eager_reason"] = compile_decode(engine, progress, **options)
+
+
 def _measure_context(engine, model, shape, ids, context, policies, budgets, decode_steps, progress,
-                     target: BenchTarget, writer: RowWriter) -> None:
+                     target: BenchTarget, writer: RowWriter, options: StepOptions) -> None:
     """One context: prefill under `full`, then each policy over the same cache, then hf-offload."""
     fixed = engine.config.with_changes(policy="full", budget=budgets[0])
     progress(f"{shape.name}: prefill {context} tokens (full cache on the compute device)")
@@ -264,8 +297,13 @@ def _measure_context(engine, model, shape, ids, context, policies, budgets, deco
             torch.cuda.reset_peak_memory_stats()
         step_ms, fetched, wait_ms = _decode_ms(engine, ids[context : context + decode_steps], target.device)
         writer.add({**_row(shape.name, context, policy, budget, step_ms, fetched / decode_steps, wait_ms, target),
-                    "fetch": _fetch_label(engine) if policy == "infinigen" else None})
+                    "fetch": _fetch_label(engine) if policy == "infinigen" else None,
+                    "step": engine.decode_step.label})
         progress(f"  {policy} (budget {budget}): {writer.rows[-1]['ms_per_token']:.1f} ms/token")
+        if options.trace is not None and budget == budgets[0]:
+            engine.truncate(context)
+            _trace_step(engine, ids[context], target.device, options.trace / f"{_slug(shape.name)}-{context}-{policy}")
+            progress(f"  one {policy} step profiled: {options.trace}")
     engine.truncate(0)
     if "hf-offload" in policies:
         engine.configure(fixed)
@@ -274,6 +312,32 @@ def _measure_context(engine, model, shape, ids, context, policies, budgets, deco
         step_ms = _hf_offload_ms(model, ids, context, decode_steps)
         writer.add(_row(shape.name, context, "hf-offload", None, step_ms, None, None, target))
         progress(f"  hf-offload: {writer.rows[-1]['ms_per_token']:.1f} ms/token")
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+def _trace_step(engine, token: int, device: str, stem: Path) -> None:
+    """One decode step under torch.profiler: `stem`.json.gz (a Chrome trace) and `stem`.txt (the top ops by the
+    device's and the host's own time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    _synchronize(device)
+    with profile(activities=activities) as profiler:
+        engine.decode(int(token))
+        _synchronize(device)
+    plain = stem.with_suffix(".json")
+    profiler.export_chrome_trace(str(plain))
+    with plain.open("rb") as source, gzip.open(stem.with_suffix(".json.gz"), "wb") as packed:
+        shutil.copyfileobj(source, packed)
+    plain.unlink()
+    averages = profiler.key_averages()
+    sorts = (["self_device_time_total"] if device == "cuda" else []) + ["self_cpu_time_total"]
+    tables = [f"sorted by {key}\n{averages.table(sort_by=key, row_limit=40)}" for key in sorts]
+    stem.with_suffix(".txt").write_text("\n\n".join(tables) + "\n", encoding="utf-8")
 
 
 def _fetch_label(engine) -> str:

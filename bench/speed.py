@@ -71,8 +71,8 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
                         f"{engine.max_context}: use a context of at most {engine.max_context - per_round - 2}")
     prefix = list(ids[:context])
     first = next(iter(configs.values()))
-    weights = DecodeWeights(engine.model)
     kernels = engine.kernels
+    weights = DecodeWeights(engine.model, kernels)
     if progress:
         progress(f"context {context}: prefill")
     engine.reset()

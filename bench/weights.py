@@ -29,8 +29,8 @@ class DecodeWeights:
     """Switches the engine's model between decode-weight kinds (weights.py), each built once, and back to
     how it was loaded after."""
 
-    def __init__(self, model) -> None:
-        self.model = model
+    def __init__(self, model, kernels=None) -> None:
+        self.model, self.kernels = model, kernels  # kernels: the CPU kernels, for the q8_0 head (weights.py)
         self.current = "loaded"
         self.layers = {"loaded": compact_layers(model)}
 
@@ -41,7 +41,7 @@ class DecodeWeights:
             return
         restore_fp32_weights(self.model)
         if kind not in self.layers:
-            if kind != "fp32" and not use_decode_weights(self.model, kind):
+            if kind != "fp32" and not use_decode_weights(self.model, kind, self.kernels):
                 raise EvalError(f"{kind} decode weights are unavailable here (see the log)")
             self.layers[kind] = compact_layers(self.model)
         for parent, name, child in self.layers[kind]:
@@ -57,7 +57,7 @@ def compare_weights(engine, windows: Sequence[Sequence[int]], prefill: int, kind
     """Per kind (fp32 first, the reference): ppl, ppl_vs_fp32, agreement, max_logit_diff, match_prefix, ms_per_token."""
     check_scoring_windows(windows, prefill)
     kinds = [REFERENCE_KIND, *(kind for kind in kinds if kind != REFERENCE_KIND)]
-    weights = DecodeWeights(engine.model)
+    weights = DecodeWeights(engine.model, engine.kernels)
     per = {kind: {"nll": 0.0, "count": 0, "agree": [], "diff": 0.0, "prefix": [], "ms": []} for kind in kinds}
     try:
         for index, window in enumerate(windows):

@@ -57,6 +57,11 @@ COMPILE_HELP = ("compile the one-token decode step with torch.compile at load (d
 EAGER_UNDER_CHECKS = ("the separate-devices checks (INFINIGEN_SEPARATE_DEVICES) are a dispatch mode: dynamo "
                       "compiles nothing under it, and they must see every op")
 
+# On the CPU the compiled step's wrapper is C++ (inductor's cpp_wrapper): its ~200 kernel and op calls per
+# token then cost no Python each, ~12% of a short chat's step with the default model (docs/BENCHMARKS.md,
+# "The output head at its Q8_0 codes"), for a longer first compilation (~3 minutes on 2 cores, cached after)
+CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+
 _running = threading.local()  # .step: the step this thread's forward is running (step.py's Step)
 
 
@@ -76,7 +81,13 @@ def _attend(layer: int, query, key, value, scaling: float, layer_input, position
     return step.work.attend(step, layer, query, key, value, scaling, layer_input, position_embeddings)
 
 
-@torch.library.custom_op("infinigen::pool_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+# Defined through torch.library.Library, not the custom_op decorator: the decorator's Python wrapper checks
+# every call's outputs for aliasing, ~10 us per layer and token that the compiled step does not need.
+_LIBRARY = torch.library.Library("infinigen", "DEF")
+_LIBRARY.define("pool_attention(Tensor query, Tensor key, Tensor value, Tensor? layer_input, Tensor? cos, "
+                "Tensor? sin, int layer, float scaling) -> Tensor", tags=(torch.Tag.cudagraph_unsafe,))
+
+
 def _pool_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_input: torch.Tensor | None,
                        cos: torch.Tensor | None, sin: torch.Tensor | None, layer: int, scaling: float) -> torch.Tensor:
     # The graph reuses its buffers once the op returns, but the engine keeps the new K/V past it (InfiniGen's
@@ -85,10 +96,13 @@ def _pool_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return _attend(layer, query, key, value, scaling, layer_input, None if cos is None else (cos, sin))
 
 
-@_pool_attention_op.register_fake
-def _(query, key, value, layer_input, cos, sin, layer, scaling):
+def _pool_attention_shape(query, key, value, layer_input, cos, sin, layer, scaling):
     batch, heads, tokens, dim = query.shape
     return query.new_empty(batch, tokens, heads, dim)
+
+
+_LIBRARY.impl("pool_attention", _pool_attention_op, "CompositeExplicitAutograd")
+torch.library.register_fake("infinigen::pool_attention", _pool_attention_shape, lib=_LIBRARY)
 
 
 def pool_attention(layer: int, query, key, value, scaling: float, layer_input, position_embeddings) -> torch.Tensor:
@@ -98,7 +112,7 @@ def pool_attention(layer: int, query, key, value, scaling: float, layer_input, p
     """
     if torch.compiler.is_compiling():
         cos, sin = position_embeddings if position_embeddings is not None else (None, None)
-        return _pool_attention_op(query, key, value, layer_input, cos, sin, layer, scaling)
+        return torch.ops.infinigen.pool_attention(query, key, value, layer_input, cos, sin, layer, scaling)
     return _attend(layer, query, key, value, scaling, layer_input, position_embeddings)
 
 
@@ -156,6 +170,8 @@ class DecodeStep:
         """
         device = next(self.model.parameters()).device
         reason = compile_unavailable_reason(device, options.get("backend"))
+        if device.type == "cpu" and not options:
+            options = {"options": CPU_INDUCTOR_OPTIONS}
         if reason is None:
             try:
                 self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False, **options)
@@ -199,7 +215,7 @@ def compile_decode(engine, progress: Callable[[str], None] = print, **options) -
     happens now and not in the first reply; returns why decoding stays eager, or None."""
     if engine.num_tokens:
         raise ValueError("compile_decode warms up on an empty conversation: call it before the first prefill")
-    progress("Compiling the decode step with torch.compile (a minute or more the first time, seconds from "
+    progress("Compiling the decode step with torch.compile (minutes the first time, seconds from "
              "inductor's cache after)...")
     started = time.perf_counter()
     reason = engine.decode_step.compile(**options)

@@ -8,7 +8,8 @@ group sum, top-k, sort, two gathers, attention over the copies), each a pass ove
 two kernels do the same maths in one pass each: `rehearse_select` from partial query and keys to the selected
 slots and the alpha mask, `attend_rows` from the query to the output, reading the selected K/V rows where
 they lie in the pool. Their results match the eager path's to float rounding (tests/test_cpu_kernels.py);
-the time they save is in docs/BENCHMARKS.md.
+the time they save is in docs/BENCHMARKS.md. A third, `q8_matvec`, is the decode step's output head at a
+Q8_0 file's own codes (weights.Q8DecodeLinear).
 
 Building takes ~20 s the first time and is cached in `directory` (one build per source text and CPU level).
 Where it fails (no compiler, no headers) the reason is logged once and the eager path serves.
@@ -70,6 +71,13 @@ class CpuKernels:
         """One token's attention: query [kv, group, dim] over the rows `rows` [kv, m] of keys/values
         [kv, slots, dim] (each row contiguous), `valid` [m] bool or None -> [kv, group, dim]."""
         return torch.ops.infinigen_cpu.attend_rows(query, keys, values, rows, valid, scale)
+
+    @staticmethod
+    def q8_matvec(row: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """row [1, in] (any float dtype) times a weight of int8 codes [out, in] in groups of 32 input channels
+        with a float32 scale each [out, in / 32] (GGUF's Q8_0) -> [1, out] float32; traceable (a Meta kernel),
+        so a compiled decode step holds it (weights.Q8DecodeLinear, the output head)."""
+        return torch.ops.infinigen_cpu.q8_matvec(row, codes, scales)
 
 
 def build(directory: Path, progress: Callable[[str], None] | None = None) -> tuple[CpuKernels | None, str | None]:

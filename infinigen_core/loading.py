@@ -323,11 +323,11 @@ def load_engine(model: str | None = None, *, device: str = "auto", config: Engin
     fingerprint, legacy = model_fingerprints(loaded)
     skew_set = load_or_calibrate_skew(loaded, tokenizer, cache, fingerprint, compute_device, progress,
                                       legacy_fingerprint=legacy)
-    if weights != "fp32" and not use_decode_weights(loaded, weights):
-        progress(f"{weights} decode weights are unavailable here (see the log): decoding with the model's own")
     kernels = None
     if (compute_device.type == "cpu") if cpu_kernels is None else cpu_kernels:
         kernels, _ = build_cpu_kernels(cache / "kernels", progress)  # None (logged why): InfiniGen runs eager
+    if weights != "fp32" and not use_decode_weights(loaded, weights, kernels):
+        progress(f"{weights} decode weights are unavailable here (see the log): decoding with the model's own")
     config, applied = settings_for_model(loaded, config, user_settings)
     if applied is not None and applied.applied:
         progress(applied.describe())

@@ -1,8 +1,8 @@
 """Compact weights for decoding on the CPU: one-row calls read int4/int8/bf16 copies, more rows the fp32 weight.
 
-    kinds = use_decode_weights(model, "auto")   # {"int4": 210, "bf16": 1}: what each swapped layer runs
-    weights_label(model)                        # "int4 weights (head bf16)" or "fp32 weights"
-    restore_fp32_weights(model)                 # the plain Linear layers back (nothing was dropped)
+    kinds = use_decode_weights(model, "auto", kernels)   # {"int4": 210, "q8_0": 1}: what each swapped layer runs
+    weights_label(model)                                 # "int4 weights (head q8_0)" or "fp32 weights"
+    restore_fp32_weights(model)                          # the plain Linear layers back (nothing was dropped)
 
 A decode step reads every weight once for one token: on the CPU it is bound by memory bandwidth, so the
 bytes per weight set its speed (SmolLM2-135M at 2 threads, docs/BENCHMARKS.md: fp32 ~62 ms per token, int4
@@ -14,8 +14,11 @@ never to integers, and PyTorch's own CPU kernels do the product (`_weight_int4pa
   default model int4 loses nothing of the file but the bf16 rounding of each group's scale and minimum.
 - int8: one scale per output channel.
 - bf16: the weight rounded to bf16 (the output head under int4/int8: its input has outlier channels).
+- q8_0: the output head at a Q8_0 file's own codes (groups of 32, a scale each; the default model's head is
+  Q8_0), exact to the file, with a float32 row, through the CPU kernels' `q8_matvec` (cpu_kernels.py); where
+  the kernels are not built or the head is not Q8_0, bf16.
 "auto", the CPU default, picks int4 per layer where its codes are exact and int8 where they are not, so it
-never rounds a weight more than int8 does; the head goes bf16.
+never rounds a weight more than int8 does.
 
 A prefill chunk (more than one row) keeps the fp32 weight: the K/V that sessions save stay exactly the fp32
 model's, and the model's fingerprint does not depend on this option.
@@ -32,9 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_kernels import CpuKernels
+
 WEIGHT_CHOICES = ("auto", "fp32", "int8", "int4")
 WEIGHTS_HELP = ("what decode steps read on the CPU: auto (the default: int4 where the file was 4-bit, int8 elsewhere, "
-                "the output head bf16), int4, int8 or fp32; prefill always reads fp32")
+                "the output head at the file's Q8_0 codes where it has them, else bf16), int4, int8 or fp32; prefill "
+                "always reads fp32")
 GROUP = 32  # input channels per int4 scale (GGUF's Q4_0/Q4_1 block)
 # Below this many weights fp32 is as fast at one row (a [192, 576] K/V projection is in cache either way)
 MIN_COMPACT_WEIGHTS = 64 * 1024
@@ -45,9 +51,10 @@ log = logging.getLogger(__name__)
 
 class DecodeLinear(nn.Module):
     """A Linear whose one-row calls run on a compact copy of its weight; it keeps the original (possibly tied)
-    fp32 parameters for more rows. Subclasses fill `_one_row` (a bf16 row [1, in] -> [1, out])."""
+    fp32 parameters for more rows. Subclasses fill `_one_row` (a `row_dtype` row [1, in] -> [1, out])."""
 
     kind = "fp32"
+    row_dtype = torch.bfloat16  # what ATen's int4/int8 products are fast with
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -60,7 +67,7 @@ class DecodeLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[:-1].numel() != 1:
             return F.linear(x, self.weight, self.bias)
-        out = self._one_row(x.reshape(1, self.in_features).to(torch.bfloat16)).float()
+        out = self._one_row(x.reshape(1, self.in_features).to(self.row_dtype)).float()
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -117,6 +124,39 @@ class Int8DecodeLinear(DecodeLinear):
         return torch._weight_int8pack_mm(row, self._codes, self._scales)
 
 
+def q8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Symmetric 8-bit codes per group of 32 inputs: (codes [out, in] int8, scales [out, in/32] float32, exact).
+
+    Each group's scale is its largest magnitude / 127, as GGUF's Q8_0 chose it, so a Q8_0 file's weights,
+    dequantised to fp32 on load, give back their codes and scales; `exact`: every weight equals code * scale
+    to within EXACT_STEPS of a step.
+    """
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
+    scales = groups.abs().amax(dim=-1) / 127
+    steps = groups / scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    codes = steps.round().clamp(-127, 127)
+    exact = bool((steps - codes).abs().max() <= EXACT_STEPS)
+    return codes.to(torch.int8).reshape(out_features, in_features), scales.contiguous(), exact
+
+
+class Q8DecodeLinear(DecodeLinear):
+    """The output head of a Q8_0 file at its own codes, one byte per weight (the CPU kernels' q8_matvec):
+    exact to the file, where bf16 rounds each weight, and half of bf16's bytes."""
+
+    kind = "q8_0"
+    row_dtype = torch.float32
+
+    def __init__(self, linear: nn.Linear, codes=None) -> None:
+        super().__init__(linear)
+        codes, scales, _ = codes if codes is not None else q8_codes(linear.weight)
+        self.register_buffer("_codes", codes, persistent=False)
+        self.register_buffer("_scales", scales, persistent=False)
+
+    def _one_row(self, row: torch.Tensor) -> torch.Tensor:
+        return CpuKernels.q8_matvec(row, self._codes, self._scales)
+
+
 class Bf16DecodeLinear(DecodeLinear):
     kind = "bf16"
 
@@ -151,10 +191,20 @@ def _compact_layer(linear: nn.Linear, choice: str) -> DecodeLinear:
     return Int4DecodeLinear(linear, codes)
 
 
-def use_decode_weights(model: nn.Module, choice: str) -> dict[str, int]:
+def _head_layer(head: nn.Linear, kernels: CpuKernels | None) -> DecodeLinear:
+    """The output head: at its own Q8_0 codes where the file had them and the CPU kernels are built, else bf16."""
+    if kernels is not None and head.in_features % GROUP == 0:
+        codes = q8_codes(head.weight)
+        if codes[2]:
+            return Q8DecodeLinear(head, codes)
+    return Bf16DecodeLinear(head)
+
+
+def use_decode_weights(model: nn.Module, choice: str, kernels: CpuKernels | None = None) -> dict[str, int]:
     """Swap the model's Linear layers for compact decode layers, in place: `choice` int8 | int4 | auto for the
-    body, bf16 for the output head. Returns how many layers run each kind; {} (the reason logged) where the
-    kernels cannot serve. Layers under MIN_COMPACT_WEIGHTS weights stay fp32."""
+    body; the output head at its Q8_0 codes when the file's are and `kernels` (the CPU kernels) are given, bf16
+    otherwise. Returns how many layers run each kind; {} (the reason logged) where the kernels cannot serve.
+    Layers under MIN_COMPACT_WEIGHTS weights stay fp32."""
     if choice == "fp32":
         return {}
     if choice not in WEIGHT_CHOICES:
@@ -171,7 +221,7 @@ def use_decode_weights(model: nn.Module, choice: str) -> dict[str, int]:
                 for name, child in list(parent.named_children()):
                     if type(child) is not nn.Linear or child.weight.numel() < MIN_COMPACT_WEIGHTS:
                         continue
-                    layer = Bf16DecodeLinear(child) if child is head else _compact_layer(child, choice)
+                    layer = _head_layer(child, kernels) if child is head else _compact_layer(child, choice)
                     setattr(parent, name, layer)
                     kinds[layer.kind] = kinds.get(layer.kind, 0) + 1
     except RuntimeError as error:  # a kernel this build lacks after all: leave the model as it was
@@ -220,7 +270,7 @@ _SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat
 
 
 def weights_label(model: nn.Module) -> str:
-    """What decode steps read: 'int4 weights (head bf16)', 'int4/int8 weights (head bf16)', 'fp32 weights'."""
+    """What decode steps read: 'int4 weights (head q8_0)', 'int4/int8 weights (head bf16)', 'fp32 weights'."""
     head = _output_head(model)
     body = Counter(m.kind for m in model.modules() if isinstance(m, DecodeLinear) and m is not head)
     if body:

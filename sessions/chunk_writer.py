@@ -42,19 +42,27 @@ class SessionChunks:
         self.store, self.id = store, session_id
         self.saved_ids: list[int] = []  # token ids the chunks on disk hold (or will, once `wait` returns), in order
         self._pending: BackgroundWrite | None = None
-        self._stand_ins_from: int | None = None  # where the chunks `stream` wrote begin (None: it wrote none)
+        self._pending_swaps = False  # whether the pending write is a persist's, which swaps the stand-ins
+        # where the chunks `stream` wrote begin (None: there are none); cleared only once a persist's write has
+        # swapped them, so a write that fails, in the background or not, leaves them marked for the next one
+        self._stand_ins_from: int | None = None
 
     def wait(self) -> None:
         """Wait for the chunk being written in the background. If it failed, its rows count as unsaved again
-        (the next persist writes them); the turn it belongs to has already gone on, so the error is logged."""
+        (the next persist writes them) and stand-ins it was to swap stay marked (the next persist swaps them);
+        the turn it belongs to has already gone on, so the error is logged."""
         pending, self._pending = self._pending, None
+        swaps, self._pending_swaps = self._pending_swaps, False
         if pending is None:
             return
         error = pending.wait()
-        if error is not None:
-            log.warning("a KV chunk of session %s could not be written (%s): its rows are written again with the "
-                        "next chunk", self.id, error)
-            self._forget_unsaved()
+        if error is None:
+            if swaps:
+                self._stand_ins_from = None
+            return
+        log.warning("a KV chunk of session %s could not be written (%s): its rows are written again with the "
+                    "next chunk", self.id, error)
+        self._forget_unsaved()
 
     def _forget_unsaved(self) -> None:
         """Make `saved_ids` what the store's chunks hold (after a write that did not complete, or a drop)."""
@@ -82,12 +90,13 @@ class SessionChunks:
         the prompt's chunk); drop chunks the cache no longer has. With `background` the rows' encoding and
         writing run on another thread (`wait`). Stand-in chunks that `stream` wrote are rewritten as one."""
         self.wait()
-        rewrite_from, self._stand_ins_from = self._stand_ins_from, None
-        try:
-            self._append(engine, boundary, background, rewrite_from)
-        except BaseException:  # nothing was swapped (one transaction): the next persist swaps the stand-ins
-            self._stand_ins_from = rewrite_from
-            raise
+        # a failure raised here or met by `wait` keeps the stand-ins marked: the next persist swaps them (a swap
+        # is one transaction, so they are on disk until it commits)
+        self._append(engine, boundary, background, self._stand_ins_from)
+        if self._pending is None:
+            self._stand_ins_from = None  # written, or nothing was left to write
+        else:
+            self._pending_swaps = True
 
     def _append(self, engine, boundary: int | None, background: bool, rewrite_from: int | None = None,
                 kv_format: str | None = None) -> None:

@@ -17,14 +17,19 @@ def default_data_dir() -> Path:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temporary file, fsync, rename, fsync the directory: the file is whole or absent."""
+    """Write via a temporary file, fsync, rename, fsync the directory: the file is whole or absent. A write
+    that fails (a full disk) removes its temporary file: what it had written would keep the disk full."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)

@@ -41,6 +41,16 @@ def _tiny_opt():
 
 
 @pytest.fixture(scope="session")
+def kernels(tmp_path_factory):
+    """InfiniGen's CPU kernels, built once per test run (a process registers them once: cpu_kernels.build)."""
+    from infinigen_core import cpu_kernels
+
+    built, reason = cpu_kernels.build(tmp_path_factory.mktemp("kernels"))
+    assert built is not None, reason  # this machine has the compiler inductor needs: the kernels must build
+    return built
+
+
+@pytest.fixture(scope="session")
 def tiny_llama():
     """(model, skew_set) for a 4-layer Llama with grouped-query attention (4 query heads, 2 KV heads)."""
     model = _tiny_llama()

@@ -1,10 +1,11 @@
 """Run by test_crash_recovery.py in a real subprocess that the test kills with SIGKILL mid-reply.
 
-usage: python tests/crash_worker.py DATA_DIR SESSION_ID
-Sends one long-ish message and prints PROMPT <tokens>. While the reply streams it watches the database; once
-more than REPLY_TOKENS of the reply have streamed and their KV rows, written in the background while it
-streams, are registered beyond the prompt's chunk, it prints PARTIAL <the stored text as JSON> and waits,
-inside the turn, to be killed. Re-reading that much reply would cost more than the 100 tokens the test allows.
+usage: python tests/crash_worker.py DATA_DIR SESSION_ID [NOTES_REPEATS]
+Sends one long-ish message (its notes repeated NOTES_REPEATS times, 12 unless given: 345 tokens; 160 make
+issue 34's 4k-token prompt, 4,045 tokens, for scripts/crash_rerun.py) and prints PROMPT <tokens>. While the
+reply streams it watches the database; once more than REPLY_TOKENS of the reply have streamed and their KV
+rows, written in the background while it streams, are registered beyond the prompt's chunk, it prints
+PARTIAL <the stored text as JSON> and waits, inside the turn, to be killed. Re-reading that much reply would cost more than the 100 tokens the test allows.
 """
 
 import json
@@ -19,11 +20,12 @@ from sessions import ChatSession, SessionStore  # noqa: E402
 
 NOTES = ("The keeper of the northern light kept a log of every ship, every storm and every gull that "
          "nested on the gallery rail. ")
-MESSAGE = "My notes:\n" + NOTES * 12 + "\nWrite a very long story about this lighthouse."
 REPLY_TOKENS = 150
 
 store = SessionStore(sys.argv[1])
 session_id = sys.argv[2]
+MESSAGE = "My notes:\n" + NOTES * int(sys.argv[3] if len(sys.argv) > 3 else 12) + \
+    "\nWrite a very long story about this lighthouse."
 # eager: compiling the decode step would cost this process 20-60 s; the KV rows written are the same either way
 engine = load_engine(device="cpu", compile_decode=False, progress=lambda message: None)
 chat = ChatSession.open(store, engine, session_id)

@@ -20,7 +20,8 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocketDisconnect
 
 from ui import slow_senders
 from ui.client_slots import ClientSlots, ConnectionCounter, holds_server_resources
@@ -52,12 +53,22 @@ async def _models(request):
     return JSONResponse({"object": "list", "data": []})
 
 
-def serve(key: str | None) -> Iterator[tuple[int, ClientSlots]]:
+async def _echo(websocket):
+    await websocket.accept()
+    try:
+        while True:
+            await websocket.send_text(await websocket.receive_text())
+    except WebSocketDisconnect:
+        pass
+
+
+def serve(key: str | None, ws: str = "auto") -> Iterator[tuple[int, ClientSlots]]:
     slots = ClientSlots(most=MOST)
-    app = Starlette(routes=[Route("/v1/chat/completions", _chat, methods=["POST"]), Route("/v1/models", _models)],
-                    middleware=[Middleware(PageGuard, key=key, client_slots=slots)])
+    routes = [Route("/v1/chat/completions", _chat, methods=["POST"]), Route("/v1/models", _models),
+              WebSocketRoute("/echo", _echo)]
+    app = Starlette(routes=routes, middleware=[Middleware(PageGuard, key=key, client_slots=slots)])
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=HeadDeadlineProtocol, log_level="warning",
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=HeadDeadlineProtocol, ws=ws, log_level="warning",
                             lifespan="off")
     running = uvicorn.Server(config)
     thread = threading.Thread(target=running.run, daemon=True)
@@ -184,6 +195,56 @@ def test_one_address_cannot_open_more_than_its_connections(server, monkeypatch):
         connection.close()
 
 
+# uvicorn's WebSocket implementations and the package each needs; without one installed, uvicorn answers an
+# upgrade request as plain HTTP and the connection stays with the counting protocol
+WEBSOCKET_IMPLEMENTATIONS = {"websockets-sansio": "websockets", "wsproto": "wsproto"}
+
+
+def open_websocket(port: int, source: str, path: str = "/echo") -> tuple[socket.socket, bytes]:
+    """A real WebSocket handshake from `source`; returns the socket and the server's answer head."""
+    sender = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
+    sender.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                   "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head and (piece := sender.recv(4096)):
+        head += piece
+    return sender, head
+
+
+@pytest.mark.parametrize("implementation", sorted(WEBSOCKET_IMPLEMENTATIONS))
+def test_a_connection_upgraded_to_a_websocket_stays_counted_until_it_closes(implementation, monkeypatch):
+    """uvicorn hands an upgraded connection to its WebSocket protocol, and only that one hears of its close."""
+    pytest.importorskip(WEBSOCKET_IMPLEMENTATIONS[implementation])
+    counter = ConnectionCounter(most=3)
+    monkeypatch.setattr(HeadDeadlineProtocol, "client_connections", counter)
+    serving = serve(key=None, ws=implementation)
+    port, _ = next(serving)
+    try:
+        sockets = []
+        for _ in range(3):
+            websocket, head = open_websocket(port, "127.0.0.5")
+            assert head.startswith(b"HTTP/1.1 101 "), head
+            sockets.append(websocket)
+        wait_until(lambda: counter.open_from("127.0.0.5") == 3, "the WebSockets were not counted")
+        crowded = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.5", 0))
+        assert crowded.recv(4096).startswith(b"HTTP/1.1 429 ")  # open WebSockets hold their places
+        crowded.close()
+        for websocket in sockets:
+            websocket.close()
+        wait_until(lambda: counter.open_from("127.0.0.5") == 0, "closed WebSockets stayed counted")
+
+        refused, head = open_websocket(port, "127.0.0.5", path="/no-such-socket")  # the app refuses the upgrade
+        assert head.startswith(b"HTTP/1.1 403 "), head
+        refused.close()
+        wait_until(lambda: counter.open_from("127.0.0.5") == 0, "a refused upgrade stayed counted")
+        for _ in range(3):  # every place is free again
+            websocket, head = open_websocket(port, "127.0.0.5")
+            assert head.startswith(b"HTTP/1.1 101 "), head
+            websocket.close()
+    finally:
+        next(serving, None)
+
+
 def test_what_is_counted_and_the_caps_settings():
     assert holds_server_resources("POST", "/v1/chat/completions") and holds_server_resources("POST", "/tokenize")
     assert holds_server_resources("POST", "/gradio_api/upload")
@@ -200,3 +261,20 @@ def test_what_is_counted_and_the_caps_settings():
     assert one.held_by("10.0.0.9") == 0 and not one.claim(scope).refused
     with pytest.raises(ValueError):
         ClientSlots(most=-1)
+
+
+def test_the_counters_forget_an_address_that_holds_nothing():
+    """Both counters keep only the addresses in use: a client that came and went leaves no entry behind (one
+    per address ever seen would grow for as long as the app runs)."""
+    slots, connections = ClientSlots(most=2), ConnectionCounter(most=2)
+    for n in range(50):
+        address = f"10.1.0.{n}"
+        held = [slots.claim({"type": "http", "method": "POST", "path": "/v1/completions", "client": (address, 1)})
+                for _ in range(2)]
+        assert connections.admit(address) and connections.admit(address) and not connections.admit(address)
+        for slot in held:
+            slot.release()
+        connections.close(address)
+        assert connections.open_from(address) == 1
+        connections.close(address)
+    assert slots._held == {} and connections._open == {}

@@ -243,7 +243,8 @@ def test_the_real_model_decodes_the_eager_logits_compiled(real_engine):
     equal the eager ops' on the same inputs). State written wrongly moves them by 5-15."""
     from infinigen_core.calibration import calibration_text
 
-    assert real_engine.decode_step.is_compiled
+    assert real_engine.decode_step.is_compiled, real_engine.decode_step.eager_reason
+    assert real_engine.weights == "int4 weights (head q8_0)"  # the head's product is traced into the graph too
     ids = real_engine.tokenizer(calibration_text())["input_ids"]
     real_engine.prefill(ids[:300])
     compiled = real_engine.score(ids[300:310]).log_softmax(-1)

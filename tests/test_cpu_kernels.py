@@ -17,13 +17,6 @@ from infinigen_core.engine import InfiniGenEngine
 from conftest import make_tiny_engine, random_tokens
 
 
-@pytest.fixture(scope="session")
-def kernels(tmp_path_factory):
-    built, reason = cpu_kernels.build(tmp_path_factory.mktemp("kernels"))
-    assert built is not None, reason  # this machine has the compiler inductor needs: the kernels must build
-    return built
-
-
 def _eager_selection(partial_query, partial_keys, past, k, alpha):
     chooser = _chooser(alpha=alpha, budget=1.0)
     chooser.ctx.adapter.num_heads = partial_query.shape[0] * partial_query.shape[1]
@@ -201,3 +194,19 @@ def test_a_build_killed_before_it_ended_does_not_stop_the_next_start(kernels):
     thread.join(timeout=180)  # loading a built library takes seconds; torch alone waits for ever
     assert not thread.is_alive(), "the build waited on the stale marker"
     assert outcome[0][0] is not None and not marker.exists()
+
+
+def test_q8_product_equals_the_dequantised_weights(kernels):
+    """The output head's product at Q8_0 codes: codes x group scales, read as one float32 row times the
+    dequantised weight (float64 reference), for a row count past the kernel's 256-row chunks."""
+    generator = torch.Generator().manual_seed(0)
+    out_features, in_features = 300, 96
+    codes = torch.randint(-127, 128, (out_features, in_features), generator=generator).to(torch.int8)
+    scales = torch.rand(out_features, in_features // 32, generator=generator) * 0.02
+    weight = (codes.double().view(out_features, -1, 32) * scales.double().unsqueeze(-1)).view(out_features, in_features)
+    row = torch.randn(1, in_features, generator=generator)
+    product = kernels.q8_matvec(row, codes, scales)
+    assert product.shape == (1, out_features) and product.dtype == torch.float32
+    torch.testing.assert_close(product.double(), row.double() @ weight.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.q8_matvec(row[:, :90], codes[:, :90].contiguous(), scales)

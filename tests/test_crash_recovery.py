@@ -8,6 +8,7 @@ not depend on the prompt's length (docs/HOSTILE.md times the 4k case).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -29,10 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 STREAMED = 150  # reply tokens the worker streams before the kill (tests/crash_worker.py's REPLY_TOKENS)
 
 
-def kill_worker_mid_reply(data_dir: Path, session_id: str) -> tuple[int, str]:
+def kill_worker_mid_reply(data_dir: Path, session_id: str, notes_repeats: int = 12) -> tuple[int, str]:
     """Run the worker until its reply's KV rows have been written while streaming, SIGKILL it; returns (prompt
-    tokens, the reply text stored at the kill)."""
-    worker = subprocess.Popen([sys.executable, str(ROOT / "tests" / "crash_worker.py"), str(data_dir), session_id],
+    tokens, the reply text stored at the kill). `notes_repeats`: the prompt's length (crash_worker.py)."""
+    worker = subprocess.Popen([sys.executable, str(ROOT / "tests" / "crash_worker.py"), str(data_dir), session_id,
+                               str(notes_repeats)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     prompt_tokens, partial = None, None
     try:
@@ -179,4 +181,49 @@ def test_the_swap_of_stand_ins_and_the_token_count_commit_together(tmp_path, tin
     chunks.persist(engine, boundary=len(prompt))  # the next save swaps them
     assert [(c.start, c.end) for c in store.chunks(session_id)] == [(0, 40), (40, engine.num_tokens)]
     assert store.get(session_id).token_count == engine.num_tokens
+    engine.close()
+
+
+def test_a_save_that_fails_in_the_background_leaves_the_stand_ins_for_the_next_save(tmp_path, tiny_llama,
+                                                                                  monkeypatch):
+    """The disk is full at a turn's end and still at the next turn's first token (whose save runs in the
+    background): the stand-ins of the first reply stay on disk and marked, and the first save that succeeds
+    swaps them, so the session ends as if nothing had failed and reads back whole."""
+    engine, store, session_id, chunks, prompt = prompt_read_in_a_session(tmp_path, tiny_llama, "Disk full")
+    chunks.persist(engine, boundary=len(prompt))
+    for token in random_tokens(STREAM_MIN_TOKENS + 5, seed=4):  # a reply, its first 16 rows as a stand-in
+        engine.decode(token)
+        if engine.num_tokens == len(prompt) + STREAM_MIN_TOKENS:
+            assert chunks.stream(engine)
+            chunks.wait()
+    stand_in = store.chunks(session_id)[-1]
+    assert (stand_in.start, stand_in.end) == (40, 40 + STREAM_MIN_TOKENS)
+    real_fsync = os.fsync
+
+    def disk_full(fd):  # the real writer runs up to its fsync, which finds no room
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        chunks.persist(engine, boundary=len(prompt))  # the turn's end
+    engine.sync_to(engine.token_ids + random_tokens(12, seed=6))  # the next turn's prompt is read
+    second_prompt = engine.num_tokens
+    chunks.persist(engine, boundary=second_prompt, background=True)  # its first token: the save goes on aside
+    chunks.wait()  # the failure is logged, not raised (the turn has gone on)
+    assert store.chunks(session_id)[-1] == stand_in  # the stand-in is still the last thing on disk
+    assert sorted(p.name for p in (store.data_dir / "kv" / session_id).iterdir()) == \
+        sorted(Path(c.file).name for c in store.chunks(session_id))  # the failed writes left no partial file
+    monkeypatch.setattr(os, "fsync", real_fsync)  # room again
+
+    for token in random_tokens(3, seed=7):
+        engine.decode(token)
+    chunks.persist(engine, boundary=second_prompt)  # the second turn's end
+    records = store.chunks(session_id)
+    # the stand-in was swapped: from its start on, one chunk up to the second prompt's end and one for the reply
+    assert [(c.start, c.end) for c in records] == [(0, 40), (40, second_prompt), (second_prompt, engine.num_tokens)]
+    assert store.get(session_id).token_count == engine.num_tokens
+    assert stand_in.file not in {c.file for c in records}
+    assert not (store.data_dir / stand_in.file).exists()
+    read_back = [read_chunk(store.data_dir, c, engine.kv_signature())["token_ids"].tolist() for c in records]
+    assert sum(read_back, []) == engine.token_ids  # what a restart reads: every token once, in order
     engine.close()

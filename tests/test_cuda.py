@@ -49,11 +49,12 @@ def test_full_budget_matches_full_on_cuda(build):
 
 def _logits_on(device: str, conversation, **settings) -> torch.Tensor:
     """The conversation's logits on `device`, with the same weights and the CPU's skew on both sides (so both
-    select from the same projections)."""
+    select from the same projections), and the GPU's selection on both: rehearsed one layer ahead (the CPU,
+    where pool and compute share memory, would otherwise select with each layer's own query)."""
     model = _tiny_llama()
     skew = calibrate(model, random_tokens(256, seed=1))
-    with InfiniGenEngine(model.to(device), None, EngineConfig(min_fetch_tokens=0, prefill_chunk=40, **settings),
-                         skew_set=skew, device=device) as engine:
+    config = EngineConfig(min_fetch_tokens=0, prefill_chunk=40, selects_ahead=True, **settings)
+    with InfiniGenEngine(model.to(device), None, config, skew_set=skew, device=device) as engine:
         return torch.stack(conversation(engine))
 
 

@@ -4,6 +4,7 @@ conftest runs this file under the separate-devices mode: prefill under `full`, t
 the filled pool, decoding from host memory through the streamed fetch, as on a GPU.
 """
 
+import gzip
 import json
 
 import pytest
@@ -61,3 +62,22 @@ def test_the_predictor_counts_the_bytes_the_engine_moves():
         budget = row["budget"] if row["policy"] == "infinigen" else 0.2  # offload: run under the first budget
         predicted = predict_step(SHAPES["tiny"], CONTEXT, row["policy"], budget, PROFILES["h100"], element_bytes=4)
         assert predicted["bytes_fetched_per_token"] == row["bytes_fetched_per_token"], row["policy"]
+
+
+def test_rows_say_which_step_and_a_trace_is_written(tmp_path):
+    """--compile is recorded (under the checks the step stays eager, and the header says why); --trace leaves a
+    Chrome trace and the top ops of one step per policy."""
+    saved, traces = tmp_path / "gpu.json", tmp_path / "trace"
+    assert main(["gpu", "--emulate", "--context", str(CONTEXT), "--decode-tokens", str(STEPS), "--budgets", "0.2",
+                 "--policies", "full,infinigen", "--compile", "default", "--trace", str(traces),
+                 "--save", str(saved)]) in (0, None)
+    result = json.loads(saved.read_text())
+    assert result["compile"] == "default" and "separate-devices" in result["eager_reason"]
+    assert {row["step"] for row in result["rows"]} == {"eager decode"}
+    assert sorted(path.name for path in traces.iterdir()) == sorted(
+        f"tiny-llama-gqa-{CONTEXT}-{policy}.{suffix}" for policy in ("full", "infinigen") for suffix in ("json.gz", "txt"))
+    stem = f"tiny-llama-gqa-{CONTEXT}-infinigen"
+    with gzip.open(traces / f"{stem}.json.gz", "rt") as trace:
+        events = json.load(trace)["traceEvents"]
+    assert any(event.get("name") == "aten::scaled_dot_product_attention" for event in events)
+    assert "sorted by self_cpu_time_total" in (traces / f"{stem}.txt").read_text()

@@ -15,6 +15,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from ui.chat_markup import shown_history, shown_text, without_page_styling
+from ui.failure_throttle import FailureThrottle
 from ui.guard import PageGuard, filter_cors_of
 from ui.site_checks import HostPolicy, LoginThrottle
 
@@ -28,11 +29,14 @@ async def _record(request):
     return JSONResponse({"ok": True}, headers={"access-control-allow-origin": request.headers.get("origin", "*")})
 
 
-def _client(**guard) -> TestClient:
+def _app(**guard) -> Starlette:
     routes = [Route(path, _record, methods=["GET", "POST"]) for path in
               ("/v1/models", "/v1/chat/completions", "/tokenize", "/config", "/gradio_api/queue/join", "/login")]
-    app = Starlette(routes=routes, middleware=[Middleware(PageGuard, **guard)])
-    return TestClient(app, base_url="http://127.0.0.1:7860")
+    return Starlette(routes=routes, middleware=[Middleware(PageGuard, **guard)])
+
+
+def _client(**guard) -> TestClient:
+    return TestClient(_app(**guard), base_url="http://127.0.0.1:7860")
 
 
 @pytest.fixture(autouse=True)
@@ -101,6 +105,17 @@ def test_gradios_own_cors_middleware_outside_the_guard_is_filtered_too():
         assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
     own = filtered.get("/v1/models", headers={"host": "127.0.0.1:7860", "origin": "http://127.0.0.1:7860"})
     assert own.headers["access-control-allow-origin"] == "http://127.0.0.1:7860"
+    # a rebinding page's Host and Origin agree (the page is evil.example now): its origin is the request's
+    # own, but not the app's, and Gradio's layer named it on the guard's 403 (scripts/hostile_files_rerun.py)
+    rebinding = {"host": "evil.example:7860", "origin": "http://evil.example:7860"}
+    assert unfiltered.get("/v1/models", headers=rebinding).headers["access-control-allow-origin"] == \
+        "http://evil.example:7860"
+    answer = filtered.get("/v1/models", headers=rebinding)
+    assert answer.status_code == 403 and "access-control-allow-origin" not in answer.headers
+    tunnel = TestClient(app_with_gradios_cors())
+    filter_cors_of(tunnel.app, HostPolicy(any_host=True))  # --share: any Host is the app's own
+    named = {"host": "abc.gradio.live", "origin": "http://abc.gradio.live"}
+    assert tunnel.get("/v1/models", headers=named).headers["access-control-allow-origin"] == "http://abc.gradio.live"
 
 
 def test_the_host_policy_knows_the_listening_name_and_can_be_opened_for_a_tunnel():
@@ -126,6 +141,45 @@ def test_failed_logins_are_throttled_per_client():
     assert throttle.wait_before(scope, now=2) == 8
     assert throttle.wait_before(scope, now=10.5) is None  # the first failure has left the window
     assert throttle.wait_before({**scope, "client": ("10.0.0.2", 5)}, now=2) is None
+
+
+def test_wrong_api_keys_are_throttled_per_address_and_the_right_key_is_never_counted():
+    app = _app(key="k", key_throttle=FailureThrottle(attempts=3, window_s=60))
+    guesser = TestClient(app, base_url="http://127.0.0.1:7860", client=("10.0.0.7", 50000))
+    keyed = TestClient(app, base_url="http://127.0.0.1:7860", client=("10.0.0.8", 50000))
+    right = {"authorization": "Bearer k"}
+    assert all(guesser.get("/v1/models", headers=right).status_code == 200 for _ in range(10))  # never counted
+    assert all(guesser.get("/v1/models").status_code == 401 for _ in range(5))  # no key: not a guess
+    calls.clear()
+    answers = [guesser.post("/v1/chat/completions", json={}, headers={"authorization": f"Bearer guess-{n}"})
+               for n in range(5)]
+    assert [a.status_code for a in answers] == [401] * 3 + [429] * 2
+    assert answers[0].json()["error"]["code"] == "invalid_api_key"
+    throttled = answers[-1]
+    error = throttled.json()["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+    wait = int(throttled.headers["retry-after"])
+    assert 1 <= wait <= 60 and error["message"] == f"Too many wrong API keys from this address; try again in {wait} seconds."
+    # the right key waits too while its address guesses (else a 200 among the 429s would name the key) ...
+    assert guesser.get("/tokenize", headers=right).status_code == 429
+    # ... and only there: another address, with the right key or a wrong one, is answered as before
+    assert keyed.get("/v1/models", headers=right).status_code == 200
+    assert keyed.get("/v1/models", headers={"authorization": "Bearer guess"}).status_code == 401
+    assert calls == ["GET /v1/models"]  # nothing refused reached the app
+    assert guesser.get("/config").status_code == 200  # the page's routes are the login's to guard, not this
+
+
+def test_the_key_throttle_forgets_each_failure_after_its_window():
+    throttle = FailureThrottle(attempts=2, window_s=10)
+    for now in (0, 1):
+        assert throttle.wait_for("10.0.0.1", now=now) is None
+        throttle.note_failure("10.0.0.1", now=now)
+    assert throttle.wait_for("10.0.0.1", now=2) == 8  # until the first failure is 10 s old
+    assert throttle.wait_for("10.0.0.2", now=2) is None
+    assert throttle.wait_for("10.0.0.1", now=10.5) is None  # it is: one guess more ...
+    throttle.note_failure("10.0.0.1", now=10.5)
+    assert throttle.wait_for("10.0.0.1", now=10.6) == 1  # ... and the failure at 1 s holds it until 11 s
+    assert throttle.wait_for("10.0.0.1", now=20.5) is None
 
 
 def test_an_overlay_message_renders_as_plain_content():

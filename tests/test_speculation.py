@@ -108,3 +108,34 @@ def test_partial_channels_mostly_agree_with_the_true_attention(real_engine):
     fetched = sum(layer.fetched_ratio for layer in sparse) / len(sparse)
     assert fetched <= EngineConfig.budget + 0.01  # k is rounded up to a whole token
     assert recall > 0.8 and recall > fetched + 0.4, (recall, fetched)
+
+
+def test_a_step_never_reuses_the_previous_steps_rope_factors(tiny_llama):
+    """A captured step hands its RoPE factors back in the same tensor each step, with new values: the policy
+    must rebuild its rotation from them at every step, not keep the last step's (cached by identity)."""
+    model, _ = tiny_llama
+    engine = make_tiny_engine(tiny_llama, policy="infinigen", partial_ratio=1.0, budget=0.1, alpha=1e9,
+                              selects_ahead=True)
+    captured = {}
+
+    def capture(module, args, kwargs):
+        captured["hidden"], captured["rope"] = kwargs["hidden_states"], kwargs["position_embeddings"]
+
+    hook = model.model.layers[2].self_attn.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        engine.prefill(random_tokens(60, seed=5))
+        engine.decode(7)
+    finally:
+        hook.remove()
+    hidden, (cos, sin) = captured["hidden"], captured["rope"]
+    shared_cos, shared_sin = cos.clone(), sin.clone()  # one buffer, as a graph's output would be
+    policy, position = engine.policy, torch.tensor([engine.num_tokens - 1])
+    with torch.inference_mode():  # as the engine's steps run
+        first = policy._rehearse(3, hidden, (shared_cos, shared_sin), position)
+        policy.finish_step(False)  # the step ends; the next one writes new positions into the same buffer
+        shared_cos.copy_(torch.roll(cos, 1, dims=-1)), shared_sin.copy_(torch.roll(sin, 1, dims=-1))
+        second = policy._rehearse(3, hidden, (shared_cos, shared_sin), position)
+        fresh = policy._rehearse(3, hidden, (shared_cos.clone(), shared_sin.clone()), position)
+    engine.close()
+    assert not torch.equal(first, fresh)
+    torch.testing.assert_close(second, fresh, rtol=0, atol=0)

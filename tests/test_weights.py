@@ -14,9 +14,11 @@ from infinigen_core.weights import (
     Bf16DecodeLinear,
     Int4DecodeLinear,
     Int8DecodeLinear,
+    Q8DecodeLinear,
     decode_weight_kinds,
     int4_codes,
     plain_fp32_weights,
+    q8_codes,
     restore_fp32_weights,
     use_decode_weights,
     weights_label,
@@ -170,3 +172,50 @@ def test_the_weights_option_defaults_to_auto_on_the_cpu_and_compact_kinds_are_fo
             resolve_weights(kind, torch.device("cuda"))
     with pytest.raises(ModelLoadError, match="unknown weights"):
         resolve_weights("int3", torch.device("cpu"))
+
+
+def _q8_linear(out_features=80, in_features=96, seed=0) -> nn.Linear:
+    """A Linear whose weights are Q8_0 blocks dequantised: code * scale per group of 32 inputs, each group's
+    largest magnitude at code +-127 (how the format chooses its scale)."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (out_features, in_features // GROUP, GROUP), generator=generator).float()
+    codes[..., 0] = 127
+    scales = torch.rand(out_features, in_features // GROUP, 1, generator=generator) * 0.01 + 1e-4
+    linear = nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_((codes * scales.half().float()).reshape(out_features, in_features))  # fp16 scales, as stored
+    return linear
+
+
+def test_q8_codes_give_back_a_q8_0_files_codes():
+    linear = _q8_linear()
+    codes, scales, exact = q8_codes(linear.weight)
+    assert exact and codes.dtype == torch.int8 and scales.shape == (80, 3)
+    rebuilt = (codes.float().view(80, 3, GROUP) * scales.unsqueeze(-1)).view(80, 96)
+    assert torch.equal(rebuilt, linear.weight)
+    assert not q8_codes(nn.Linear(96, 80).weight)[2]  # plain float weights are off the 8-bit grid
+
+
+def test_a_q8_0_head_runs_at_its_own_codes_with_the_cpu_kernels(kernels, monkeypatch):
+    monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)  # small layers, compacted all the same
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = _four_bit_linear(out_features=96), _q8_linear()
+
+        def get_output_embeddings(self):
+            return self.head
+
+    model = Tiny()
+    plain_head = model.head
+    assert use_decode_weights(model, "auto", kernels) == {"int4": 1, "q8_0": 1}
+    assert type(model.head) is Q8DecodeLinear and weights_label(model) == "int4 weights (head q8_0)"
+    row = torch.randn(1, 1, 96)
+    # exact weights and a float32 row: only the order of the sums differs from the fp32 product
+    torch.testing.assert_close(model.head(row), plain_head(row), rtol=1e-5, atol=1e-6)
+    restore_fp32_weights(model)
+    assert use_decode_weights(model, "auto") == {"int4": 1, "bf16": 1}  # no kernels: bf16, as before
+    restore_fp32_weights(model)
+    model.head = nn.Linear(96, 80, bias=False)  # a head off the 8-bit grid keeps bf16 (q8 would round it)
+    assert use_decode_weights(model, "auto", kernels) == {"int4": 1, "bf16": 1}

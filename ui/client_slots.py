@@ -45,6 +45,13 @@ def holds_server_resources(method: str, path: str) -> bool:
     return is_api_path(path) or path.rstrip("/") in UPLOAD_PATHS
 
 
+def _count_one_less(counts: Counter[str], address: str) -> None:
+    """One fewer for `address`; an address down to none is forgotten (the counters hold only addresses in use)."""
+    counts[address] -= 1
+    if counts[address] <= 0:
+        del counts[address]
+
+
 @dataclass
 class Slot:
     """A request's place: `refused` when its client already holds every slot; `release` frees it (once)."""
@@ -91,9 +98,7 @@ class ClientSlots:
 
     def _release(self, address: str) -> None:
         with self._lock:
-            self._held[address] -= 1
-            if self._held[address] <= 0:
-                del self._held[address]
+            _count_one_less(self._held, address)
 
 
 class ConnectionCounter:
@@ -112,9 +117,7 @@ class ConnectionCounter:
         return True
 
     def close(self, address: str) -> None:
-        self._open[address] -= 1
-        if self._open[address] <= 0:
-            del self._open[address]
+        _count_one_less(self._open, address)
 
     def open_from(self, address: str) -> int:
         return self._open[address]

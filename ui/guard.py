@@ -10,15 +10,17 @@
   loopback name, an IP address nor one the app was told of is refused (DNS rebinding), a state-changing
   request or a WebSocket from another Origin is refused, without a key a POST to /v1 must say
   `application/json` (a cross-site form or `text/plain` fetch cannot), and no CORS header ever names another origin;
-- /login takes a few failed attempts a minute per client address;
+- /login takes a few failed attempts a minute per client address, and so does the API's bearer key (after
+  that, 429 with Retry-After until the oldest failure is a minute old; ui/failure_throttle.py);
 - a client address has at most a few POSTs to the API and the upload route in flight (ui/client_slots.py);
   one more gets 429;
 - an upload larger than MAX_UPLOAD_BYTES is refused by its declared length (413), and one that sends more than
   it declared is cut off at the bound (ui/request_limits.py).
 
-    app_kwargs["middleware"] = [Middleware(PageGuard, key="secret", hosts=HostPolicy.listening_on(args.host))]
+    hosts = HostPolicy.listening_on(args.host)
+    app_kwargs["middleware"] = [Middleware(PageGuard, key="secret", hosts=hosts)]
     demo.launch(app_kwargs=app_kwargs, ...)
-    filter_cors_of(demo.app)   # Gradio's own CORS middleware sits outside PageGuard: filter around it too
+    filter_cors_of(demo.app, hosts)   # Gradio's own CORS middleware sits outside PageGuard: filter around it too
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import html
 import json
 from http.cookies import SimpleCookie
 
-from .client_slots import RETRY_AFTER_S, ClientSlots
+from .client_slots import RETRY_AFTER_S, ClientSlots, client_address
+from .failure_throttle import FailureThrottle
 from .request_limits import MAX_UPLOAD_BYTES, receive_at_most, upload_refusal
 from .site_checks import (
     HostPolicy,
@@ -103,15 +106,20 @@ _ERROR_KINDS = {401: ("invalid_request_error", "invalid_api_key"), 403: ("invali
                 429: ("rate_limit_error", "rate_limit_exceeded")}
 
 
+NO_KEY = "this server needs an API key: send it as 'Authorization: Bearer KEY'"
+WRONG_KEY = "incorrect API key"
+
+
 def bearer_refusal(authorization: str, key: str | None) -> str | None:
-    """Why an `Authorization` header does not carry the API key (None: it does, or no key is set)."""
+    """Why an `Authorization` header does not carry the API key (None: it does, or no key is set): NO_KEY or
+    WRONG_KEY (a guess, which the key throttle counts)."""
     if key is None:
         return None
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token:
-        return "this server needs an API key: send it as 'Authorization: Bearer KEY'"
+        return NO_KEY
     if not hmac.compare_digest(token.strip().encode(), key.encode()):
-        return "incorrect API key"
+        return WRONG_KEY
     return None
 
 
@@ -134,10 +142,12 @@ async def _refuse(scope, send, status: int, message: str, headers: tuple = ()) -
 
 
 class ForeignCorsFilter:
-    """ASGI wrapper that removes an Access-Control-Allow-Origin naming another origin from every answer."""
+    """ASGI wrapper that removes an Access-Control-Allow-Origin naming another origin from every answer (any
+    origin, under a Host that `hosts` refuses)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, hosts: HostPolicy | None = None) -> None:
         self.app = app
+        self.hosts = hosts if hosts is not None else HostPolicy()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -145,29 +155,32 @@ class ForeignCorsFilter:
 
         async def send_filtered(message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": without_foreign_cors(scope, list(message.get("headers", ())))}
+                message = {**message,
+                           "headers": without_foreign_cors(scope, list(message.get("headers", ())), self.hosts)}
             await send(message)
 
         await self.app(scope, receive, send_filtered)
 
 
-def filter_cors_of(app) -> None:
+def filter_cors_of(app, hosts: HostPolicy | None = None) -> None:
     """Put a ForeignCorsFilter around the whole of a Starlette app's middleware stack. Gradio adds its CORS
     middleware itself, outside every middleware given to launch(), and it names the request's Origin when the
-    Host is not a loopback name (a LAN address) or the Origin is one (another local port): only a filter
-    around it can take that back. Call once, after launch() (which builds the stack)."""
+    Host is not a loopback name (a LAN address) or the Origin is one (another local port), a rebinding
+    page's included: only a filter around it can take that back. `hosts`: the guard's. Call once, after
+    launch() (which builds the stack)."""
     stack = app.middleware_stack if app.middleware_stack is not None else app.build_middleware_stack()
     if not isinstance(stack, ForeignCorsFilter):
-        app.middleware_stack = ForeignCorsFilter(stack)
+        app.middleware_stack = ForeignCorsFilter(stack, hosts)
 
 
 class PageGuard:
     def __init__(self, app, key: str | None = None, hosts: HostPolicy | None = None,
                  login_throttle: LoginThrottle | None = None, max_upload_bytes: int = MAX_UPLOAD_BYTES,
-                 client_slots: ClientSlots | None = None) -> None:
+                 client_slots: ClientSlots | None = None, key_throttle: FailureThrottle | None = None) -> None:
         self.app, self.key, self.max_upload_bytes = app, key, max_upload_bytes
         self.hosts = hosts if hosts is not None else HostPolicy()
         self.login_throttle = login_throttle if login_throttle is not None else LoginThrottle()
+        self.key_throttle = key_throttle if key_throttle is not None else FailureThrottle()
         self.client_slots = client_slots if client_slots is not None else ClientSlots()
 
     async def __call__(self, scope, receive, send) -> None:
@@ -189,10 +202,9 @@ class PageGuard:
         too_large = upload_refusal(scope, self.max_upload_bytes)
         if too_large is not None:
             return await _refuse(scope, send, 413, too_large)
-        if is_api_path(path):  # a client without the key holds no slot: it cannot fill its address's places
-            wrong_key = bearer_refusal(header(scope, b"authorization") or "", self.key)
-            if wrong_key is not None:
-                return await _refuse(scope, send, 401, wrong_key)
+        if is_api_path(path) and self.key is not None:  # a client without the key holds no slot
+            if (refused := self._key_refusal(scope)) is not None:
+                return await _refuse(scope, send, *refused)
         slot = self.client_slots.claim(scope)
         if slot.refused:
             return await _refuse(scope, send, 429, self.client_slots.refusal(),
@@ -215,3 +227,18 @@ class PageGuard:
             await self.app(scope, receive, send_with_policy)
         finally:  # the response's last byte is sent, or the client went away
             slot.release()
+
+    def _key_refusal(self, scope) -> tuple[int, str, tuple] | None:
+        """Why an API request may not go on for its key: its address sent too many wrong keys lately (429, every
+        key refused until Retry-After: see ui/failure_throttle.py), or its key is missing or wrong (401)."""
+        address = client_address(scope)
+        wait = self.key_throttle.wait_for(address)
+        if wait is not None:
+            return (429, f"Too many wrong API keys from this address; try again in {wait} seconds.",
+                    ((b"retry-after", str(wait).encode()),))
+        refusal = bearer_refusal(header(scope, b"authorization") or "", self.key)
+        if refusal is None:
+            return None
+        if refusal == WRONG_KEY:  # a guess; a missing key is not (a client that forgot it learns so at once)
+            self.key_throttle.note_failure(address)
+        return 401, refusal, ()

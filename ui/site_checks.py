@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import threading
-import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from .failure_throttle import FailureThrottle
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LOGIN_PATHS = frozenset({"/login", "/login/", "/gradio_api/login", "/gradio_api/login/"})
@@ -136,9 +135,12 @@ def is_api_path(path: str) -> bool:
     return path.startswith("/v1/") or path.rstrip("/") == "/tokenize"
 
 
-def without_foreign_cors(scope, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The response's headers without an Access-Control-Allow-Origin that names another site (or '*')."""
-    own = own_origin(scope)
+def without_foreign_cors(scope, headers: list[tuple[bytes, bytes]],
+                         hosts: HostPolicy | None = None) -> list[tuple[bytes, bytes]]:
+    """The response's headers without an Access-Control-Allow-Origin that names another site (or '*'). With
+    `hosts`, an origin is the app's own only under a Host it answers to: a rebinding page's Origin and Host
+    agree (both name the attacker's site), and the guard's 403 to it must not name that site either."""
+    own = own_origin(scope) if hosts is None or hosts.allows(header(scope, b"host") or "") else None
     kept = []
     for name, value in headers:
         if name.lower() == b"access-control-allow-origin":
@@ -150,15 +152,10 @@ def without_foreign_cors(scope, headers: list[tuple[bytes, bytes]]) -> list[tupl
 
 
 @dataclass
-class LoginThrottle:
+class LoginThrottle(FailureThrottle):
     """At most `attempts` failed logins per client address in any `window_s` seconds; after that every login
     from that address waits (a right password too) until the oldest failure leaves the window. Successful
     logins are not counted: gradio_client logs in each time a Client is made."""
-
-    attempts: int = 10
-    window_s: float = 60.0
-    _failures: dict[str, deque] = field(default_factory=dict, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @staticmethod
     def is_login(scope) -> bool:
@@ -166,26 +163,12 @@ class LoginThrottle:
 
     def wait_before(self, scope, now: float | None = None) -> int | None:
         """None when this request may go on; else the seconds until the client may try again."""
-        if not self.is_login(scope):
-            return None
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            recent = self._failures.get(_client(scope), deque())
-            while recent and now - recent[0] >= self.window_s:
-                recent.popleft()
-            if len(recent) >= self.attempts:
-                return max(1, int(self.window_s - (now - recent[0]) + 0.999))
-        return None
+        return self.wait_for(_client(scope), now) if self.is_login(scope) else None
 
     def record(self, scope, status: int, now: float | None = None) -> None:
         """Note a login's answer: a refusal counts against its client address."""
-        if not self.is_login(scope) or status < 400 or status == 429:
-            return
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            if len(self._failures) > 10_000:  # many addresses: forget those with nothing recent
-                self._failures = {k: v for k, v in self._failures.items() if v and now - v[-1] < self.window_s}
-            self._failures.setdefault(_client(scope), deque()).append(now)
+        if self.is_login(scope) and status >= 400 and status != 429:
+            self.note_failure(_client(scope), now)
 
 
 def ignore_forwarded_headers() -> None:

@@ -13,7 +13,10 @@ a head not complete within HEAD_DEADLINE_S gets a 408 and the connection is clos
 The same protocol counts each client address's open connections before reading a byte: past
 MAX_CONNECTIONS_PER_CLIENT a connection gets a plain 429 and is closed, so idle or trickling connections from
 one address cannot spend the process's open files (each lasts at most HEAD_DEADLINE_S, but a client opens
-new ones faster).
+new ones faster). A connection upgraded to a WebSocket stays counted until it closes: where a WebSocket package
+is installed (`websockets` or `wsproto`, as with `uvicorn[standard]`), uvicorn hands the transport to its
+WebSocket protocol, which alone hears of the close, so the count is handed over with it. Without one, uvicorn
+answers an upgrade request as plain HTTP and the connection never leaves this protocol.
 
 "auto" then means h11 even where httptools is installed (`uvicorn[standard]`; not in requirements.txt).
 """
@@ -65,6 +68,13 @@ class HeadDeadlineProtocol(H11Protocol):
             self._counted_as = None
         super().connection_lost(exc)
 
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        super().handle_websocket_upgrade(event)  # the transport's protocol is now uvicorn's WebSocket one
+        self._stop_watching()
+        address, self._counted_as = self._counted_as, None
+        if address is not None:
+            _release_when_lost(self.transport.get_protocol(), self.client_connections, address)
+
     def handle_events(self) -> None:  # also where a response completes: uvicorn starts the next cycle here
         super().handle_events()
         self._watch_head()
@@ -89,6 +99,19 @@ class HeadDeadlineProtocol(H11Protocol):
         self.logger.info("closed a connection whose request head took over %.0f s", HEAD_DEADLINE_S)
         self.transport.write(TIMED_OUT)  # h11 sends no response before a request: written as bytes
         self.transport.close()
+
+
+def _release_when_lost(protocol: asyncio.BaseProtocol, counter: ConnectionCounter, address: str) -> None:
+    """Make the protocol a counted connection was handed to give its count back when the connection is lost."""
+    lost = protocol.connection_lost
+
+    def connection_lost(exc: Exception | None) -> None:
+        try:
+            lost(exc)
+        finally:
+            counter.close(address)
+
+    setattr(protocol, "connection_lost", connection_lost)  # on this one object: the transport calls it there
 
 
 def use_head_deadline() -> None:

@@ -5,6 +5,8 @@
 //     first `kept` slots are the `kept` best, which is all the alpha mask needs).
 //   attend_rows: one token's grouped-query attention over pool rows picked by slot, read where they lie
 //     (no gathered copy), split into chunks that are combined by their softmax maxima and sums.
+// And one product for decoding (weights.py): q8_matvec, one float32 row times a weight held as int8 codes in
+// groups of 32 input channels with a float32 scale each (GGUF's Q8_0 layout), read at one byte per weight.
 //
 // Built at run time by infinigen_core/cpu_kernels.py (torch.utils.cpp_extension); float32 rows and queries
 // (partial keys float32 or float16), anything else keeps the eager path. Both parallelise with ATen's own thread pool, never a second one.
@@ -13,7 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -349,14 +351,88 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at
   return out;
 }
 
+// ------------------------------------------------------------------------------------- int8 product
+
+constexpr int64_t kQ8Group = 32;  // input channels per scale
+
+// sum over one output row's groups of scale[g] * (codes[g] . x[g]); x and the codes of a row are contiguous
+inline float q8_row_dot(const int8_t* codes, const float* scales, const float* x, int64_t groups) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + g * kQ8Group));
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+    __m512 group = _mm512_mul_ps(low, _mm512_loadu_ps(x + g * kQ8Group));
+    group = _mm512_fmadd_ps(high, _mm512_loadu_ps(x + g * kQ8Group + 16), group);
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(scales[g]), group, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 group = _mm256_setzero_ps();
+    for (int64_t j = 0; j < kQ8Group; j += 8) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + g * kQ8Group + j));
+      const __m256 wide = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+      group = _mm256_fmadd_ps(wide, _mm256_loadu_ps(x + g * kQ8Group + j), group);
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(scales[g]), group, acc);
+  }
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+#else
+  float total = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) {
+    float group = 0.0f;
+    for (int64_t j = 0; j < kQ8Group; ++j) group += static_cast<float>(codes[g * kQ8Group + j]) * x[g * kQ8Group + j];
+    total += scales[g] * group;
+  }
+  return total;
+#endif
+}
+
+at::Tensor q8_matvec(const at::Tensor& row, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
+              "q8_matvec: codes must be a contiguous int8 [out, in]");
+  const int64_t out_features = codes.size(0), in_features = codes.size(1);
+  TORCH_CHECK(in_features % kQ8Group == 0, "q8_matvec: input channels must be a multiple of 32");
+  const int64_t groups = in_features / kQ8Group;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == out_features * groups,
+              "q8_matvec: scales must be a contiguous float32 [out, in / 32]");
+  TORCH_CHECK(row.numel() == in_features, "q8_matvec: the row must hold one value per input channel");
+  const at::Tensor x = row.reshape({in_features}).to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({1, out_features}, row.options().dtype(at::kFloat));
+  const float* xs = x.data_ptr<float>();
+  const int8_t* cs = codes.data_ptr<int8_t>();
+  const float* ss = scales.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) os[o] = q8_row_dot(cs + o * in_features, ss + o * groups, xs, groups);
+  });
+  return out;
+}
+
+at::Tensor q8_matvec_meta(const at::Tensor& row, const at::Tensor& codes, const at::Tensor& scales) {
+  return at::empty({1, codes.size(0)}, row.options().dtype(at::kFloat));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(infinigen_cpu, m) {
   m.def("rehearse_select(Tensor query, Tensor partial_keys, int past, int k, float alpha) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("attend_rows(Tensor query, Tensor keys, Tensor values, Tensor rows, Tensor? valid, float scale) -> Tensor");
+  m.def("q8_matvec(Tensor row, Tensor codes, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infinigen_cpu, CPU, m) {
   m.impl("rehearse_select", rehearse_select);
   m.impl("attend_rows", attend_rows);
+  m.impl("q8_matvec", q8_matvec);
+}
+
+// shapes only, so that a compiled decode step can trace the product (attention stays inside the engine's op)
+TORCH_LIBRARY_IMPL(infinigen_cpu, Meta, m) {
+  m.impl("q8_matvec", q8_matvec_meta);
 }

@@ -166,6 +166,8 @@ class InfiniGenPolicy(KVPolicy):
         self.partial_keys_t[layer].index_copy_(2, slots, partial.transpose(1, 2))
 
     def finish_step(self, completed: bool) -> None:
+        # a captured step hands its RoPE factors back in the same buffer: never keep them past the step
+        self._rope_source = self._rope_factors = None
         pending, self._pending_keys = self._pending_keys, []
         if not completed or not pending:
             return
