@@ -21,8 +21,7 @@ import sys
 from pathlib import Path
 
 from infinigen_core import ConfigError, ContextOverflowError, EngineConfig
-from infinigen_core.config import parse_budget
-from infinigen_core.model_flags import add_model_flags
+from infinigen_core.model_flags import add_model_flags, add_setting_flags, engine_settings
 from infinigen_core.weights import WEIGHT_CHOICES
 from .common import (EvalError, format_table, load_token_ids, machine_description, parse_numbers, parse_policies,
                      read_text, to_json, windows)
@@ -32,15 +31,19 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _base_config(args) -> EngineConfig:
-    budget, is_tokens = parse_budget(args.budget)
-    return EngineConfig(alpha=args.alpha, budget=budget, budget_is_tokens=is_tokens,
-                        min_fetch_tokens=args.min_fetch_tokens, partial_ratio=args.partial_ratio,
-                        dense_layers=args.dense_layers)
+def _base_config(args, engine=None) -> EngineConfig:
+    """The settings given on the command line (checked before the model loads); with the loaded `engine`, its
+    model family's defaults (config.FAMILY_DEFAULTS) in every setting left unset."""
+    config, chosen = engine_settings(args)
+    if engine is None:
+        return config
+    from infinigen_core.loading import settings_for_model
+
+    return settings_for_model(engine.model, config, chosen)[0]
 
 
-def _configs(args) -> dict[str, EngineConfig]:
-    base = _base_config(args)
+def _configs(args, engine=None) -> dict[str, EngineConfig]:
+    base = _base_config(args, engine)
     return {name: base.with_changes(policy=name) for name in parse_policies(args.policies)}
 
 
@@ -49,12 +52,7 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
         parser.add_argument("--text", type=Path, required=True, help="a UTF-8 file or a directory of .txt files")
     if policies is not None:
         parser.add_argument("--policies", default=policies, help=f"comma-separated (default {policies})")
-    parser.add_argument("--alpha", type=float, default=EngineConfig.alpha)
-    parser.add_argument("--budget", default=str(EngineConfig.budget), help="fraction (0.2) or token count (256)")
-    parser.add_argument("--min-fetch-tokens", type=int, default=EngineConfig.min_fetch_tokens,
-                        help="a fractional budget never fetches fewer tokens than this (0: no floor)")
-    parser.add_argument("--partial-ratio", type=float, default=EngineConfig.partial_ratio)
-    parser.add_argument("--dense-layers", type=int, default=EngineConfig.dense_layers)
+    add_setting_flags(parser)
     add_model_flags(parser, device_default="cpu", quantize=False)
     _output_flags(parser)
 
@@ -222,8 +220,10 @@ def _library_commands(commands) -> None:
 def _load_engine(args):
     from infinigen_core import load_engine
 
-    return load_engine(args.model, device=args.device, config=_base_config(args), weights=args.weights,
-                       compile_decode=args.compile_decode, cpu_kernels=args.cpu_kernels, progress=_log)
+    config, chosen = engine_settings(args)
+    return load_engine(args.model, device=args.device, config=config, weights=args.weights,
+                       compile_decode=args.compile_decode, cpu_kernels=args.cpu_kernels, progress=_log,
+                       user_settings=chosen)
 
 
 def _prefill_for(args) -> int:
@@ -241,6 +241,7 @@ def run_ppl(args) -> tuple[str, dict]:
         raise EvalError("--prefill is for one --context; with several, use --scored-tokens")
     text = read_text(args.text)  # bad input fails before the model loads
     engine = _load_engine(args)
+    configs = _configs(args, engine)  # the model family's defaults where no flag was given
     ids = load_token_ids(engine.tokenizer, text, max(contexts), args.text)
     rows, report = [], {"windows": args.windows, "contexts": {}}
     for context in contexts:
@@ -262,6 +263,7 @@ def run_agree(args) -> tuple[str, dict]:
     configs = _configs(args)
     text = read_text(args.text)  # bad input fails before the model loads
     engine = _load_engine(args)
+    configs = _configs(args, engine)  # the model family's defaults where no flag was given
     ids = load_token_ids(engine.tokenizer, text, args.context, args.text)
     results = agreement(engine, windows(ids, args.context, args.windows), args.new_tokens, configs, _log)
     rows = [{"policy": name, **values} for name, values in results.items()]
@@ -279,6 +281,7 @@ def run_weights(args) -> tuple[str, dict]:
     config = _base_config(args).with_changes(policy=args.policy)
     text = read_text(args.text)  # bad input fails before the model loads
     engine = _load_engine(args)
+    config = _base_config(args, engine).with_changes(policy=args.policy)
     ids = load_token_ids(engine.tokenizer, text, args.context, args.text)
     results = compare_weights(engine, windows(ids, args.context, args.windows), _prefill_for(args), kinds, config,
                               args.new_tokens, _log)
@@ -295,6 +298,7 @@ def run_recall(args) -> tuple[str, dict]:
     configs = _configs(args)
     text = read_text(args.text)  # bad input fails before the model loads
     engine = _load_engine(args)
+    configs = _configs(args, engine)  # the model family's defaults where no flag was given
     ids = load_token_ids(engine.tokenizer, text, args.context + args.decode_tokens, args.text)
     results = attention_recall(engine, ids[: args.context], ids[args.context : args.context + args.decode_tokens],
                                configs, _log)
@@ -305,16 +309,24 @@ def run_recall(args) -> tuple[str, dict]:
     return format_table(rows, ["layer", *results]), {"context": args.context, **results}
 
 
-def run_speed(args) -> tuple[str, dict]:
-    from .speed import EAGER, NO_KERNELS, decode_speed, llama_cpp_rows, row_weights, tokens_needed, with_ratios
+def _speed_configs(args, engine=None) -> dict[str, EngineConfig]:
+    """The policies' configurations, and one per --weights-rows row (POLICY+KIND)."""
+    from .speed import EAGER, NO_KERNELS, row_weights
 
-    configs = _configs(args)
+    configs = _configs(args, engine)
     for name in filter(None, (row.strip() for row in args.weights_rows.split(","))):
         policy, kind = row_weights(name)
         if kind not in (*WEIGHT_CHOICES, EAGER, NO_KERNELS):
             raise EvalError(f"--weights-rows {name!r}: write POLICY+KIND, KIND one of "
                             f"{', '.join((*WEIGHT_CHOICES, EAGER, NO_KERNELS))}")
-        configs[name] = _base_config(args).with_changes(policy=policy)
+        configs[name] = _base_config(args, engine).with_changes(policy=policy)
+    return configs
+
+
+def run_speed(args) -> tuple[str, dict]:
+    from .speed import decode_speed, llama_cpp_rows, tokens_needed, with_ratios
+
+    configs = _speed_configs(args)
     contexts = parse_numbers(args.context, int)
     text = read_text(args.text)  # bad input fails before the model loads
     gguf = args.gguf
@@ -331,6 +343,7 @@ def run_speed(args) -> tuple[str, dict]:
 
         torch.set_num_threads(args.threads)
     engine = _load_engine(args)
+    configs = _speed_configs(args, engine)  # the model family's defaults where no flag was given
     ids = load_token_ids(engine.tokenizer, text, tokens_needed(max(contexts), args.decode_tokens, args.rounds), args.text)
     rows = []
     for context in contexts:
@@ -366,6 +379,7 @@ def run_sweep(args) -> tuple[str, dict]:
                 base.with_changes(policy="infinigen", alpha=alpha, budget=budget, partial_ratio=partial)
     text = read_text(args.text)  # bad input fails before the model loads
     engine = _load_engine(args)
+    base = _base_config(args, engine)
     ids = load_token_ids(engine.tokenizer, text, args.context, args.text)
     rows = sweep(engine, windows(ids, args.context, args.windows), _prefill_for(args), alphas, budgets, partials,
                  base, _log)

@@ -190,8 +190,10 @@ class ModelHost:
         decode = engine.decode_step.label
         if engine.kernels is not None:
             decode += f" · {engine.kernels.label}"
-        return (f"{engine.model_name} · {adapter.family.label} · {kinds} layers · {dtype} on {engine.device} · "
-                f"{weights} · {decode}")
+        summary = (f"{engine.model_name} · {adapter.family.label} · {kinds} layers · {dtype} on {engine.device} · "
+                   f"{weights} · {decode}")
+        defaults = getattr(engine, "family_defaults", None)  # set by SettingsKeeper.settle (config.FAMILY_DEFAULTS)
+        return f"{summary} · {defaults.describe()}" if defaults is not None else summary
 
     def ready_line(self) -> str:
         engine = self.require_engine_loaded()

@@ -61,6 +61,8 @@ class ChatService:
     def load(self, progress: Callable[[str], None] = print) -> None:
         """Load the model (download, convert and calibrate on first use), then open the latest session."""
         def opened() -> None:
+            if self.host.engine is not None:  # a remote server has none here
+                self.settings.settle(self.host.engine)  # the model family's defaults, before a session opens
             self.pages.open_latest_free()
             enforce_disk_limit(self.store)  # a lower limit than last time takes effect at once
 
@@ -91,6 +93,8 @@ class ChatService:
             session_id = page.id if page is not None else None
             self.open_sessions.close_all()  # every open session holds the old engine; the new one starts empty
             failure = self.turns.model_thread.call(host.swap, wanted, self._engine_config, progress)
+            if host.engine is not None:  # the new model, or the old one again: its family's defaults
+                self.turns.model_thread.call(self.settings.settle, host.engine)
         if session_id is not None:
             self.pages.open_session(session_id)
         else:

@@ -4,14 +4,21 @@ the KV storage settings, applied at once.
     keeper = SettingsKeeper()
     keeper.apply(engine, SettingsForm(policy="h2o", alpha=12, budget="0.3"))   # UserError if bad
     keeper.apply_pending(engine, store, session_id)                            # before the next turn
+    keeper.settle(engine)                      # after a load: the model family's defaults where the user chose none
+
+A tunable engine setting (config.TUNABLE_SETTINGS) is the user's once they set it to something other than
+what the page showed; until then it follows the loaded model: its family's defaults (config.FAMILY_DEFAULTS),
+else EngineConfig's.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from infinigen_core import ConfigError, EngineConfig, SamplingConfig
-from infinigen_core.config import parse_budget, pool_limit_tokens
+from infinigen_core.config import AppliedDefaults, parse_budget, pool_limit_tokens, with_family_defaults
 from sessions import SessionStore, StorageConfig, format_size, parse_size
 from sessions.budget import enforce_disk_limit
 from sessions.overflow import DEFAULT_OVERFLOW, OVERFLOW_POLICIES, check_overflow
@@ -32,6 +39,13 @@ class Settings:
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=256))
     min_fetch_tokens: int = EngineConfig.min_fetch_tokens
     overflow: str = DEFAULT_OVERFLOW  # when the chat outgrows the window (sessions/overflow.py): a page setting
+    chosen: tuple[str, ...] = ()  # the tunable settings the user set; the others follow the model (settle)
+
+
+# the tunable settings the page shows, and how a value of each is compared (a budget is text: "0.10" is "0.1")
+_GENERAL = EngineConfig()
+_SHOWN: dict[str, Callable[[Any], object]] = {"alpha": float, "budget": parse_budget, "partial_ratio": float,
+                                               "min_fetch_tokens": int}
 
 
 @dataclass(frozen=True)
@@ -55,16 +69,36 @@ class SettingsForm:
 
 
 def engine_config(settings: Settings, engine=None) -> EngineConfig:
-    """The EngineConfig of `settings` (a pool limit in bytes is counted in `engine`'s bytes per token)."""
+    """The EngineConfig of `settings` (a pool limit in bytes is counted in `engine`'s bytes per token): the
+    tunable settings the user chose, and for the rest `engine`'s family defaults, else EngineConfig's."""
     budget, is_tokens = parse_budget(settings.budget)
     limit = None
     if settings.pool_limit.strip():
         per_token = engine.pool.bytes_per_token() if engine is not None else 1
         limit = pool_limit_tokens(settings.pool_limit.strip(), per_token)
-    return EngineConfig(policy=settings.policy, alpha=float(settings.alpha), budget=budget,
-                        budget_is_tokens=is_tokens, partial_ratio=float(settings.partial_ratio),
-                        min_fetch_tokens=settings.min_fetch_tokens, pool_limit_tokens=limit,
-                        record_recall=settings.inspect)
+    config = EngineConfig(policy=settings.policy, alpha=float(settings.alpha), budget=budget,
+                          budget_is_tokens=is_tokens, partial_ratio=float(settings.partial_ratio),
+                          min_fetch_tokens=settings.min_fetch_tokens, pool_limit_tokens=limit,
+                          record_recall=settings.inspect)
+    unchosen = {name: getattr(_GENERAL, name) for name in _SHOWN if name not in settings.chosen}
+    if "budget" in unchosen:
+        unchosen["budget_is_tokens"] = _GENERAL.budget_is_tokens
+    config = config.with_changes(**unchosen)  # what the page shows for them followed the last model: not theirs
+    if engine is None:
+        return config
+    return _with_family_defaults(config, engine, settings.chosen)[0]
+
+
+def _with_family_defaults(config: EngineConfig, engine, chosen) -> tuple[EngineConfig, AppliedDefaults | None]:
+    """`config` with the defaults of the family `engine`'s model belongs to (its config's model_type)."""
+    return with_family_defaults(config, getattr(engine.model.config, "model_type", None), chosen)
+
+
+def _chosen(current: Settings, candidate: Settings) -> tuple[str, ...]:
+    """The settings the user chose: those chosen before, and those `candidate` changes from what was shown."""
+    changed = {name for name, same in _SHOWN.items()
+               if same(getattr(candidate, name)) != same(getattr(current, name))}
+    return tuple(name for name in _SHOWN if name in changed or name in current.chosen)
 
 
 class SettingsKeeper:
@@ -84,8 +118,9 @@ class SettingsKeeper:
                                  str(form.pool_limit or ""), bool(form.inspect), sampling,
                                  float(form.min_fetch_tokens),  # type: ignore[arg-type]  # checked just below
                                  check_overflow(form.overflow))
+            candidate.min_fetch_tokens = EngineConfig(min_fetch_tokens=candidate.min_fetch_tokens).min_fetch_tokens
+            candidate.chosen = _chosen(self.current, candidate)
             config = engine_config(candidate, engine)  # validates every engine setting, the floor included
-            candidate.min_fetch_tokens = config.min_fetch_tokens
         except (ConfigError, ValueError, TypeError) as error:
             raise UserError(f"Settings not applied: {error}") from None
         self.current = candidate
@@ -103,6 +138,19 @@ class SettingsKeeper:
             engine.configure(self._pending)
         store.update(session_id, settings=self.record())  # sampling-only changes count too
         self._pending = None
+
+    def settle(self, engine) -> None:
+        """After a model loads: its family's defaults in every tunable setting the user did not choose (load_engine
+        was given the app's whole configuration), said on the engine (`family_defaults`, the model summary), and
+        the shown settings follow what it now runs with."""
+        config = engine_config(self.current, engine)
+        engine.family_defaults = _with_family_defaults(config, engine, self.current.chosen)[1]
+        if config != engine.config:
+            engine.configure(config)
+        follow = {name: getattr(config, name) for name in _SHOWN if name not in self.current.chosen}
+        if "budget" in follow:
+            follow["budget"] = f"{config.budget:g}"
+        self.current = replace(self.current, **follow)
 
     def record(self) -> dict:
         """The engine and sampling settings a session's turns ran with, as stored beside it."""

@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from .arch import UnsupportedModelError
-from .config import POLICY_NAMES, ConfigError, EngineConfig, SamplingConfig, parse_budget, parse_pool_limit, pool_limit_tokens
+from .config import POLICY_NAMES, ConfigError, EngineConfig, SamplingConfig, parse_pool_limit, pool_limit_tokens
 from .engine import ContextOverflowError
 from .loading import ModelLoadError
-from .model_flags import add_model_flags
+from .model_flags import add_model_flags, add_setting_flags, engine_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,12 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_model_flags(gen)
     gen.add_argument("--policy", default="infinigen", choices=POLICY_NAMES)
-    gen.add_argument("--alpha", type=float, default=EngineConfig.alpha)
-    gen.add_argument("--budget", default=str(EngineConfig.budget),
-                     help="fraction of the context (0.2) or a token count (256) that a sparse layer may fetch")
-    gen.add_argument("--min-fetch-tokens", type=int, default=EngineConfig.min_fetch_tokens,
-                     help="a fractional budget never fetches fewer tokens than this (0: no floor)")
-    gen.add_argument("--partial-ratio", type=float, default=EngineConfig.partial_ratio)
+    add_setting_flags(gen)
     gen.add_argument("--pool-limit", default=None, help="cap on the host KV pool: tokens (8192) or bytes (64MiB)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
@@ -50,17 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args) -> tuple[EngineConfig, SamplingConfig]:
+def _settings(args) -> tuple[EngineConfig, tuple[str, ...], SamplingConfig]:
     """Validate every setting before anything is loaded, so bad input fails fast and cleanly."""
-    budget, budget_is_tokens = parse_budget(args.budget)
     parse_pool_limit(args.pool_limit)  # format check now; converted to tokens once the model is known
-    engine_config = EngineConfig(policy=args.policy, alpha=args.alpha, budget=budget,
-                                 budget_is_tokens=budget_is_tokens, partial_ratio=args.partial_ratio,
-                                 min_fetch_tokens=args.min_fetch_tokens)
+    engine_config, chosen = engine_settings(args, args.policy)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
                               seed=args.seed)
-    return engine_config, sampling
+    return engine_config, chosen, sampling
 
 
 def _read_prompt(args) -> str:
@@ -80,12 +72,13 @@ def run_generate(args) -> dict:
     from .generation import chat_token_ids, generate
     from .loading import load_engine
 
-    engine_config, sampling = _settings(args)
+    engine_config, chosen, sampling = _settings(args)
     prompt = _read_prompt(args)
     engine = load_engine(args.model, device=args.device, config=engine_config, cache_dir=args.cache_dir,
                          quantize=args.quantize, weights=args.weights, compile_decode=args.compile_decode,
-                         cpu_kernels=args.cpu_kernels,
+                         cpu_kernels=args.cpu_kernels, user_settings=chosen,
                          progress=lambda message: print(message, file=sys.stderr, flush=True))
+    engine_config = engine.config  # the model family's defaults in what the user left unset
     if args.pool_limit:
         limit = pool_limit_tokens(args.pool_limit, engine.pool.bytes_per_token())
         engine.configure(engine_config.with_changes(pool_limit_tokens=limit))
@@ -131,7 +124,14 @@ def run_generate(args) -> dict:
                      "budget_is_tokens": engine_config.budget_is_tokens,
                      "min_fetch_tokens": engine_config.min_fetch_tokens,
                      "partial_ratio": engine_config.partial_ratio, "pool_limit_tokens": engine.config.pool_limit_tokens},
+        "family_defaults": _family_defaults(engine),
     }
+
+
+def _family_defaults(engine) -> str | None:
+    """What the model family's own defaults set, in words (None: the family has none)."""
+    applied = getattr(engine, "family_defaults", None)
+    return applied.describe() if applied is not None else None
 
 
 def main(argv: list[str] | None = None) -> int:

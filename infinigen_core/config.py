@@ -6,12 +6,16 @@
 256
 >>> parse_pool_limit("512MiB")
 ('bytes', 536870912)
+>>> config, applied = with_family_defaults(EngineConfig(), "gemma3_text", user_settings=["budget"])
+>>> config.partial_ratio, config.budget, applied.kept
+(1.0, 0.15, ('budget',))
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 from .policies import POLICIES
@@ -155,6 +159,101 @@ class SamplingConfig:
             raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+# ------------------------------------------------------------------------------------ per-family defaults
+# EngineConfig's defaults were tuned on SmolLM2 (64-channel heads). A family measured to want others gets them
+# here, and only here: load_engine applies them to every setting the user did not choose (a CLI flag, the
+# app's settings), and says so (the model summary, `AppliedDefaults.describe`).
+TUNABLE_SETTINGS = ("alpha", "budget", "min_fetch_tokens", "partial_ratio", "dense_layers")  # budget: its kind too
+SETTING_LABELS = {"alpha": "alpha", "budget": "budget", "min_fetch_tokens": "fetch at least",
+                  "partial_ratio": "partial ratio", "dense_layers": "dense layers"}
+
+
+@dataclass(frozen=True)
+class FamilyDefaults:
+    """The settings one family's checkpoints take instead of EngineConfig's, and the measurement behind them.
+
+    model_types: the `model_type` values of the family's configs (read from the loaded model, never its path).
+    settings: (name, value) pairs, names from TUNABLE_SETTINGS, values EngineConfig accepts (checked here).
+    """
+
+    label: str
+    model_types: tuple[str, ...]
+    settings: tuple[tuple[str, float], ...]
+    evidence: str
+
+    def __post_init__(self) -> None:
+        if not self.model_types:
+            raise ConfigError(f"{self.label}: a family's defaults need at least one model_type")
+        unknown = [name for name, _ in self.settings if name not in TUNABLE_SETTINGS]
+        if unknown or not self.settings:
+            raise ConfigError(f"{self.label}: settings must be some of {', '.join(TUNABLE_SETTINGS)}, got "
+                              f"{', '.join(unknown) or 'none'}")
+        EngineConfig().with_changes(**self.values())  # a value out of range fails here, at import, with EngineConfig's message
+
+    def values(self) -> dict[str, float]:
+        return dict(self.settings)
+
+
+FAMILY_DEFAULTS: tuple[FamilyDefaults, ...] = (
+    FamilyDefaults(
+        "Gemma 3", ("gemma3_text", "gemma3"), (("partial_ratio", 1.0), ("budget", 0.1)),
+        "on gemma-3-270m, 0.1% from full's perplexity at 4k tokens, +2.75% at the general defaults "
+        "(docs/BENCHMARKS.md, Gemma 3 270M)"),
+)
+
+
+def check_family_table(table: tuple[FamilyDefaults, ...]) -> None:
+    seen: dict[str, str] = {}
+    for family in table:
+        for model_type in family.model_types:
+            if model_type in seen:
+                raise ConfigError(f"model_type {model_type!r} has defaults twice: {seen[model_type]} and {family.label}")
+            seen[model_type] = family.label
+
+
+check_family_table(FAMILY_DEFAULTS)
+
+
+def family_defaults(model_type: str | None) -> FamilyDefaults | None:
+    """The defaults of the family whose configs carry `model_type` (None: EngineConfig's own)."""
+    return next((family for family in FAMILY_DEFAULTS if model_type in family.model_types), None)
+
+
+@dataclass(frozen=True)
+class AppliedDefaults:
+    """What a family's defaults did to one configuration: the settings they gave, and those the user chose."""
+
+    family: FamilyDefaults
+    applied: tuple[tuple[str, float], ...]
+    kept: tuple[str, ...]  # the family's settings the user had chosen: theirs won
+
+    def describe(self) -> str:
+        """'Gemma 3 defaults: partial ratio 1, budget 0.1 (why)'; the user's choices that won are named."""
+        given = ", ".join(f"{SETTING_LABELS[name]} {value:g}" for name, value in self.applied)
+        kept = ", ".join(SETTING_LABELS[name] for name in self.kept)
+        text = f"{self.family.label} defaults: {given or 'none applied'}"
+        text += f"; yours kept: {kept}" if kept else ""
+        return f"{text} ({self.family.evidence})"
+
+
+def with_family_defaults(config: EngineConfig, model_type: str | None,
+                         user_settings: Collection[str] = ()) -> tuple[EngineConfig, AppliedDefaults | None]:
+    """`config` with the defaults of `model_type`'s family in every tunable setting not in `user_settings` (the
+    names the user chose); (config, None) for a family without defaults of its own."""
+    family = family_defaults(model_type)
+    if family is None:
+        return config, None
+    unknown = set(user_settings) - set(TUNABLE_SETTINGS)
+    if unknown:
+        raise ConfigError(f"not a tunable setting: {', '.join(sorted(unknown))}; use {', '.join(TUNABLE_SETTINGS)}")
+    applied = tuple((name, value) for name, value in family.settings if name not in user_settings)
+    changes: dict = dict(applied)
+    if "budget" in changes:
+        changes["budget_is_tokens"] = False  # a family's budget is a fraction
+    kept = tuple(name for name, _ in family.settings if name in user_settings)
+    return config.with_changes(**changes), AppliedDefaults(family, applied, kept)
 
 
 BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from .arch import FAMILIES, ModelAdapter, UnsupportedModelError, unsupported_mes
 from .calibration import calibrate, calibration_digest, calibration_text
 from .compiled import compile_decode as compile_decode_step, keep_cache_in
 from .cpu_kernels import build as build_cpu_kernels
-from .config import EngineConfig
+from .config import TUNABLE_SETTINGS, AppliedDefaults, EngineConfig, with_family_defaults
 from .engine import InfiniGenEngine
 from .generation import reads_plain_transcript
 from .hub import ModelLoadError, names_a_hub_model, resolve_hub_id
@@ -288,11 +288,26 @@ def resolve_compile(compile_decode: bool | None, device: torch.device) -> bool:
     return bool(compile_decode)
 
 
+def settings_for_model(model, config: EngineConfig | None,
+                       user_settings: Collection[str] | None = None) -> tuple[EngineConfig, AppliedDefaults | None]:
+    """The configuration `model` runs with: `config` (None: EngineConfig's defaults) with its family's defaults
+    (config.FAMILY_DEFAULTS, found by the model's `model_type`) in each tunable setting not in `user_settings`.
+    `user_settings` None: a given `config` is the caller's whole (nothing changed), no config is nobody's."""
+    if user_settings is None:
+        user_settings = TUNABLE_SETTINGS if config is not None else ()
+    return with_family_defaults(config or EngineConfig(), getattr(model.config, "model_type", None), user_settings)
+
+
 def load_engine(model: str | None = None, *, device: str = "auto", config: EngineConfig | None = None,
                 cache_dir: str | Path | None = None, quantize: str | None = None, weights: str | None = None,
                 compile_decode: bool | None = None, cpu_kernels: bool | None = None,
-                progress: Progress = print) -> InfiniGenEngine:
+                progress: Progress = print, user_settings: Collection[str] | None = None) -> InfiniGenEngine:
     """A ready engine for the default model (or `model`), calibrated and with an empty conversation.
+
+    `user_settings` names the settings of `config` the user chose (a CLI flag, an app setting); the others
+    take the loaded family's defaults where it has its own (a Gemma 3: `settings_for_model`), and
+    `engine.family_defaults` says which were applied (None: the family has none). Left out, a given `config`
+    is used as it is.
 
     `weights` (auto | fp32 | int8 | int4; default auto on the CPU, fp32 on a GPU) picks what the Linear
     layers read at decode steps (weights.py); prefill, the fingerprint and the skew are the fp32 model's either way.
@@ -313,8 +328,12 @@ def load_engine(model: str | None = None, *, device: str = "auto", config: Engin
         kernels, _ = build_cpu_kernels(cache / "kernels", progress)  # None (logged why): InfiniGen runs eager
     if weights != "fp32" and not use_decode_weights(loaded, weights, kernels):
         progress(f"{weights} decode weights are unavailable here (see the log): decoding with the model's own")
-    engine = InfiniGenEngine(loaded, tokenizer, config or EngineConfig(), skew_set=skew_set,
+    config, applied = settings_for_model(loaded, config, user_settings)
+    if applied is not None and applied.applied:
+        progress(applied.describe())
+    engine = InfiniGenEngine(loaded, tokenizer, config, skew_set=skew_set,
                              device=compute_device, fingerprint=fingerprint, kernels=kernels)
+    engine.family_defaults = applied
     engine.legacy_fingerprints = (legacy,)
     engine.model_name = name
     engine.base_model = is_base_model(model, tokenizer)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from chat_service.settings import SettingsKeeper
 from infinigen_core.stats import LayerStats, StepStats
 from ui import page_tick, panels
 from ui.page_tick import TICK_OUTPUTS, TICK_SECONDS, TICK_SECONDS_WHILE_GENERATING, PageTick, TickState, TickUpdate
@@ -132,6 +133,7 @@ class FakeService:
         self.turns = SimpleNamespace(progress=SimpleNamespace(tokens_per_second=lambda: 9.0), busy=lambda: self.busy)
         self.store = SimpleNamespace(list=lambda: [])
         self.pages = SimpleNamespace(chat_history=lambda: [])
+        self.settings = SettingsKeeper()
 
 
 @pytest.fixture
@@ -179,6 +181,18 @@ def test_tick_sends_one_changed_panel_at_a_time_then_nothing(ticking):
     assert order == list(panels.PANELS)
     update = tick(actions, state)  # nothing changed: everything skipped, nothing recomputed
     assert skipped(update, TICK_OUTPUTS[:-1])
+
+
+def test_a_newly_loaded_models_settings_are_shown_once(ticking):
+    """After a load the settings form shows what the model runs with (a family's own defaults, config.py)."""
+    actions, engine = ticking
+    actions.service.settings.current.partial_ratio, actions.service.settings.current.budget = 1.0, "0.1"
+    update = tick(actions, None)
+    assert (update.setting_partial_ratio, update.setting_budget, update.setting_alpha) == (1.0, "0.1", 12.0)
+    update = tick(actions, update.last_seen)
+    assert skipped(update, ("setting_alpha", "setting_budget", "setting_min_fetch", "setting_partial_ratio"))
+    actions.service.host.engine = FakeEngine()  # another model loaded: shown again
+    assert tick(actions, update.last_seen).setting_partial_ratio == 1.0
 
 
 def test_tick_sends_only_the_panels_whose_tables_changed(ticking):

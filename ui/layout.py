@@ -167,6 +167,9 @@ class ChatPage:
                                     label=OVERFLOW_LABEL, elem_id="ig-overflow")
             self.apply_button = gr.Button("Apply settings")
             self.settings_status = gr.Markdown()
+        # the tick shows a newly loaded model's settings in them (TickUpdate's setting_* fields)
+        self.setting_alpha, self.setting_budget, self.setting_min_fetch = alpha, budget, min_fetch
+        self.setting_partial_ratio = partial_ratio
         # by the name of PageActions.apply_settings's parameter each one fills
         self.settings_inputs = {"policy": policy, "alpha": alpha, "budget": budget, "partial_ratio": partial_ratio,
                                 "pool_limit": pool_limit, "inspect": record, "temperature": temperature,

@@ -63,6 +63,11 @@ class TickUpdate:
     session_picker: object = field(default_factory=gr.skip)
     session_info: object = field(default_factory=gr.skip)
     model_info: object = field(default_factory=gr.skip)
+    # the tunable settings' inputs: after a load they show what the model runs with (its family's defaults)
+    setting_alpha: object = field(default_factory=gr.skip)
+    setting_budget: object = field(default_factory=gr.skip)
+    setting_min_fetch: object = field(default_factory=gr.skip)
+    setting_partial_ratio: object = field(default_factory=gr.skip)
     remote_panel: object = field(default_factory=gr.skip)
     timer: object = field(default_factory=gr.skip)
     last_seen: TickState = field(default_factory=TickState)
@@ -125,6 +130,10 @@ class PageTick:
         if session_changed:
             update.chatbot = service.pages.chat_history()
             update.model_info = service.host.model_summary()
+        if last.seen is None or last.seen.engine_id != seen.engine_id:  # another model: its settings
+            shown = service.settings.current
+            update.setting_alpha, update.setting_budget = shown.alpha, shown.budget
+            update.setting_min_fetch, update.setting_partial_ratio = shown.min_fetch_tokens, shown.partial_ratio
         if session_changed or last.seen is None or last.seen.api_turns != seen.api_turns:  # an API turn may have added or grown one
             summaries = service.store.list()
             update.session_picker = gr.update(choices=session_choices(summaries), value=seen.session_id)
