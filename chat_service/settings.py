@@ -143,8 +143,12 @@ class SettingsKeeper:
         """After a model loads: its family's defaults in every tunable setting the user did not choose (load_engine
         was given the app's whole configuration), said on the engine (`family_defaults`, the model summary), and
         the shown settings follow what it now runs with."""
-        config = engine_config(self.current, engine)
-        engine.family_defaults = _with_family_defaults(config, engine, self.current.chosen)[1]
+        wanted = engine_config(self.current, engine)
+        engine.family_defaults = _with_family_defaults(wanted, engine, self.current.chosen)[1]
+        # only the tunable settings the user did not choose move; the policy and the rest stay as loaded
+        follows = [name for name in _SHOWN if name not in self.current.chosen]
+        follows += ["budget_is_tokens"] if "budget" in follows else []
+        config = engine.config.with_changes(**{name: getattr(wanted, name) for name in follows})
         if config != engine.config:
             engine.configure(config)
         follow = {name: getattr(config, name) for name in _SHOWN if name not in self.current.chosen}
