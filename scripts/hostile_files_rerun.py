@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hostile_rerun import Row, Run, Watch, leftovers, measured, session_count  # noqa: E402
+from hostile_rerun import Row, Run, Watch, leftovers, measured, print_rows, session_count  # noqa: E402
 from test_documents import docx_bytes, pdf_bytes  # noqa: E402  the tests' own builders
 from test_documents_hostile import _pdf, pdf_with_content  # noqa: E402
 
@@ -181,12 +181,7 @@ def main() -> None:
             row.outcome = json.dumps(leftovers(keyed))
         key_rows(keyed, watch, rows)
         watch.close()
-    print(f"\nload at the end: {os.getloadavg()}\n")
-    print("| row | outcome | s | idle RSS MiB | peak above idle MiB | kept above idle MiB | slowest /v1/models ms |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row.what} | {row.outcome} | {row.seconds:.1f} | {row.idle_mib:.0f} | {row.peak_mib:+.0f} | "
-              f"{row.after_mib:+.0f} | {row.slowest_models_ms:.0f} |")
+    print_rows(rows)
 
 
 if __name__ == "__main__":

@@ -323,6 +323,16 @@ def _quietly(call, *args, **kwargs) -> None:
 
 
 # ------------------------------------------------------------------------------------------- main
+def print_rows(rows) -> None:
+    """The machine's load, then the rows as a markdown table (the reruns' report)."""
+    print(f"\nload at the end: {os.getloadavg()}\n")
+    print("| row | outcome | s | idle RSS MiB | peak above idle MiB | kept above idle MiB | slowest /v1/models ms |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row.what} | {row.outcome} | {row.seconds:.1f} | {row.idle_mib:.0f} | {row.peak_mib:+.0f} | "
+              f"{row.after_mib:+.0f} | {row.slowest_models_ms:.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=7942)
@@ -348,12 +358,7 @@ def main() -> None:
         with measured(watch, rows, f"after the restart (pid {app.process.pid})") as row:
             row.outcome = json.dumps(leftovers(run))
         watch.close()
-    print(f"\nload at the end: {os.getloadavg()}\n")
-    print("| row | outcome | s | idle RSS MiB | peak above idle MiB | kept above idle MiB | slowest /v1/models ms |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row.what} | {row.outcome} | {row.seconds:.1f} | {row.idle_mib:.0f} | {row.peak_mib:+.0f} | "
-              f"{row.after_mib:+.0f} | {row.slowest_models_ms:.0f} |")
+    print_rows(rows)
 
 
 if __name__ == "__main__":
