@@ -25,11 +25,9 @@ unless --models names others, and writes the same rows: it proves the flow befor
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re
-import shutil
 import statistics
 import time
 from collections.abc import Sequence
@@ -329,11 +327,7 @@ def _trace_step(engine, token: int, device: str, stem: Path) -> None:
     with profile(activities=activities) as profiler:
         engine.decode(int(token))
         _synchronize(device)
-    plain = stem.with_suffix(".json")
-    profiler.export_chrome_trace(str(plain))
-    with plain.open("rb") as source, gzip.open(stem.with_suffix(".json.gz"), "wb") as packed:
-        shutil.copyfileobj(source, packed)
-    plain.unlink()
+    profiler.export_chrome_trace(str(stem.with_suffix(".json.gz")))  # the profiler packs a .gz path itself
     averages = profiler.key_averages()
     sorts = (["self_device_time_total"] if device == "cuda" else []) + ["self_cpu_time_total"]
     tables = [f"sorted by {key}\n{averages.table(sort_by=key, row_limit=40)}" for key in sorts]
