@@ -8,8 +8,9 @@ group sum, top-k, sort, two gathers, attention over the copies), each a pass ove
 two kernels do the same maths in one pass each: `rehearse_select` from partial query and keys to the selected
 slots and the alpha mask, `attend_rows` from the query to the output, reading the selected K/V rows where
 they lie in the pool. Their results match the eager path's to float rounding (tests/test_cpu_kernels.py);
-the time they save is in docs/BENCHMARKS.md. A third, `q8_matvec`, is the decode step's output head at a
-Q8_0 file's own codes (weights.Q8DecodeLinear).
+the time they save is in docs/BENCHMARKS.md. Two more are decode products at a GGUF file's own codes with a
+float32 row: `q8_matvec`, the output head at its Q8_0 codes (weights.Q8DecodeLinear), and `q4_matvec`, the
+body's layers at their Q4_1 codes (weights.Int4DecodeLinear).
 
 Building takes ~20 s the first time and is cached in `directory` (one build per source text and CPU level).
 Where it fails (no compiler, no headers) the reason is logged once and the eager path serves.
@@ -78,6 +79,22 @@ class CpuKernels:
         with a float32 scale each [out, in / 32] (GGUF's Q8_0) -> [1, out] float32; traceable (a Meta kernel),
         so a compiled decode step holds it (weights.Q8DecodeLinear, the output head)."""
         return torch.ops.infinigen_cpu.q8_matvec(row, codes, scales)
+
+    @staticmethod
+    def q4_matvec(row: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
+        """row [1, in] (any float dtype) times a weight of 4-bit codes, two a byte (`pack_q4`: [out, in / 2]
+        uint8), each group of 32 input channels code * scale + low with float32 scales and lows [out, in / 32]
+        (GGUF's Q4_1) -> [1, out] float32, the row never rounded; traceable like q8_matvec
+        (weights.Int4DecodeLinear)."""
+        return torch.ops.infinigen_cpu.q4_matvec(row, packed, scales, lows)
+
+
+def pack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [out, in] (0-15, in a multiple of 32) as q4_matvec reads them: [out, in / 2] uint8, byte j of
+    each group of 32 holding code j in its low nibble and code j + 16 in its high one."""
+    out_features, in_features = codes.shape
+    groups = codes.to(torch.uint8).view(out_features, in_features // 32, 2, 16)
+    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
 
 
 def build(directory: Path, progress: Callable[[str], None] | None = None) -> tuple[CpuKernels | None, str | None]:

@@ -6,13 +6,19 @@
 
 A decode step reads every weight once for one token: on the CPU it is bound by memory bandwidth, so the
 bytes per weight set its speed (SmolLM2-135M at 2 threads, docs/BENCHMARKS.md: fp32 ~62 ms per token, int4
-~20 ms). All kinds are weight-only: the activation row is rounded to bf16 (8-bit mantissa, fp32's range),
-never to integers, and PyTorch's own CPU kernels do the product (`_weight_int4pack_mm_for_cpu`,
-`_weight_int8pack_mm`; both are fast with bf16 rows only, hence bf16):
+~20 ms). All kinds are weight-only: the activation row stays floating point, never integers. PyTorch's own
+CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) are fast with bf16 rows only, so where
+they serve the row is rounded to bf16 (8-bit mantissa, fp32's range) and so is their result:
 - int4: groups of 32 input channels, each with its own scale and minimum, the layout of GGUF's Q4_1. A
-  Q4_0/Q4_1 file's weights, dequantised to fp32 on load, give back their 4-bit codes exactly, so for the
-  default model int4 loses nothing of the file but the bf16 rounding of each group's scale and minimum.
-- int8: one scale per output channel.
+  Q4_0/Q4_1 file's weights, dequantised to fp32 on load, give back their 4-bit codes exactly. With the CPU
+  kernels built (the default) the product is their `q4_matvec` (cpu_kernels.py): a float32 row, float32
+  scales and minima, a float32 result, so for the default model it is the file's weights times the row to
+  float rounding. Without them, ATen's int4 product, with the bf16 row, result, scales and minima. The bf16
+  row matters beyond its own error (~0.3% a product): rounding is discontinuous, so two conversations whose
+  K/V differ by anything at all (a resume from int8 or float16 rows) re-round their activations apart and
+  decode apart by the bf16 step rather than by their difference (issue 31: a resumed conversation's
+  perplexity over 128 tokens moved by +-0.3%, as much with float16 rows as with int8 ones; docs/BENCHMARKS.md).
+- int8: one scale per output channel (ATen's product, bf16 row).
 - bf16: the weight rounded to bf16 (the output head under int4/int8: its input has outlier channels).
 - q8_0: the output head at a Q8_0 file's own codes (groups of 32, a scale each; the default model's head is
   Q8_0), exact to the file, with a float32 row, through the CPU kernels' `q8_matvec` (cpu_kernels.py); where
@@ -35,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import CpuKernels
+from .cpu_kernels import CpuKernels, pack_q4
 
 WEIGHT_CHOICES = ("auto", "fp32", "int8", "int4")
 WEIGHTS_HELP = ("what decode steps read on the CPU: auto (the default: int4 where the file was 4-bit, int8 elsewhere, "
@@ -95,17 +101,29 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 class Int4DecodeLinear(DecodeLinear):
+    """4-bit codes in groups of 32 inputs. With the CPU kernels, their `q4_matvec` with a float32 row (scales and
+    minima float32 too); without, ATen's int4 product, which takes the row and gives the result in bf16."""
+
     kind = "int4"
 
-    def __init__(self, linear: nn.Linear, codes=None) -> None:
+    def __init__(self, linear: nn.Linear, codes=None, kernels: CpuKernels | None = None) -> None:
         super().__init__(linear)
         codes, scale, low, _ = codes if codes is not None else int4_codes(linear.weight)
+        self._float_rows = kernels is not None
+        if self._float_rows:
+            self.row_dtype = torch.float32
+            self.register_buffer("_q4_packed", pack_q4(codes), persistent=False)
+            self.register_buffer("_scales", scale.contiguous(), persistent=False)
+            self.register_buffer("_lows", low.contiguous(), persistent=False)
+            return
         # the kernel computes (code - 8) * scale + zero per group: zero is the group's middle
         scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous()
         self.register_buffer("_scales_and_zeros", scales_and_zeros.to(torch.bfloat16), persistent=False)
         self.register_buffer("_packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), persistent=False)
 
     def _one_row(self, row: torch.Tensor) -> torch.Tensor:
+        if self._float_rows:
+            return CpuKernels.q4_matvec(row, self._q4_packed, self._scales, self._lows)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(row, self._packed, GROUP, self._scales_and_zeros)
 
 
@@ -181,14 +199,14 @@ def compact_unavailable_reason(model: nn.Module) -> str | None:
     return None
 
 
-def _compact_layer(linear: nn.Linear, choice: str) -> DecodeLinear:
-    """The compact form `choice` (int8 | int4 | auto) gives one body layer."""
+def _compact_layer(linear: nn.Linear, choice: str, kernels: CpuKernels | None = None) -> DecodeLinear:
+    """The compact form `choice` (int8 | int4 | auto) gives one body layer (int4 through `kernels` where given)."""
     if choice == "int8" or linear.in_features % GROUP:
         return Int8DecodeLinear(linear)
     codes = int4_codes(linear.weight)
     if choice == "auto" and not codes[3]:
         return Int8DecodeLinear(linear)
-    return Int4DecodeLinear(linear, codes)
+    return Int4DecodeLinear(linear, codes, kernels)
 
 
 def _head_layer(head: nn.Linear, kernels: CpuKernels | None) -> DecodeLinear:
@@ -221,7 +239,7 @@ def use_decode_weights(model: nn.Module, choice: str, kernels: CpuKernels | None
                 for name, child in list(parent.named_children()):
                     if type(child) is not nn.Linear or child.weight.numel() < MIN_COMPACT_WEIGHTS:
                         continue
-                    layer = _head_layer(child, kernels) if child is head else _compact_layer(child, choice)
+                    layer = _head_layer(child, kernels) if child is head else _compact_layer(child, choice, kernels)
                     setattr(parent, name, layer)
                     kinds[layer.kind] = kinds.get(layer.kind, 0) + 1
     except RuntimeError as error:  # a kernel this build lacks after all: leave the model as it was

@@ -12,6 +12,7 @@ from test_speculation import _chooser
 
 from infinigen_core import cpu_kernels
 from infinigen_core.config import EngineConfig
+from infinigen_core.cpu_kernels import pack_q4
 from infinigen_core.engine import InfiniGenEngine
 
 from conftest import make_tiny_engine, random_tokens
@@ -210,3 +211,22 @@ def test_q8_product_equals_the_dequantised_weights(kernels):
     torch.testing.assert_close(product.double(), row.double() @ weight.T, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.q8_matvec(row[:, :90], codes[:, :90].contiguous(), scales)
+
+
+def test_q4_product_equals_the_dequantised_weights(kernels):
+    """The body's product at Q4_1 codes: code x scale + minimum per group of 32 inputs, packed two codes a byte,
+    read as one float32 row times the dequantised weight (float64 reference). 301 output rows: past the
+    kernel's 256-row chunks, and an odd count for its two-rows-at-a-time loop."""
+    generator = torch.Generator().manual_seed(0)
+    out_features, in_features = 301, 96
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    scales = torch.rand(out_features, in_features // 32, generator=generator) * 0.02
+    lows = -8 * scales + torch.randn(out_features, in_features // 32, generator=generator) * 0.01
+    weight = (codes.double().view(out_features, -1, 32) * scales.double().unsqueeze(-1)
+              + lows.double().unsqueeze(-1)).view(out_features, in_features)
+    row = torch.randn(1, in_features, generator=generator)
+    product = kernels.q4_matvec(row, pack_q4(codes), scales, lows)
+    assert product.shape == (1, out_features) and product.dtype == torch.float32
+    torch.testing.assert_close(product.double(), row.double() @ weight.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="one value per input channel"):
+        kernels.q4_matvec(row[:, :64], pack_q4(codes), scales, lows)

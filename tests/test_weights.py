@@ -219,3 +219,51 @@ def test_a_q8_0_head_runs_at_its_own_codes_with_the_cpu_kernels(kernels, monkeyp
     restore_fp32_weights(model)
     model.head = nn.Linear(96, 80, bias=False)  # a head off the 8-bit grid keeps bf16 (q8 would round it)
     assert use_decode_weights(model, "auto", kernels) == {"int4": 1, "bf16": 1}
+
+
+def test_int4_layers_with_the_cpu_kernels_read_a_float32_row(kernels, monkeypatch):
+    """With the kernels, a 4-bit layer's one-row product is the file's weights times the row as it is (float32
+    scales, minima and sums): the fp32 product to float rounding, where ATen's int4 product rounds the row and
+    its result to bf16."""
+    monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)
+    linear = _four_bit_linear()
+    row = torch.randn(1, 1, 128)
+    through_kernels = Int4DecodeLinear(linear, kernels=kernels)
+    torch.testing.assert_close(through_kernels(row), linear(row), rtol=1e-5, atol=1e-6)
+    assert (Int4DecodeLinear(linear)(row) - linear(row)).abs().max() > 1e-4  # ATen's: bf16 rounding
+    model = nn.Sequential(_four_bit_linear())
+    assert use_decode_weights(model, "auto", kernels) == {"int4": 1} and model[0].row_dtype == torch.float32
+
+
+@torch.inference_mode()
+def test_decoding_after_rows_that_differ_by_rounding_moves_no_more_than_fp32_weights_do(tiny_llama, kernels,
+                                                                                        monkeypatch):
+    """Issue 31's resume gap: a conversation restored from rows that differ from the live ones by a rounding (what
+    an int8 chunk, even a float16 one, gives back) must decode about as the uninterrupted one does. A decode step
+    that rounds every activation row to bf16 re-rolls those roundings at the slightest difference, so the two
+    conversations part by the bf16 step (2^-9) whatever the rows' difference; with float32 rows they part by
+    what the difference itself does, as with fp32 weights."""
+    monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)
+    model, skew = tiny_llama
+    compact = copy.deepcopy(model)
+    assert use_decode_weights(compact, "int4", kernels) == {"int4": 28, "bf16": 1}
+    compact.lm_head = compact.lm_head.plain  # a bf16 head would round the logits' differences away
+    prompt, following = random_tokens(48, seed=4), random_tokens(8, seed=5)
+    generator = torch.Generator().manual_seed(6)
+
+    def parting(weights) -> float:
+        """The largest logit difference over `following` between the live conversation and one restored from
+        its rows perturbed by 2^-16 of their size."""
+        with make_tiny_engine((weights, skew), policy="full") as engine:
+            engine.prefill(prompt)
+            rows = engine.export_rows(0, len(prompt))
+            live = engine.score(following)
+            for name, tensor in rows.items():
+                if name.startswith(("k.", "v.")):
+                    rows[name] = tensor + tensor * torch.randn(tensor.shape, generator=generator) * 2.0**-16
+            engine.reset()
+            engine.import_rows([rows])
+            return float((engine.score(following) - live).abs().max())
+
+    by_fp32, by_compact = parting(model), parting(compact)
+    assert 0 < by_compact < 10 * by_fp32 + 1e-6, (by_compact, by_fp32)

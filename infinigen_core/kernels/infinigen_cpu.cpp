@@ -5,8 +5,9 @@
 //     first `kept` slots are the `kept` best, which is all the alpha mask needs).
 //   attend_rows: one token's grouped-query attention over pool rows picked by slot, read where they lie
 //     (no gathered copy), split into chunks that are combined by their softmax maxima and sums.
-// And one product for decoding (weights.py): q8_matvec, one float32 row times a weight held as int8 codes in
-// groups of 32 input channels with a float32 scale each (GGUF's Q8_0 layout), read at one byte per weight.
+// And two products for decoding (weights.py), one float32 row times a weight at a GGUF file's own codes in groups
+// of 32 input channels: q8_matvec, int8 codes with a float32 scale each (Q8_0), one byte per weight; q4_matvec,
+// 4-bit codes two a byte with a float32 scale and minimum each (Q4_1), the row never rounded to bf16.
 //
 // Built at run time by infinigen_core/cpu_kernels.py (torch.utils.cpp_extension); float32 rows and queries
 // (partial keys float32 or float16), anything else keeps the eager path. Both parallelise with ATen's own thread pool, never a second one.
@@ -418,21 +419,126 @@ at::Tensor q8_matvec_meta(const at::Tensor& row, const at::Tensor& codes, const 
   return at::empty({1, codes.size(0)}, row.options().dtype(at::kFloat));
 }
 
+// ------------------------------------------------------------------------------------- int4 product
+
+// A weight held as 4-bit codes in groups of 32 input channels, w = code * scale + low per group (GGUF's Q4_1
+// layout), two codes a byte: byte j of a group holds code j in its low nibble and code j + 16 in its high one.
+// One output row is sum over groups of scale[g] * (codes[g] . x[g]) + low[g] * sum(x[g]); the group sums of x
+// are taken once per call. Everything in float32: no rounding of the row (a bf16 row re-rounds each step's
+// activations, so two nearly equal rows can decode apart by the bf16 step, not by their difference).
+#if defined(__AVX512F__)
+// one group's 32 codes (16 bytes) as two float vectors: codes 0-15, codes 16-31
+inline void q4_unpack(const uint8_t* bytes, __m512& first, __m512& second) {
+  const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  first = _mm512_cvtepi32_ps(_mm512_and_si512(raw, _mm512_set1_epi32(0x0F)));
+  second = _mm512_cvtepi32_ps(_mm512_srli_epi32(raw, 4));
+}
+#endif
+
+// `rows` consecutive output rows (1 or 2; two share each load of x): out[r] = sum over groups of
+// scale[g] * (codes[g] . x[g]) + low[g] * sum(x[g])
+inline void q4_rows_dot(const uint8_t* packed, const float* scales, const float* lows, const float* x,
+                        const float* x_sums, int64_t groups, int64_t rows, float* out) {
+  constexpr int64_t half = kQ8Group / 2;
+  const int64_t row_bytes = groups * half;
+#if defined(__AVX512F__)
+  if (rows == 2) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 x0 = _mm512_loadu_ps(x + g * kQ8Group), x1 = _mm512_loadu_ps(x + g * kQ8Group + 16);
+      __m512 a, b, c, d;
+      q4_unpack(packed + g * half, a, b);
+      q4_unpack(packed + row_bytes + g * half, c, d);
+      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(scales[g]), _mm512_fmadd_ps(b, x1, _mm512_mul_ps(a, x0)), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_set1_ps(scales[groups + g]), _mm512_fmadd_ps(d, x1, _mm512_mul_ps(c, x0)), acc1);
+    }
+    out[0] = _mm512_reduce_add_ps(acc0) + dot(lows, x_sums, groups);
+    out[1] = _mm512_reduce_add_ps(acc1) + dot(lows + groups, x_sums, groups);
+    return;
+  }
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 a, b;
+    q4_unpack(packed + g * half, a, b);
+    const __m512 group = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + g * kQ8Group + 16),
+                                         _mm512_mul_ps(a, _mm512_loadu_ps(x + g * kQ8Group)));
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(scales[g]), group, acc);
+  }
+  out[0] = _mm512_reduce_add_ps(acc) + dot(lows, x_sums, groups);
+#else
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* codes = packed + r * row_bytes;
+    float total = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      float group = 0.0f;
+      for (int64_t j = 0; j < half; ++j) {
+        const uint8_t byte = codes[g * half + j];
+        group += static_cast<float>(byte & 0x0F) * x[g * kQ8Group + j] +
+                 static_cast<float>(byte >> 4) * x[g * kQ8Group + half + j];
+      }
+      total += scales[r * groups + g] * group;
+    }
+    out[r] = total + dot(lows + r * groups, x_sums, groups);
+  }
+#endif
+}
+
+at::Tensor q4_matvec(const at::Tensor& row, const at::Tensor& packed, const at::Tensor& scales,
+                     const at::Tensor& lows) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "q4_matvec: packed codes must be a contiguous uint8 [out, in / 2]");
+  const int64_t out_features = packed.size(0), in_features = packed.size(1) * 2;
+  TORCH_CHECK(in_features % kQ8Group == 0, "q4_matvec: input channels must be a multiple of 32");
+  const int64_t groups = in_features / kQ8Group;
+  for (const at::Tensor* t : {&scales, &lows}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == out_features * groups,
+                "q4_matvec: scales and lows must be contiguous float32 [out, in / 32]");
+  }
+  TORCH_CHECK(row.numel() == in_features, "q4_matvec: the row must hold one value per input channel");
+  const at::Tensor x = row.reshape({in_features}).to(at::kFloat).contiguous();
+  const float* xs = x.data_ptr<float>();
+  std::vector<float> x_sums(groups, 0.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t j = 0; j < kQ8Group; ++j) x_sums[g] += xs[g * kQ8Group + j];
+  }
+  at::Tensor out = at::empty({1, out_features}, row.options().dtype(at::kFloat));
+  const uint8_t* ps = packed.data_ptr<uint8_t>();
+  const float* ss = scales.data_ptr<float>();
+  const float* ls = lows.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; o += 2) {
+      const int64_t rows = std::min<int64_t>(2, end - o);
+      q4_rows_dot(ps + o * (in_features / 2), ss + o * groups, ls + o * groups, xs, x_sums.data(), groups, rows,
+                  os + o);
+    }
+  });
+  return out;
+}
+
+at::Tensor q4_matvec_meta(const at::Tensor& row, const at::Tensor& packed, const at::Tensor& scales,
+                          const at::Tensor& lows) {
+  return at::empty({1, packed.size(0)}, row.options().dtype(at::kFloat));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(infinigen_cpu, m) {
   m.def("rehearse_select(Tensor query, Tensor partial_keys, int past, int k, float alpha) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("attend_rows(Tensor query, Tensor keys, Tensor values, Tensor rows, Tensor? valid, float scale) -> Tensor");
   m.def("q8_matvec(Tensor row, Tensor codes, Tensor scales) -> Tensor");
+  m.def("q4_matvec(Tensor row, Tensor packed, Tensor scales, Tensor lows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infinigen_cpu, CPU, m) {
   m.impl("rehearse_select", rehearse_select);
   m.impl("attend_rows", attend_rows);
   m.impl("q8_matvec", q8_matvec);
+  m.impl("q4_matvec", q4_matvec);
 }
 
 // shapes only, so that a compiled decode step can trace the product (attention stays inside the engine's op)
 TORCH_LIBRARY_IMPL(infinigen_cpu, Meta, m) {
   m.impl("q8_matvec", q8_matvec_meta);
+  m.impl("q4_matvec", q4_matvec_meta);
 }
