@@ -158,9 +158,10 @@ def _speed_commands(commands) -> None:
     resume.add_argument("--text", type=Path, help="real text: the document and the text scored after the resume "
                                                   "(default: the shipped calibration text, repeated)")
     resume.add_argument("--formats", default="int8,exact",
-                        help="KV chunk formats to measure (default int8,exact; int8-rebuilt: the previous int8 "
-                             "format, without the partial keys, which a resume recomputes from the int8 keys; "
-                             "int8-per-token: the one before, without the key channel smoothing either)")
+                        help="KV chunk formats to measure (default int8,exact; int8-partial-keys: the previous int8 "
+                             "format, int8 keys with the live partial keys saved; int8-rebuilt: the one before, "
+                             "without them, which a resume recomputes from the int8 keys; int8-per-token: the one "
+                             "before, without the key channel smoothing either)")
     resume.add_argument("--ppl-tokens", type=int, default=128, help="tokens scored after the resume (default 128)")
 
     gpu = commands.add_parser("gpu", help="random-weight Llama-2-7B/Llama-3-8B shapes on a CUDA device")

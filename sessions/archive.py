@@ -40,6 +40,7 @@ from .errors import ImportValidationError
 from .snapshots import (
     EXACT_FORMAT,
     INT8_FORMAT,
+    INT8_PARTIAL_KEYS_FORMAT,
     INT8_PER_TOKEN_FORMAT,
     INT8_REBUILT_FORMAT,
     ChunkError,
@@ -66,7 +67,7 @@ PER_TENSOR_ALLOWANCE = 256  # '"k_channel_scale.4095":{"dtype":"F16","shape":[..
 PARTIAL_KEY_DIGEST_ALLOWANCE = 64  # a layer's '"4095": "<16 hex digits>", ' in the partial_keys metadata, escaped
 COPY_BLOCK = 2**20
 SIGNATURE_KEYS = ("model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "skew")
-_CHUNK_FORMATS = (EXACT_FORMAT, INT8_FORMAT, INT8_REBUILT_FORMAT, INT8_PER_TOKEN_FORMAT)
+_CHUNK_FORMATS = (EXACT_FORMAT, INT8_FORMAT, INT8_PARTIAL_KEYS_FORMAT, INT8_REBUILT_FORMAT, INT8_PER_TOKEN_FORMAT)
 # what export writes (stored) or a zip tool may (deflate); both unpack a bounded amount per read, which
 # Python's bzip2 and LZMA readers do not
 _COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)

@@ -26,7 +26,7 @@ from infinigen_core.prefix import common_prefix_length
 
 from .background import BackgroundWrite
 from .budget import enforce_disk_limit
-from .snapshots import write_chunk
+from .snapshots import holds_partial_keys, write_chunk
 from .store import SessionStore
 
 log = logging.getLogger("infinigen.sessions")
@@ -111,8 +111,8 @@ class SessionChunks:
             return
         ends = [boundary] if boundary is not None and start < boundary < len(ids) else []
         kv_format = kv_format or self.store.storage.kv_format
-        # the int8 format also holds the partial keys as the engine has them (snapshots.py); exact needs none
-        partial_keys = engine.partial_key_digests() if kv_format != "exact" else None
+        # only the earlier int8 format (/4, the benchmark's int8-partial-keys) holds partial keys (snapshots.py)
+        partial_keys = engine.partial_key_digests() if holds_partial_keys(kv_format) else None
         pieces: list[Piece] = []
         for end in ends + [len(ids)]:
             pieces.append((start, end, engine.export_rows(start, end, partial_keys=bool(partial_keys))))

@@ -10,27 +10,31 @@ The encodings, told apart by the `format` metadata, so every chunk says how to r
 
 - `exact` (`infinigen-kv-chunk/1`, what every earlier version wrote): K/V rows in the engine's compute
   dtype, positions per layer. Restores bit for bit.
-- `int8` (`infinigen-kv-chunk/4`, the default): each K/V row of one head is stored as int8 codes with one
-  float16 scale (max |x| / 127, symmetric), i.e. per token and head. Keys have a few channels far larger
-  than the rest, which would leave the others only a handful of int8 steps, so in a chunk of at least
-  `KEY_SMOOTHING_MIN_ROWS` rows each key channel of a head is first divided by its largest magnitude in the
-  chunk (`k_channel_scale.L`, float16 [kv_heads, dim]); the per-token codes are taken of what remains and
-  a key is codes * token scale * channel scale. That halves the keys' error for 2 bytes per channel and
-  chunk. A layer that holds every position of the chunk (no pool limit evicted anything) stores no
-  position list. For SmolLM2-135M that is about 11,890 bytes per token against 46,329 (measured
-  perplexity change after a resume: docs/BENCHMARKS.md).
-  Beside the rows, each sparse layer's InfiniGen partial keys as the live engine held them (`pk.L`, [kv_heads,
-  rows, r] in the cache's own dtype, the same rows as `k.L`), with metadata `partial_keys` naming, per layer, a
-  digest of the key projection they were made with (skew and chosen channels, policies/infinigen.py). A
-  restore takes them as they are where the running policy's digest for that layer is the same, and otherwise
-  recomputes them from the int8 keys as before: recomputed, the rounding moved which rows the rehearsal
-  selects (+0.98% perplexity after a resume at 8k, docs/BENCHMARKS.md); taken, a resume selects as the
-  uninterrupted engine did. The cost: r = partial_ratio x head_dim channels per sparse layer and KV head, 2
-  bytes each in a float16 cache (the CPU kernels' and a float16 GPU's; 4 in a float32 one, the CPU without
-  the kernels); for SmolLM2-135M (30 layers, 2 dense, 3 KV heads, r = 0.5 x 64 = 32), 28 x 3 x 32 x 2 =
-  5,376 bytes per token, on top of the rows' 11,890. A policy without partial keys (full, h2o) writes none.
-- `int8` as earlier versions wrote it is still read: `infinigen-kv-chunk/3` (the above without partial keys,
-  which a restore then recomputes) and `infinigen-kv-chunk/2` (per-token scales only).
+- `int8` (`infinigen-kv-chunk/5`, the default): keys in float16, values as int8 codes with one float16 scale per
+  row of one head (max |x| / 127, symmetric), i.e. per token and head. The keys keep float16 because the
+  attention logits see their rounding: int8 keys, even smoothed per channel (format /4 below), moved a resumed
+  conversation's decoding ~10x more than float16 keys with int8 values do (issue 31, measured on the default
+  model at 8k: mean KL to the uninterrupted conversation 9.2e-5 against 8.1e-6; docs/BENCHMARKS.md), while
+  the values' rounding hardly shows. No partial keys are saved: the float16 keys rebuild them to float16's
+  rounding, which selects as the saved ones did. A layer that holds every position of the chunk (no pool
+  limit evicted anything) stores no position list. For SmolLM2-135M (30 layers, 3 KV heads of 64
+  channels) that is 30 x 3 x (64 x 2 + 64 + 2) + 8 = 17,468 bytes per token against 46,329 exact, about
+  what format /4 took (17,267).
+- `int8-partial-keys` (`infinigen-kv-chunk/4`, the default before; read, and written by the resume benchmark
+  and tests only): keys as int8 codes too. Keys have a few channels far larger than the rest, which would
+  leave the others only a handful of int8 steps, so in a chunk of at least `KEY_SMOOTHING_MIN_ROWS` rows each
+  key channel of a head is first divided by its largest magnitude in the chunk (`k_channel_scale.L`, float16
+  [kv_heads, dim]); the per-token codes are taken of what remains and a key is codes * token scale * channel
+  scale. Beside the rows, each sparse layer's InfiniGen partial keys as the live engine held them (`pk.L`,
+  [kv_heads, rows, r] in the cache's own dtype, the same rows as `k.L`), with metadata `partial_keys` naming,
+  per layer, a digest of the key projection they were made with (skew and chosen channels,
+  policies/infinigen.py). A restore takes them as they are where the running policy's digest for that layer
+  is the same, and otherwise recomputes them from the int8 keys: recomputed, the rounding moved which rows
+  the rehearsal selects. The cost: r = partial_ratio x head_dim channels per sparse layer and KV head, 2
+  bytes each in a float16 cache; for SmolLM2-135M 28 x 3 x 32 x 2 = 5,376 bytes per token on top of the
+  rows' 11,890. A policy without partial keys (full, h2o) writes none.
+- `int8` as earlier versions wrote it is still read: `infinigen-kv-chunk/3` (the /4 layout without partial
+  keys, which a restore then recomputes) and `infinigen-kv-chunk/2` (per-token scales only).
 
 Reading maps the file into memory: the checksum runs over the mapping and the tensors handed to the
 engine are views of it, so the only copy is the one into the pool.
@@ -69,12 +73,15 @@ from .paths import atomic_write_bytes
 EXACT_FORMAT = "infinigen-kv-chunk/1"
 INT8_PER_TOKEN_FORMAT = "infinigen-kv-chunk/2"  # read, no longer written
 INT8_REBUILT_FORMAT = "infinigen-kv-chunk/3"  # read, no longer written: no partial keys
-INT8_FORMAT = "infinigen-kv-chunk/4"
+INT8_PARTIAL_KEYS_FORMAT = "infinigen-kv-chunk/4"  # read, no longer written by the app: int8 keys, partial keys
+INT8_FORMAT = "infinigen-kv-chunk/5"
 KV_FORMATS = {"int8": INT8_FORMAT, "exact": EXACT_FORMAT}  # setting name -> chunk format written
-# what the resume benchmark can also write, to compare against: the previous defaults
-BENCHMARK_FORMATS = {**KV_FORMATS, "int8-rebuilt": INT8_REBUILT_FORMAT, "int8-per-token": INT8_PER_TOKEN_FORMAT}
-_QUANTIZED_FORMATS = (INT8_FORMAT, INT8_REBUILT_FORMAT, INT8_PER_TOKEN_FORMAT)
-_SMOOTHED_FORMATS = (INT8_FORMAT, INT8_REBUILT_FORMAT)
+# what the resume benchmark (and tests) can also write, to compare against: the previous defaults
+BENCHMARK_FORMATS = {**KV_FORMATS, "int8-partial-keys": INT8_PARTIAL_KEYS_FORMAT, "int8-rebuilt": INT8_REBUILT_FORMAT,
+                     "int8-per-token": INT8_PER_TOKEN_FORMAT}
+_QUANTIZED_FORMATS = (INT8_FORMAT, INT8_PARTIAL_KEYS_FORMAT, INT8_REBUILT_FORMAT, INT8_PER_TOKEN_FORMAT)
+_SMOOTHED_FORMATS = (INT8_PARTIAL_KEYS_FORMAT, INT8_REBUILT_FORMAT)
+_HALF_KEY_FORMATS = (INT8_FORMAT,)  # keys in float16, only the values int8
 _READABLE_FORMATS = (EXACT_FORMAT, *_QUANTIZED_FORMATS)
 KEY_SMOOTHING_MIN_ROWS = 512  # from here the channel scales cost at most 0.4% of the key codes (2 bytes a channel)
 INT8_MAX = 127
@@ -134,8 +141,9 @@ def encode_chunk(rows: dict[str, torch.Tensor], signature: dict[str, str], start
     metadata = {"format": chunk_format, "start": str(start), "end": str(end), **signature}
     carried = {name: t for name, t in rows.items() if name.startswith(PARTIAL_KEYS + ".")}
     rows = {name: t for name, t in rows.items() if name not in carried}
-    tensors = rows if kv_format == "exact" else _int8_tensors(rows, start, end, chunk_format in _SMOOTHED_FORMATS)
-    if chunk_format == INT8_FORMAT and carried:
+    tensors = rows if kv_format == "exact" else _int8_tensors(rows, start, end, chunk_format in _SMOOTHED_FORMATS,
+                                                                 chunk_format in _HALF_KEY_FORMATS)
+    if chunk_format == INT8_PARTIAL_KEYS_FORMAT and carried:
         digests = {}
         for name, partial in carried.items():
             layer = int(name.split(".")[1])
@@ -163,15 +171,25 @@ def channel_scales(keys: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def _int8_tensors(rows: dict[str, torch.Tensor], start: int, end: int, smooth_keys: bool) -> dict[str, torch.Tensor]:
+def holds_partial_keys(kv_format: str) -> bool:
+    """Whether a chunk written in `kv_format` (a BENCHMARK_FORMATS name) keeps the partial keys rows carry."""
+    return BENCHMARK_FORMATS.get(kv_format) == INT8_PARTIAL_KEYS_FORMAT
+
+
+def _int8_tensors(rows: dict[str, torch.Tensor], start: int, end: int, smooth_keys: bool,
+                  half_keys: bool = False) -> dict[str, torch.Tensor]:
     tensors = {TOKEN_IDS: rows[TOKEN_IDS]}
     every_position = torch.arange(start, end, dtype=torch.int64)
+    half_max = torch.finfo(torch.float16).max
     for layer in range(layers_in(rows)):
         keys = rows[tensor_name(KEYS, layer)]
-        if smooth_keys and keys.shape[1] >= KEY_SMOOTHING_MIN_ROWS:
+        if half_keys:
+            tensors[tensor_name(KEYS, layer)] = keys.float().clamp(-half_max, half_max).to(torch.float16)
+        elif smooth_keys and keys.shape[1] >= KEY_SMOOTHING_MIN_ROWS:
             smoothing = tensors[tensor_name(KEY_CHANNEL_SCALES, layer)] = channel_scales(keys)
             keys = keys.float() / smoothing.float().unsqueeze(1)  # divided by the scale as stored
-        tensors[tensor_name(KEYS, layer)], tensors[tensor_name(KEY_SCALES, layer)] = quantize_rows(keys)
+        if not half_keys:
+            tensors[tensor_name(KEYS, layer)], tensors[tensor_name(KEY_SCALES, layer)] = quantize_rows(keys)
         tensors[tensor_name(VALUES, layer)], tensors[tensor_name(VALUE_SCALES, layer)] = quantize_rows(
             rows[tensor_name(VALUES, layer)])
         positions = rows[tensor_name(POSITIONS, layer)]
@@ -292,9 +310,10 @@ def parse_chunk(data: bytes | memoryview, signature: dict[str, str], start: int,
     quantized = kv_format in _QUANTIZED_FORMATS
     if quantized:
         _fill_positions(tensors, signature, start, end)
-    saved = _partial_key_digests(metadata, int(signature["num_layers"])) if kv_format == INT8_FORMAT else {}
+    saved = (_partial_key_digests(metadata, int(signature["num_layers"])) if kv_format == INT8_PARTIAL_KEYS_FORMAT
+             else {})
     check_shapes(tensors, signature, start, end, quantized, smoothed_keys=kv_format in _SMOOTHED_FORMATS,
-                 partial_keys=saved)
+                 partial_keys=saved, half_keys=kv_format in _HALF_KEY_FORMATS)
     for layer, digest in saved.items():
         if partial_keys is None or partial_keys.get(layer) != digest:
             del tensors[tensor_name(PARTIAL_KEYS, layer)]
@@ -326,13 +345,17 @@ def _fill_positions(tensors: dict[str, torch.Tensor], signature: dict[str, str],
 
 def check_shapes(tensors: dict[str, torch.Tensor], signature: dict[str, str], start: int, end: int,
                  quantized: bool = False, smoothed_keys: bool = False,
-                 partial_keys: Mapping[int, str] | None = None) -> None:
+                 partial_keys: Mapping[int, str] | None = None, half_keys: bool = False) -> None:
     """Every tensor a chunk must hold for this model, in its shape and dtype; `smoothed_keys`: a layer may
     also hold key channel scales (formats /3 and /4 write them for chunks of KEY_SMOOTHING_MIN_ROWS rows or
-    more); `partial_keys`: the layers whose partial keys it must hold ([kv_heads, rows, r], one r for all)."""
+    more); `partial_keys`: the layers whose partial keys it must hold ([kv_heads, rows, r], one r for all);
+    `half_keys`: (format /5) the keys are float16 without scales, only the values int8 codes."""
     layers, heads, dim = (int(signature[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
     dtype = torch.int8 if quantized else getattr(torch, signature["dtype"])
-    kinds = (KEYS, VALUES, POSITIONS, KEY_SCALES, VALUE_SCALES) if quantized else (KEYS, VALUES, POSITIONS)
+    key_dtype = torch.float16 if half_keys else dtype
+    kinds: tuple[str, ...] = (KEYS, VALUES, POSITIONS)
+    if quantized:
+        kinds += (VALUE_SCALES,) if half_keys else (KEY_SCALES, VALUE_SCALES)
     expected_names = {TOKEN_IDS} | {tensor_name(kind, l) for l in range(layers) for kind in kinds}
     partial_keys = partial_keys or {}
     expected_names |= {tensor_name(PARTIAL_KEYS, l) for l in partial_keys}
@@ -347,12 +370,16 @@ def check_shapes(tensors: dict[str, torch.Tensor], signature: dict[str, str], st
         rows = positions.shape[0] if positions.dim() == 1 else -1
         if rows < 0 or rows > end - start or positions.dtype != torch.int64:
             raise ChunkError(f"chunk positions of layer {layer} are malformed")
-        for tensor in (keys, values):
-            if tensor.shape != (heads, rows, dim) or tensor.dtype != dtype:
+        for tensor, expected in ((keys, key_dtype), (values, dtype)):
+            if tensor.shape != (heads, rows, dim) or tensor.dtype != expected:
                 raise ChunkError(f"chunk K/V of layer {layer} have shape {tuple(tensor.shape)} {tensor.dtype}, "
-                                 f"expected {(heads, rows, dim)} {dtype}")
+                                 f"expected {(heads, rows, dim)} {expected}")
+        if half_keys and not bool(torch.isfinite(keys).all()):
+            raise ChunkError(f"chunk keys of layer {layer} are malformed")
         if quantized:
             for kind, scales in ((KEYS, KEY_SCALES), (VALUES, VALUE_SCALES)):
+                if half_keys and kind == KEYS:
+                    continue
                 scale = tensors[tensor_name(scales, layer)]
                 if scale.shape != (heads, rows) or scale.dtype != _SCALE_DTYPE or not bool(torch.isfinite(scale).all()):
                     raise ChunkError(f"chunk {kind.upper()} scales of layer {layer} are malformed")

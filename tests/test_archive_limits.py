@@ -22,7 +22,7 @@ import torch
 from sessions import ImportValidationError, SessionStore
 from sessions import archive as archive_module
 from sessions.archive import MAX_MANIFEST_BYTES, _header_bound, max_chunk_bytes
-from sessions.snapshots import KEY_SMOOTHING_MIN_ROWS, read_chunk, write_chunk
+from sessions.snapshots import KEY_SMOOTHING_MIN_ROWS, holds_partial_keys, read_chunk, write_chunk
 
 from conftest import make_tiny_engine, random_tokens
 
@@ -44,7 +44,7 @@ def _session(store, engine, kv_format):
     store.add_message(session_id, "user", "hello", 0, split)
     store.add_message(session_id, "assistant", "hi", split, engine.num_tokens)
     for start, end in ((0, split), (split, engine.num_tokens)):
-        rows = engine.export_rows(start, end, partial_keys=kv_format == "int8")  # as the app writes them
+        rows = engine.export_rows(start, end, partial_keys=holds_partial_keys(kv_format))  # as the app writes them
         record = write_chunk(store.data_dir, session_id, rows, signature, start, kv_format, engine.partial_key_digests())
         store.add_chunk(session_id, record, signature, end)
     return session_id
@@ -202,8 +202,8 @@ def test_oversized_manifests_and_member_lists_are_refused(engine, tmp_path, monk
     assert store.list() == [] and _files(store.data_dir) == before
 
 
-@pytest.mark.parametrize("kv_format", ["exact", "int8"])
-def test_legitimate_exports_of_both_formats_import_within_the_bound(engine, tmp_path, kv_format):
+@pytest.mark.parametrize("kv_format", ["exact", "int8", "int8-partial-keys"])
+def test_legitimate_exports_of_each_format_import_within_the_bound(engine, tmp_path, kv_format):
     source = SessionStore(tmp_path / "source")
     session_id = _session(source, engine, kv_format)
     signature = engine.kv_signature()
@@ -221,7 +221,9 @@ def test_legitimate_exports_of_both_formats_import_within_the_bound(engine, tmp_
                                                                   original.size)
         expected, restored = read_chunk(source.data_dir, original, signature), read_chunk(store.data_dir, copy, signature)
         assert expected.keys() == restored.keys() and all(torch.equal(expected[k], restored[k]) for k in expected)
-    if kv_format == "int8":
+    if kv_format == "int8":  # format /5: float16 keys
+        assert read_chunk(store.data_dir, store.chunks(imported)[0], signature)["k.0"].dtype == torch.float16
+    if kv_format == "int8-partial-keys":  # format /4, as the previous version wrote it
         assert "k_channel_scale.0" in read_chunk(store.data_dir, store.chunks(imported)[0], signature)
         assert "pk.2" in read_chunk(store.data_dir, store.chunks(imported)[0], signature, engine.partial_key_digests())
     assert not [p for p in store.data_dir.iterdir() if p.name.startswith(".import-")]  # staging is gone
