@@ -79,8 +79,8 @@ STAGING_PREFIX = ".import-"
 class ImportLimits:
     """What an imported session may hold. `window`: the loaded model's context window in tokens (None: not
     known, only the file's own consistency is checked); `total_bytes`: all of its KV chunks together, the same
-    bound as an upload's (ui/request_limits.py). A full 8,192-token window of the default model is ~141 MB in
-    int8 (17,267 bytes a token, its partial keys included) and ~380 MB exact in float32."""
+    bound as an upload's (ui/request_limits.py). A full 8,192-token window of the default model is ~143 MB in
+    int8 (17,469 bytes a token: float16 keys, int8 values) and ~380 MB exact in float32."""
 
     window: int | None = None
     total_bytes: int = 2**30
@@ -99,7 +99,7 @@ def max_chunk_bytes(signature: dict[str, str], tokens: int) -> int:
     Per layer: exact holds K and V in the signature's dtype [heads, n, dim] and int64 positions [n]; int8
     holds int8 codes for both, float16 per-row scales [heads, n] for both, optional positions and float16
     key channel scales [heads, dim], and (format /4) perhaps partial keys [heads, n, r <= dim] of up to 4
-    bytes. Beside them: int64 token ids [n] and the JSON header. (snapshots.py validates this layout in
+    bytes (format /5, float16 keys and int8 values with their scales, is smaller than that). Beside them: int64 token ids [n] and the JSON header. (snapshots.py validates this layout in
     check_shapes but has no function that sizes it, hence the sum here.)
     """
     layers, heads, dim = (int(signature[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
