@@ -103,30 +103,101 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return result;
 }
 
-// out[j] += q * row[j]: float32 keys, or float16 ones (half the bytes to read) widened as they are loaded
-inline void add_scaled(float* out, const float* row, int64_t n, float q) {
-  for (int64_t j = 0; j < n; ++j) out[j] += q * row[j];
-}
+// A block's rehearsed logits for one KV head's query group: acc[g * kSlotBlock + j] = sum over channels c of
+// q[g * r + c] * keys[c * channel_stride + j], the channels summed in order with one fused multiply-add each.
+// The group's running sums of a tile of slots stay in registers while each channel's keys of the tile are read
+// once (float16 keys widened as they are loaded); float32 and float16 keys of the same values give the same bits.
+inline float key_at(const float* row, int64_t j) { return row[j]; }
+inline float key_at(const at::Half* row, int64_t j) { return static_cast<float>(row[j]); }
 
-inline void add_scaled(float* out, const at::Half* row, int64_t n, float q) {
-  int64_t j = 0;
 #if defined(__AVX512F__)
-  const __m512 scale = _mm512_set1_ps(q);
-  for (; j + 16 <= n; j += 16) {
-    const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j)));
-    _mm512_storeu_ps(out + j, _mm512_fmadd_ps(scale, wide, _mm512_loadu_ps(out + j)));
-  }
-#elif defined(__F16C__) && defined(__FMA__)
-  const __m256 scale = _mm256_set1_ps(q);
-  for (; j + 8 <= n; j += 8) {
-    const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
-    _mm256_storeu_ps(out + j, _mm256_fmadd_ps(scale, wide, _mm256_loadu_ps(out + j)));
+constexpr int64_t kTile = 16;
+using Lanes = __m512;
+inline Lanes load_keys(const float* row) { return _mm512_loadu_ps(row); }
+inline Lanes load_keys(const at::Half* row) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+}
+inline Lanes fused(float q, Lanes key, Lanes sum) { return _mm512_fmadd_ps(_mm512_set1_ps(q), key, sum); }
+inline Lanes zeros() { return _mm512_setzero_ps(); }
+inline void store(float* out, Lanes sum) { _mm512_storeu_ps(out, sum); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int64_t kTile = 8;
+using Lanes = __m256;
+inline Lanes load_keys(const float* row) { return _mm256_loadu_ps(row); }
+inline Lanes load_keys(const at::Half* row) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+}
+inline Lanes fused(float q, Lanes key, Lanes sum) { return _mm256_fmadd_ps(_mm256_set1_ps(q), key, sum); }
+inline Lanes zeros() { return _mm256_setzero_ps(); }
+inline void store(float* out, Lanes sum) { _mm256_storeu_ps(out, sum); }
+#else
+constexpr int64_t kTile = 0;  // no vector tiles: every slot takes the scalar loop
+#endif
+
+template <typename Key>
+inline void block_logits(float* acc, const Key* keys, int64_t channel_stride, const float* q, int64_t group,
+                         int64_t r, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+  constexpr int64_t kTileGroup = 4;  // query heads whose sums share one read of the keys
+  // a tile spans several vectors, so that each channel's keys are read a few cache lines at a time
+  constexpr int64_t kVectors = kTile == 16 ? 4 : 2, kSpan = kTile * kVectors;
+  for (; j + kSpan <= n; j += kSpan) {
+    for (int64_t g0 = 0; g0 < group; g0 += kTileGroup) {
+      const int64_t heads = std::min(kTileGroup, group - g0);
+      Lanes sums[kTileGroup][kVectors];
+      for (auto& head : sums)
+        for (auto& lanes : head) lanes = zeros();
+      for (int64_t c = 0; c < r; ++c) {
+        const Key* row = keys + c * channel_stride + j;
+        Lanes key[kVectors];
+        for (int64_t v = 0; v < kVectors; ++v) key[v] = load_keys(row + v * kTile);
+        for (int64_t g = 0; g < heads; ++g) {
+          const float weight = q[(g0 + g) * r + c];
+          for (int64_t v = 0; v < kVectors; ++v) sums[g][v] = fused(weight, key[v], sums[g][v]);
+        }
+      }
+      for (int64_t g = 0; g < heads; ++g)
+        for (int64_t v = 0; v < kVectors; ++v) store(acc + (g0 + g) * kSlotBlock + j + v * kTile, sums[g][v]);
+    }
   }
 #endif
-  for (; j < n; ++j) out[j] += q * static_cast<float>(row[j]);
+  for (; j < n; ++j) {
+    for (int64_t g = 0; g < group; ++g) {
+      float sum = 0.0f;
+      for (int64_t c = 0; c < r; ++c) sum = std::fma(q[g * r + c], key_at(keys + c * channel_stride, j), sum);
+      acc[g * kSlotBlock + j] = sum;
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------- selection
+
+// Puts the k largest of x[0, n) (distinct values) first, in no particular order. Partitioning all n values
+// around the k-th costs most of a selection at long contexts; instead a sample of every 16th value gives a
+// floor that, with a margin, about k values and a few more lie above: those are moved to the front in one
+// pass and only they are partitioned. The result is exactly the k largest: where fewer than k lie above the
+// floor (the margin was not enough), all n are partitioned as before.
+inline void largest_first(uint64_t* x, int64_t n, int64_t k, std::vector<uint64_t>& sample) {
+  constexpr int64_t kStride = 16, kMinSample = 64;
+  const int64_t samples = n / kStride;
+  if (samples >= kMinSample) {
+    sample.resize(samples);
+    for (int64_t i = 0; i < samples; ++i) sample[i] = x[i * kStride];
+    const double expected = static_cast<double>(k) * samples / n;  // sampled values among the k largest
+    const int64_t rank = std::min<int64_t>(samples - 1, static_cast<int64_t>(expected + 3.0 * std::sqrt(expected) + 4.0));
+    std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<uint64_t>());
+    const uint64_t floor = sample[rank];
+    int64_t above = 0;
+    for (int64_t j = 0; j < n; ++j)
+      if (x[j] >= floor) std::swap(x[above++], x[j]);
+    if (above >= k) {
+      if (above > k) std::nth_element(x, x + (k - 1), x + above, std::greater<uint64_t>());
+      return;
+    }
+  }
+  std::nth_element(x, x + (k - 1), x + n, std::greater<uint64_t>());
+}
 
 template <typename Key>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed(
@@ -155,11 +226,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / blocks, j0 = (task % blocks) * kSlotBlock, n = std::min(kSlotBlock, past - j0);
       const float* q = q_all + h * group * r;
-      std::fill(acc.begin(), acc.begin() + group * kSlotBlock, 0.0f);
-      for (int64_t c = 0; c < r; ++c) {
-        const Key* row = keys_all + h * head_stride + c * channel_stride + j0;
-        for (int64_t g = 0; g < group; ++g) add_scaled(&acc[g * kSlotBlock], row, n, q[g * r + c]);
-      }
+      block_logits(acc.data(), keys_all + h * head_stride + j0, channel_stride, q, group, r, n);
       for (int64_t g = 0; g < group; ++g) {
         const float* block = &acc[g * kSlotBlock];
         const float peak = max_of(block, n);
@@ -225,9 +292,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
 
   // 4. per head: its top k, partitioned once more where the mask cuts them, so its best `kept` come first
   at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint64_t> sample;
     for (int64_t h = begin; h < end; ++h) {
       uint64_t* head = &ranked[h * past];
-      if (k < past) std::nth_element(head, head + (k - 1), head + past, std::greater<uint64_t>());
+      if (k < past) largest_first(head, past, k, sample);
       if (0 < kept && kept < k) std::nth_element(head, head + (kept - 1), head + k, std::greater<uint64_t>());
       float* score_out = scores.data_ptr<float>() + h * k;
       int64_t* slot_out = slots.data_ptr<int64_t>() + h * k;
