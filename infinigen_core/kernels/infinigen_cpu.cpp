@@ -103,73 +103,87 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return result;
 }
 
-// A block's rehearsed logits for one KV head's query group: acc[g * kSlotBlock + j] = sum over channels c of
-// q[g * r + c] * keys[c * channel_stride + j], the channels summed in order with one fused multiply-add each.
-// The group's running sums of a tile of slots stay in registers while each channel's keys of the tile are read
-// once (float16 keys widened as they are loaded); float32 and float16 keys of the same values give the same bits.
-inline float key_at(const float* row, int64_t j) { return row[j]; }
-inline float key_at(const at::Half* row, int64_t j) { return static_cast<float>(row[j]); }
+// out[j] += q * row[j]: float32 keys, or float16 ones (half the bytes to read) widened as they are loaded
+inline void add_scaled(float* out, const float* row, int64_t n, float q) {
+  for (int64_t j = 0; j < n; ++j) out[j] += q * row[j];
+}
 
+inline void add_scaled(float* out, const at::Half* row, int64_t n, float q) {
+  int64_t j = 0;
 #if defined(__AVX512F__)
-constexpr int64_t kTile = 16;
-using Lanes = __m512;
-inline Lanes load_keys(const float* row) { return _mm512_loadu_ps(row); }
-inline Lanes load_keys(const at::Half* row) {
+  const __m512 scale = _mm512_set1_ps(q);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j)));
+    _mm512_storeu_ps(out + j, _mm512_fmadd_ps(scale, wide, _mm512_loadu_ps(out + j)));
+  }
+#elif defined(__F16C__) && defined(__FMA__)
+  const __m256 scale = _mm256_set1_ps(q);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
+    _mm256_storeu_ps(out + j, _mm256_fmadd_ps(scale, wide, _mm256_loadu_ps(out + j)));
+  }
+#endif
+  for (; j < n; ++j) out[j] += q * static_cast<float>(row[j]);
+}
+
+// The logits of a block's slots for a query group of G <= 8 heads, 32 slots at a time: the chunk's G x 32
+// sums stay in registers over every channel, and each channel's 32 keys (one cache line in float16) are read
+// and widened once for the whole group, where `add_scaled` reads and writes the sums in memory once per
+// head and channel. The same products, added in the same channel order: the same logits, bit for bit. The
+// channels' rows lie a whole cache apart, too many streams for the hardware prefetcher: each is asked for
+// 512 bytes ahead. Returns where it stopped (a tail of under 32 slots, or 0 without AVX-512 or for G > 8).
+#if defined(__AVX512F__)
+inline __m512 load_wide(const float* row) { return _mm512_loadu_ps(row); }
+inline __m512 load_wide(const at::Half* row) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
 }
-inline Lanes fused(float q, Lanes key, Lanes sum) { return _mm512_fmadd_ps(_mm512_set1_ps(q), key, sum); }
-inline Lanes zeros() { return _mm512_setzero_ps(); }
-inline void store(float* out, Lanes sum) { _mm512_storeu_ps(out, sum); }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-constexpr int64_t kTile = 8;
-using Lanes = __m256;
-inline Lanes load_keys(const float* row) { return _mm256_loadu_ps(row); }
-inline Lanes load_keys(const at::Half* row) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+
+template <int G, typename Key>
+int64_t block_logits_in_registers(float* acc, const float* q, const Key* keys, int64_t channel_stride, int64_t r,
+                                  int64_t n) {
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    __m512 sums[G][2];
+    for (int g = 0; g < G; ++g) sums[g][0] = sums[g][1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < r; ++c) {
+      const Key* row = keys + c * channel_stride + j;
+      const char* ahead = reinterpret_cast<const char*>(row) + 512;
+      __builtin_prefetch(ahead);
+      if (sizeof(Key) == 4) __builtin_prefetch(ahead + 64);  // 32 float keys span two lines
+      const __m512 low = load_wide(row), high = load_wide(row + 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 weight = _mm512_set1_ps(q[g * r + c]);
+        sums[g][0] = _mm512_fmadd_ps(weight, low, sums[g][0]);
+        sums[g][1] = _mm512_fmadd_ps(weight, high, sums[g][1]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      _mm512_storeu_ps(acc + g * kSlotBlock + j, sums[g][0]);
+      _mm512_storeu_ps(acc + g * kSlotBlock + j + 16, sums[g][1]);
+    }
+  }
+  return j;
 }
-inline Lanes fused(float q, Lanes key, Lanes sum) { return _mm256_fmadd_ps(_mm256_set1_ps(q), key, sum); }
-inline Lanes zeros() { return _mm256_setzero_ps(); }
-inline void store(float* out, Lanes sum) { _mm256_storeu_ps(out, sum); }
-#else
-constexpr int64_t kTile = 0;  // no vector tiles: every slot takes the scalar loop
-#endif
 
 template <typename Key>
-inline void block_logits(float* acc, const Key* keys, int64_t channel_stride, const float* q, int64_t group,
-                         int64_t r, int64_t n) {
-  int64_t j = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-  constexpr int64_t kTileGroup = 4;  // query heads whose sums share one read of the keys
-  // a tile spans several vectors, so that each channel's keys are read a few cache lines at a time
-  constexpr int64_t kVectors = kTile == 16 ? 4 : 2, kSpan = kTile * kVectors;
-  for (; j + kSpan <= n; j += kSpan) {
-    for (int64_t g0 = 0; g0 < group; g0 += kTileGroup) {
-      const int64_t heads = std::min(kTileGroup, group - g0);
-      Lanes sums[kTileGroup][kVectors];
-      for (auto& head : sums)
-        for (auto& lanes : head) lanes = zeros();
-      for (int64_t c = 0; c < r; ++c) {
-        const Key* row = keys + c * channel_stride + j;
-        Lanes key[kVectors];
-        for (int64_t v = 0; v < kVectors; ++v) key[v] = load_keys(row + v * kTile);
-        for (int64_t g = 0; g < heads; ++g) {
-          const float weight = q[(g0 + g) * r + c];
-          for (int64_t v = 0; v < kVectors; ++v) sums[g][v] = fused(weight, key[v], sums[g][v]);
-        }
-      }
-      for (int64_t g = 0; g < heads; ++g)
-        for (int64_t v = 0; v < kVectors; ++v) store(acc + (g0 + g) * kSlotBlock + j + v * kTile, sums[g][v]);
-    }
-  }
-#endif
-  for (; j < n; ++j) {
-    for (int64_t g = 0; g < group; ++g) {
-      float sum = 0.0f;
-      for (int64_t c = 0; c < r; ++c) sum = std::fma(q[g * r + c], key_at(keys + c * channel_stride, j), sum);
-      acc[g * kSlotBlock + j] = sum;
-    }
+int64_t block_logits(float* acc, const float* q, const Key* keys, int64_t channel_stride, int64_t r, int64_t n,
+                     int64_t group) {
+  switch (group) {
+    case 1: return block_logits_in_registers<1>(acc, q, keys, channel_stride, r, n);
+    case 2: return block_logits_in_registers<2>(acc, q, keys, channel_stride, r, n);
+    case 3: return block_logits_in_registers<3>(acc, q, keys, channel_stride, r, n);
+    case 4: return block_logits_in_registers<4>(acc, q, keys, channel_stride, r, n);
+    case 5: return block_logits_in_registers<5>(acc, q, keys, channel_stride, r, n);
+    case 6: return block_logits_in_registers<6>(acc, q, keys, channel_stride, r, n);
+    case 7: return block_logits_in_registers<7>(acc, q, keys, channel_stride, r, n);
+    case 8: return block_logits_in_registers<8>(acc, q, keys, channel_stride, r, n);
+    default: return 0;
   }
 }
+#else
+template <typename Key>
+int64_t block_logits(float*, const float*, const Key*, int64_t, int64_t, int64_t, int64_t) { return 0; }
+#endif
 
 // ---------------------------------------------------------------------------------------------- selection
 
@@ -226,7 +240,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / blocks, j0 = (task % blocks) * kSlotBlock, n = std::min(kSlotBlock, past - j0);
       const float* q = q_all + h * group * r;
-      block_logits(acc.data(), keys_all + h * head_stride + j0, channel_stride, q, group, r, n);
+      const Key* head_keys = keys_all + h * head_stride + j0;
+      const int64_t done = block_logits(acc.data(), q, head_keys, channel_stride, r, n, group);
+      if (done < n) {  // the rest of the block, one channel's row at a time
+        for (int64_t g = 0; g < group; ++g) std::fill_n(&acc[g * kSlotBlock + done], n - done, 0.0f);
+        for (int64_t c = 0; c < r; ++c) {
+          const Key* row = head_keys + c * channel_stride + done;
+          for (int64_t g = 0; g < group; ++g) add_scaled(&acc[g * kSlotBlock + done], row, n - done, q[g * r + c]);
+        }
+      }
       for (int64_t g = 0; g < group; ++g) {
         const float* block = &acc[g * kSlotBlock];
         const float peak = max_of(block, n);
