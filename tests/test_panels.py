@@ -39,7 +39,8 @@ class FakeEngine:
         self.steps_run = 3
         self.num_tokens, self.max_context = 42, 8192
         self.config = SimpleNamespace(policy="infinigen")
-        self.adapter = SimpleNamespace(num_layers=3, layer_kind=lambda i: "sliding 512" if i == 1 else "global")
+        self.adapter = SimpleNamespace(num_layers=3, layer_kind=lambda i: "sliding 512" if i == 1 else "global",
+                                       sliding_window=lambda i: 512 if i == 1 else None)
         self.pool = SimpleNamespace(bytes_allocated=lambda: 3 * MiB, pin_memory=False)
 
     def recent_decode_steps(self):
@@ -62,11 +63,15 @@ def test_fetch_table_has_the_latest_and_the_mean_ratio_of_each_layer(data):
     frame, caption = panels.fetch_table(data)
     latest = frame[frame["series"] == "latest step"]
     mean = frame[frame["series"] == "running mean"]
-    assert latest["layer"].tolist() == [0, 1, 2] and mean["layer"].tolist() == [0, 1, 2]
-    assert latest["fetched / context"].tolist() == pytest.approx([1.0, 1.0, 20 / 41], abs=1e-4)
-    assert mean["fetched / context"].tolist() == pytest.approx([1.0, 1.0, (10 / 40 + 20 / 41) / 2], abs=1e-4)
-    assert latest["kind"].tolist() == ["global", "sliding 512", "global"]
-    assert "infinigen" in caption and "sliding-window layers (whole window read): 1" in caption
+    sliding = frame[frame["series"] == panels.SLIDING_SERIES]  # its window, apart from the global layers' series
+    assert latest["layer"].tolist() == [0, 2] and mean["layer"].tolist() == [0, 2] and sliding["layer"].tolist() == [1]
+    assert latest["fetched / context"].tolist() == pytest.approx([1.0, 20 / 41], abs=1e-4)
+    assert mean["fetched / context"].tolist() == pytest.approx([1.0, (10 / 40 + 20 / 41) / 2], abs=1e-4)
+    assert sliding["fetched / context"].tolist() == [1.0] and sliding["kind"].tolist() == ["sliding 512"]
+    assert latest["kind"].tolist() == ["global", "global"]
+    assert caption.startswith("policy infinigen; global layers 2: a selection, 48.8% of the context fetched; global "
+                              "layers 0: read the whole context; sliding-window layers 1: read their last 512 tokens, "
+                              "100.0% of the context (a window, not a selection)")
 
 
 def heat_map_pixels(view_html: str) -> np.ndarray:
@@ -80,12 +85,14 @@ def test_the_heat_map_has_a_pixel_per_layer_and_decode_step_coloured_by_its_fetc
     pixels = heat_map_pixels(view)
     assert pixels.shape == (3, 2, 3)  # 3 layers (rows), 2 decode steps (columns): the prefill is not one
     dense, sparse = panels.HEAT_COLOURS[-1], panels.HEAT_COLOURS[0]
-    assert pixels[0, 0].tolist() == pixels[1, 1].tolist() == dense.tolist()  # fetched everything
+    assert pixels[0, 0].tolist() == pixels[0, 1].tolist() == dense.tolist()  # fetched everything
     assert pixels[2, 0].tolist() == panels.HEAT_COLOURS[1].tolist()  # 10 of 40 = 0.25: the second anchor
     assert pixels[2, 1].tolist() == panels.heat_colours(np.array(20 / 41)).tolist()
     assert pixels[2, 1].tolist() not in (dense.tolist(), sparse.tolist())
     assert "layer 0" in view and "layer 2" in view and "step 1" in view
-    assert "sliding-window layers: 1" in caption and html.escape(caption) in view
+    assert pixels[1, 0].tolist() == panels.SLIDING_GREYS[-1].tolist()  # the sliding layer: its window, in grey
+    assert "sliding-window layers, in grey (their window over the context, not a selection): 1" in caption
+    assert html.escape(caption) in view
 
 
 def test_heat_colours_run_from_the_first_anchor_to_the_last_and_clip():
@@ -112,7 +119,7 @@ def test_views_before_any_decode_step_say_so_and_hold_no_missing_number():
     views = panels.panel_views(panels.collect(engine))
     fetch, timing = views["fetch"][0], views["timing"][0]
     # every layer and every part at 0: an empty table would make Vega label its axis and legend NaN, -Infinity
-    assert fetch["layer"].tolist() == [0, 1, 2] * 2 and set(fetch["fetched / context"]) == {0.0}
+    assert sorted(fetch["layer"].tolist()) == [0, 0, 1, 2, 2] and set(fetch["fetched / context"]) == {0.0}
     assert timing["part"].tolist() == ["speculate", "fetch wait", "attention", "rest of the model"]
     assert set(timing["ms per decode step"]) == {0.0}
     assert not fetch.isna().any().any() and not timing.isna().any().any()
