@@ -119,6 +119,7 @@ def test_a_dense_policy_or_a_dense_global_layer_is_said_to_read_the_whole_contex
 def test_layer_lists_are_written_as_ranges():
     assert panels.layer_ranges([0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12]) == "0-4, 6-10, 12"
     assert panels.layer_ranges([5, 11, 17]) == "5, 11, 17" and panels.layer_ranges([]) == ""
+    assert panels.layer_ranges([0, 1, 3, 4, 5]) == "0, 1, 3-5"
     assert panels.windows_text([512, 512, None]) == "512" and panels.windows_text([4096, 512]) == "512 or 4,096"
 
 

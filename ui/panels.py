@@ -55,14 +55,14 @@ class PanelData:
 
 
 def layer_ranges(layers: list[int]) -> str:
-    """'0-4, 6-10, 12' for [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12]: a caption's list of layers, short."""
+    """'0-4, 6-10, 12, 13' for [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13]: a caption's list of layers, short."""
     runs: list[list[int]] = []
     for layer in layers:
         if runs and layer == runs[-1][-1] + 1:
             runs[-1].append(layer)
         else:
             runs.append([layer])
-    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+    return ", ".join(", ".join(map(str, run)) if len(run) < 3 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def windows_text(windows) -> str:
