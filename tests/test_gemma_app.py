@@ -128,6 +128,8 @@ def test_the_context_meter_says_what_each_kind_of_layer_reads(selecting_engine, 
         f" · 5 of 6 layers read only the last {WINDOW} tokens (a sliding window); InfiniGen fetches up to 30 of "
         f"the 120 on the other 1 (global: 5)")
     assert "(a sliding window, all of them so far)" in layers_read(selecting_engine, WINDOW)
+    assert layers_read(selecting_engine, 0) == (f" · 5 of 6 layers read only the last {WINDOW} tokens (a sliding "
+                                                f"window); the other 1 (global: 5) read every token")  # a new chat
     at_the_defaults = load(checkpoint, tmp_path)  # a floor of 256 tokens: a 120-token chat is read whole
     assert layers_read(at_the_defaults, 120).endswith("; the other 1 (global: 5) read all 120")
     assert "fetches up to 256 of the 1,000" in layers_read(at_the_defaults, 1000)

@@ -144,7 +144,7 @@ def layers_read(engine, used: int) -> str:
         return ""
     global_ = [layer for layer in range(adapter.num_layers) if adapter.is_global(layer)]
     windows = [adapter.sliding_window(layer) for layer in sliding]
-    whole = ", all of them so far" if used <= min(windows) else ""
+    whole = ", all of them so far" if 0 < used <= min(windows) else ""
     said = f" · {len(sliding)} of {adapter.num_layers} layers read only the last {windows_text(windows)} tokens " \
            f"(a sliding window{whole})"
     if not global_:
@@ -152,7 +152,9 @@ def layers_read(engine, used: int) -> str:
     others = f"the other {len(global_)} (global: {layer_ranges(global_)})"
     selecting = [layer for layer in global_ if engine.policy.is_sparse(layer)]
     config = engine.config
-    budget = config.budget_tokens_for(used) if used else 0
+    budget = config.budget_tokens_for(used)
+    if not used:
+        return said + f"; {others} read every token"
     if not selecting or (config.dense_under_budget and budget >= used):
         return said + f"; {others} read all {used:,}"
     name = "InfiniGen" if config.policy == "infinigen" else config.policy
