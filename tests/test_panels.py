@@ -280,3 +280,18 @@ def test_a_plots_second_update_carries_the_same_table_and_caption(ticking):
         fetched += [update.fetch_plot["value"]] if "fetch" in sent(update) else []
     assert len(fetched) == 2 and fetched[0].equals(fetched[1])
     assert not fetched[0].equals(third.fetch_plot["value"])
+
+
+def test_a_replys_rate_stays_what_it_was_after_the_turn(monkeypatch):
+    """The timing panel's tokens/s after a reply: measured from its first token to its last, not to the present
+    (which made it decay after the turn, and the panel change at every tick)."""
+    from chat_service import turns
+
+    clock = iter([10.0, 10.0, 10.5, 11.0])  # the first token (its time read twice), the second, the third
+    monkeypatch.setattr(turns.time, "perf_counter", lambda: next(clock))
+    runner = SimpleNamespace(progress=turns.TurnProgress(phase="prefill"))
+    events = [SimpleNamespace(finish_reason=None)] * 3 + [SimpleNamespace(finish_reason="eos")]
+    list(turns.TurnRunner.track(runner, events))
+    assert runner.progress.tokens == 3 and runner.progress.tokens_per_second() == pytest.approx(2 / 1.0)
+    monkeypatch.setattr(turns.time, "perf_counter", lambda: 100.0)  # a minute later: the same figure
+    assert runner.progress.tokens_per_second() == pytest.approx(2.0)
