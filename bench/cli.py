@@ -180,8 +180,9 @@ def _speed_commands(commands) -> None:
                      help="the decode step: eager (default), compiled by inductor, or compiled with CUDA graphs "
                           "(reduce-overhead: each layer's attention op stays eager between captured pieces)")
     gpu.add_argument("--trace", type=Path, metavar="DIR",
-                     help="also profile one step per model, context and policy (InfiniGen at the first budget): a "
-                          "Chrome trace and the top ops by device and host time, written to DIR")
+                     help="also profile 3 consecutive steps (after a warm-up) per model, context and policy "
+                          "(InfiniGen at the first budget), timed as the rows' steps are: a Chrome trace, each "
+                          "step's time beside the row's median and the top ops by device and host time, in DIR")
     _output_flags(gpu)
 
 
