@@ -49,6 +49,7 @@ def _restore(engine, chunks):
 
 
 def _pool(engine):
+    engine.fetcher.flush()  # this file runs with the pool on the emulated host: a step's writes land after it
     return [(engine.pool.keys(l).clone(), engine.pool.values(l).clone(), engine.pool.positions(l).clone())
             for l in range(engine.adapter.num_layers)]
 
