@@ -43,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     service.host.weights = args.weights
     service.host.compile_decode = args.compile_decode
     service.host.cpu_kernels = args.cpu_kernels
-    service.load_in_background(progress=lambda message: print(message, flush=True))
     page = ChatPage(service)
     demo = page.build()
     from starlette.middleware import Middleware
@@ -79,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                                                            "(any user name).",
         )
         filter_cors_of(demo.app, hosts)  # Gradio's own CORS layer sits outside the middleware given to launch()
+        # the model loads once the server listens: Gradio gives its server 5 s to start, and a load beside it (a
+        # GGUF read, a compilation) on a busy machine took longer than that ("cannot listen" on a free port)
+        service.load_in_background(progress=lambda message: print(message, flush=True))
         print(f"InfiniGen Chat on http://{args.host}:{args.port} (sessions in {service.store.data_dir})"
               f"{'; log in with the key (any user name)' if auth else ''}", flush=True)
         if args.api:

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,12 +46,18 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def app_command(port: int, data_dir: Path, model: str | None = None) -> list[str]:
+    """`python app.py` on `port` over `data_dir`, serving `model` (None: the default model)."""
+    command = [sys.executable, "app.py", "--port", str(port), "--data-dir", str(data_dir)]
+    return command + (["--model", model] if model else [])
+
+
 @contextlib.contextmanager
-def _app(data_dir: Path):
+def _app(data_dir: Path, model: str | None = None):
     port = _free_port()
     with open(data_dir / "app.log", "a") as log:
-        process = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--data-dir", str(data_dir)],
-                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(app_command(port, data_dir, model), cwd=ROOT, stdout=log,
+                                   stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}/v1"
         deadline = time.time() + 600
@@ -68,22 +75,44 @@ def _app(data_dir: Path):
         process.wait(timeout=60)
 
 
-def _first_token(url: str, messages: list[dict]) -> tuple[float, str, int, int]:
-    """(seconds to the first streamed token, the reply, prompt tokens, prompt tokens actually read)."""
+@dataclass
+class TimedReply:
+    first_s: float  # seconds from the request to the first streamed text (to the stream's end for an empty reply)
+    reply: str
+    prompt: int  # prompt tokens
+    read: int  # prompt tokens actually read (the rest came from stored KV)
+    tokens: int  # reply tokens (usage.completion_tokens)
+    ms_per_token: float | None  # from the first streamed text to the last, over the tokens after the first
+
+
+def timed_reply(url: str, messages: list[dict], max_tokens: int = 8) -> TimedReply:
+    """One streamed greedy reply of up to `max_tokens`, timed as the client sees it."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1800)
     model = client.models.list().data[0].id
     started = time.perf_counter()
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
-    first, reply, usage = None, "", None
+    first = last = None
+    reply, usage = "", None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
-            first = first or time.perf_counter() - started
+            last = time.perf_counter() - started
+            first = first or last
             reply += chunk.choices[0].delta.content
         usage = chunk.usage or usage
-    return first, reply, usage.prompt_tokens, usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens
+    tokens = usage.completion_tokens
+    rate = 1000 * (last - first) / (tokens - 1) if first is not None and last is not None and tokens > 1 else None
+    first = time.perf_counter() - started if first is None else first
+    return TimedReply(first, reply, usage.prompt_tokens, usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens,
+                      tokens, rate)
+
+
+def _first_token(url: str, messages: list[dict]) -> tuple[float, str, int, int]:
+    """(seconds to the first streamed token, the reply, prompt tokens, prompt tokens actually read)."""
+    timed = timed_reply(url, messages)
+    return timed.first_s, timed.reply, timed.prompt, timed.read
 
 
 def _drop_from_page_cache(data_dir: Path) -> None:

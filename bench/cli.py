@@ -7,7 +7,7 @@
     python -m bench api --context 5000 --rounds 2   # through the app's OpenAI API, restarting it
     python -m bench page --rounds 5                 # a reply sent from the page vs the API, short and long chat
     python -m bench page-updates                    # CPU of one streaming update, server and browser, no model
-    python -m bench documents --json                # a chat about an attached file, again, after a restart
+    python -m bench documents --json                # a chat about an attached file, a follow-up, again, after a restart
     python -m bench search                          # search over 2,000 saved chats: median ms, index size
     python -m bench reading                         # which reading budget answers from a 40k-token document
 
@@ -184,8 +184,9 @@ def _speed_commands(commands) -> None:
                      help="the decode step: eager (default), compiled by inductor, or compiled with CUDA graphs "
                           "(reduce-overhead: each layer's attention op stays eager between captured pieces)")
     gpu.add_argument("--trace", type=Path, metavar="DIR",
-                     help="also profile one step per model, context and policy (InfiniGen at the first budget): a "
-                          "Chrome trace and the top ops by device and host time, written to DIR")
+                     help="also profile 3 consecutive steps (after a warm-up) per model, context and policy "
+                          "(InfiniGen at the first budget), timed as the rows' steps are: a Chrome trace, each "
+                          "step's time beside the row's median and the top ops by device and host time, in DIR")
     _output_flags(gpu)
 
 
@@ -203,6 +204,8 @@ def _app_commands(commands) -> None:
                                     "in a second new chat, after an app restart")
     documents.add_argument("--tokens", type=int, default=6000, help="tokens of the document (default 6000)")
     documents.add_argument("--text", type=Path, default=None, help="a folder of .txt files (default: bench/data)")
+    documents.add_argument("--model", default=None, help="the model app.py serves (--model; default: the default model)")
+    documents.add_argument("--max-tokens", type=int, default=8, help="reply tokens per question (default 8)")
     _output_flags(documents)
 
 
@@ -467,7 +470,9 @@ def run_page_updates(args) -> tuple[None, dict]:
 def run_documents(args) -> tuple[str, dict]:
     from .documents import DATA, measure
 
-    row = measure(args.tokens, args.text or DATA)
+    if args.max_tokens < 1:
+        raise EvalError("--max-tokens must be at least 1")
+    row = measure(args.tokens, args.text or DATA, args.model, args.max_tokens)
     return format_table([row], list(row)), row
 
 

@@ -196,8 +196,8 @@ class BenchTarget:
 @dataclass(frozen=True)
 class StepOptions:
     """How the engine's decode step runs: `compile_mode` eager, default (inductor) or reduce-overhead (inductor
-    with CUDA graphs); `trace`: a folder for one profiled step per model, context and policy (InfiniGen at the
-    first budget), or None."""
+    with CUDA graphs); `trace`: a folder for TRACED_STEPS consecutive profiled steps per model, context and policy
+    (InfiniGen at the first budget), or None."""
 
     compile_mode: str = "eager"
     trace: Path | None = None
@@ -239,7 +239,8 @@ def _measure(shape_names, contexts, policies, budgets, decode_steps, progress, t
     from infinigen_core import InfiniGenEngine
     from infinigen_core.calibration import calibrate
 
-    window = max(contexts) + decode_steps + 2
+    tokens_after = max(decode_steps, TRACED_STEPS + 1 if options.trace is not None else 0)  # timed or traced
+    window = max(contexts) + tokens_after + 2
     for shape_name in shape_names:
         shape = SHAPES[shape_name]
         progress(f"building {shape.name} with random {str(target.dtype)[6:]} weights on {target.name}")
@@ -251,7 +252,7 @@ def _measure(shape_names, contexts, policies, budgets, decode_steps, progress, t
         try:
             _compile_step(engine, options.compile_mode, progress, writer)
             for context in contexts:
-                ids = torch.randint(0, shape.vocab, (context + decode_steps + 2,), generator=generator).tolist()
+                ids = torch.randint(0, shape.vocab, (context + tokens_after + 2,), generator=generator).tolist()
                 _measure_context(engine, model, shape, ids, context, policies, budgets, decode_steps, progress,
                                  target, writer, options)
         finally:
@@ -300,8 +301,10 @@ def _measure_context(engine, model, shape, ids, context, policies, budgets, deco
         progress(f"  {policy} (budget {budget}): {writer.rows[-1]['ms_per_token']:.1f} ms/token")
         if options.trace is not None and budget == budgets[0]:
             engine.truncate(context)
-            _trace_step(engine, ids[context], target.device, options.trace / f"{_slug(shape.name)}-{context}-{policy}")
-            progress(f"  one {policy} step profiled: {options.trace}")
+            engine.prepare(TRACED_STEPS + 2)
+            _trace_steps(engine, ids[context : context + TRACED_STEPS + 1], target.device,
+                         options.trace / f"{_slug(shape.name)}-{context}-{policy}", writer.rows[-1]["ms_per_token"])
+            progress(f"  {TRACED_STEPS} consecutive {policy} steps profiled: {options.trace}")
     engine.truncate(0)
     if "hf-offload" in policies:
         engine.configure(fixed)
@@ -316,22 +319,42 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
 
 
-def _trace_step(engine, token: int, device: str, stem: Path) -> None:
-    """One decode step under torch.profiler: `stem`.json.gz (a Chrome trace) and `stem`.txt (the top ops by the
-    device's and the host's own time)."""
-    from torch.profiler import ProfilerActivity, profile
+TRACED_STEPS = 3  # profiled one after another, timed as the rows' steps are, after one warm-up step under the profiler
+
+
+def _trace_steps(engine, tokens: Sequence[int], device: str, stem: Path, timed_ms: float) -> None:
+    """Consecutive decode steps under torch.profiler (a schedule: the first a warm-up, the rest recorded, each
+    synchronized and timed as `_decode_ms` times them, each labelled "decode step N"): `stem`.json.gz (a Chrome
+    trace) and `stem`.txt (each step's time beside the row's timed median `timed_ms`, then the top ops by the
+    device's and the host's own time). Steps that run longer timed than traced show up as a gap here."""
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     stem.parent.mkdir(parents=True, exist_ok=True)
-    _synchronize(device)
-    with profile(activities=activities) as profiler:
-        engine.decode(int(token))
-        _synchronize(device)
-    profiler.export_chrome_trace(str(stem.with_suffix(".json.gz")))  # the profiler packs a .gz path itself
-    averages = profiler.key_averages()
+    traced_ms: list[float] = []
+    recorded = []
+
+    def keep(profiler) -> None:  # the schedule hands over the recorded steps when the last one ends
+        profiler.export_chrome_trace(str(stem.with_suffix(".json.gz")))  # the profiler packs a .gz path itself
+        recorded.append(profiler.key_averages())
+
+    plan = schedule(wait=0, warmup=1, active=len(tokens) - 1)
+    with profile(activities=activities, schedule=plan, on_trace_ready=keep) as profiler:
+        for number, token in enumerate(tokens):
+            _synchronize(device)
+            started = time.perf_counter()
+            with record_function(f"decode step {number}"):
+                engine.decode(int(token))
+            _synchronize(device)
+            traced_ms.append((time.perf_counter() - started) * 1e3)
+            profiler.step()
+    averages = recorded[0]
     sorts = (["self_device_time_total"] if device == "cuda" else []) + ["self_cpu_time_total"]
+    steps = ", ".join(f"{ms:.1f}" for ms in traced_ms[1:])
+    header = (f"{len(traced_ms) - 1} consecutive steps recorded (after 1 warm-up): {steps} ms each under the "
+              f"profiler; the row's timed median: {timed_ms:.1f} ms")
     tables = [f"sorted by {key}\n{averages.table(sort_by=key, row_limit=40)}" for key in sorts]
-    stem.with_suffix(".txt").write_text("\n\n".join(tables) + "\n", encoding="utf-8")
+    stem.with_suffix(".txt").write_text("\n\n".join([header, *tables]) + "\n", encoding="utf-8")
 
 
 def _fetch_label(engine) -> str:

@@ -169,11 +169,14 @@ class ModelHost:
         and the model now loaded when it is a local path."""
         from infinigen_core.hub import cached_hub_models
         from infinigen_core.loading import DEFAULT_MODEL_NAME
+        from infinigen_core.packaged import cached_packaged_models, packaged_model
 
         choices = [(f"{DEFAULT_MODEL_NAME} (default)", self.DEFAULT_CHOICE)]
+        choices += [(model.picker_label(cached=True), model.name) for model in cached_packaged_models()]
         choices += [(repo_id, repo_id) for repo_id in cached_hub_models()]
         if self.model_path and all(value != self.model_path for _, value in choices):
-            choices.append((self.model_path, self.model_path))
+            packaged = packaged_model(self.model_path)
+            choices.append((packaged.picker_label() if packaged else self.model_path, self.model_path))
         return choices
 
     def model_summary(self) -> str:
@@ -196,5 +199,10 @@ class ModelHost:
         return f"{summary} · {defaults.describe()}" if defaults is not None else summary
 
     def ready_line(self) -> str:
+        """'Ready: gemma-3-270m on cpu · 32,768-token window · a base model: ...': the window, and for a model
+        that continues text rather than answering, that its chat answers will be weak."""
         engine = self.require_engine_loaded()
-        return f"Ready: {engine.model_name} on {engine.device}"
+        line = f"Ready: {engine.model_name} on {engine.device} · {engine.max_context:,}-token window"
+        if getattr(engine, "base_model", False):  # set by load_engine; a test's own loader may leave it out
+            line += " · a base model: it continues text, so its chat answers will be weak"
+        return line

@@ -43,11 +43,14 @@ class TurnProgress:
     started: float = 0.0
     tokens: int = 0
     first_token_at: float | None = None
+    last_token_at: float | None = None
 
     def tokens_per_second(self) -> float:
-        if self.first_token_at is None or self.tokens < 2:
+        """The reply's rate from its first token to its latest: after the turn it stays what it was (measured
+        to the present, the timing panel's figure decayed after a reply and changed at every tick)."""
+        if self.first_token_at is None or self.last_token_at is None or self.tokens < 2:
             return 0.0
-        return (self.tokens - 1) / max(time.perf_counter() - self.first_token_at, 1e-9)
+        return (self.tokens - 1) / max(self.last_token_at - self.first_token_at, 1e-9)
 
 
 class EitherSet:
@@ -132,7 +135,9 @@ class TurnRunner:
             if self.progress.first_token_at is None:
                 self.progress.first_token_at = time.perf_counter()
                 self.progress.phase = "generating"
-            self.progress.tokens += 1 if event.finish_reason is None else 0
+            if event.finish_reason is None:
+                self.progress.tokens += 1
+                self.progress.last_token_at = time.perf_counter()
             yield event
 
     def idle(self) -> None:

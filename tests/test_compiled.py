@@ -195,7 +195,8 @@ def test_where_torch_compile_itself_raises_decoding_stays_eager(tiny_model, monk
         raise RuntimeError("torch.compile is not supported here (forced by the test)")
 
     monkeypatch.setattr(torch, "compile", refuse)
-    with make_tiny_engine(tiny_model) as engine:
+    fresh = (_tiny_llama(), tiny_model[1])  # the same weights, never compiled (a compiled model keeps its step)
+    with make_tiny_engine(fresh) as engine:
         with caplog.at_level(logging.WARNING, logger="infinigen_core.compiled"):
             reason = compile_decode(engine, progress=lambda message: None)
         expected = "not supported here" if devices.active_mode() is None else EAGER_UNDER_CHECKS  # never called

@@ -57,6 +57,25 @@ def test_every_query_group_size_selects_what_the_eager_ops_select(kernels, group
             assert scores[head].tolist() == pytest.approx([by_slot[s] for s in slots[head].tolist()], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.parametrize("spiked", [False, True])
+def test_a_long_past_selects_the_eager_top_k_whichever_way_it_is_partitioned(kernels, spiked):
+    """Past 64 x 16 slots the kernel partitions only the values above a floor taken from a sample of every 16th
+    slot; where the sample misleads it (every 16th slot spiked: fewer than k lie above its floor) it partitions
+    them all. Either way the k slots are the eager top-k, the kept ones first."""
+    torch.manual_seed(3)
+    partial_query, partial_keys = torch.randn(2, 3, 16), torch.randn(2, 16, 5200)
+    past, k = 5000, 750
+    if spiked:
+        partial_keys[:, :, 0:past:16] = partial_query.sum(1).unsqueeze(-1) * 3  # the sampled slots score highest
+    slots, _, valid, _ = kernels.rehearse_select(partial_query, partial_keys, past, k, 2.0)
+    eager = _eager_selection(partial_query, partial_keys, past, k, 2.0)
+    kept = int(valid[0, 1:].sum())
+    assert torch.equal(valid, eager.valid) and 0 < kept < k
+    for head in range(2):
+        assert set(slots[head].tolist()) == set(eager.slots[head].tolist())
+        assert set(slots[head, :kept].tolist()) == set(eager.slots[head, :kept].tolist())
+
+
 def test_float16_partial_keys_select_as_their_float32_values_do(kernels):
     torch.manual_seed(2)
     partial_query, half_keys = torch.randn(3, 3, 32), torch.randn(3, 32, 1100).half()  # 1,100: a 16-lane tail

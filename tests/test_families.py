@@ -280,7 +280,9 @@ def test_the_panels_and_the_inspector_say_which_layers_slide():
         data = panels.collect(engine)
         assert data.sliding_layers() == [0, 1, 3, 4]
         assert data.latest_ratio[2] < 1 and data.latest_ratio[5] < 1  # the global layers selected
-        assert "sliding-window layers (whole window read): 0, 1, 3, 4" in panels.fetch_table(data)[1]
+        caption = panels.fetch_table(data)[1]
+        assert "global layers 2, 5: a selection" in caption and "sliding-window layers 0, 1, 3, 4: read their last " \
+            f"{WINDOW} tokens" in caption
         page = inspector.render(engine, 0, 3)
         assert "sliding-window layer" in page and f"last {WINDOW} tokens" in page and "global layer: 2, 5" in page
 

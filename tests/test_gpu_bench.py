@@ -10,7 +10,7 @@ import json
 import pytest
 
 from bench.cli import main
-from bench.gpu import SHAPES, gpu_benchmark
+from bench.gpu import SHAPES, TRACED_STEPS, gpu_benchmark
 from bench.gpu_predict import PROFILES, predict_step
 
 CONTEXT, STEPS = 96, 2
@@ -80,4 +80,8 @@ def test_rows_say_which_step_and_a_trace_is_written(tmp_path):
     with gzip.open(traces / f"{stem}.json.gz", "rt") as trace:
         events = json.load(trace)["traceEvents"]
     assert any(event.get("name") == "aten::scaled_dot_product_attention" for event in events)
-    assert "sorted by self_cpu_time_total" in (traces / f"{stem}.txt").read_text()
+    # consecutive steps after a warm-up, each labelled: the warm-up is not in the trace
+    steps = {event["name"] for event in events if event.get("name", "").startswith("decode step")}
+    assert steps == {f"decode step {number}" for number in range(1, TRACED_STEPS + 1)}
+    summary = (traces / f"{stem}.txt").read_text()
+    assert f"{TRACED_STEPS} consecutive steps recorded" in summary and "sorted by self_cpu_time_total" in summary

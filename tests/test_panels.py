@@ -39,7 +39,8 @@ class FakeEngine:
         self.steps_run = 3
         self.num_tokens, self.max_context = 42, 8192
         self.config = SimpleNamespace(policy="infinigen")
-        self.adapter = SimpleNamespace(num_layers=3, layer_kind=lambda i: "sliding 512" if i == 1 else "global")
+        self.adapter = SimpleNamespace(num_layers=3, layer_kind=lambda i: "sliding 512" if i == 1 else "global",
+                                       sliding_window=lambda i: 512 if i == 1 else None)
         self.pool = SimpleNamespace(bytes_allocated=lambda: 3 * MiB, pin_memory=False)
 
     def recent_decode_steps(self):
@@ -62,11 +63,15 @@ def test_fetch_table_has_the_latest_and_the_mean_ratio_of_each_layer(data):
     frame, caption = panels.fetch_table(data)
     latest = frame[frame["series"] == "latest step"]
     mean = frame[frame["series"] == "running mean"]
-    assert latest["layer"].tolist() == [0, 1, 2] and mean["layer"].tolist() == [0, 1, 2]
-    assert latest["fetched / context"].tolist() == pytest.approx([1.0, 1.0, 20 / 41], abs=1e-4)
-    assert mean["fetched / context"].tolist() == pytest.approx([1.0, 1.0, (10 / 40 + 20 / 41) / 2], abs=1e-4)
-    assert latest["kind"].tolist() == ["global", "sliding 512", "global"]
-    assert "infinigen" in caption and "sliding-window layers (whole window read): 1" in caption
+    sliding = frame[frame["series"] == panels.SLIDING_SERIES]  # its window, apart from the global layers' series
+    assert latest["layer"].tolist() == [0, 2] and mean["layer"].tolist() == [0, 2] and sliding["layer"].tolist() == [1]
+    assert latest["fetched / context"].tolist() == pytest.approx([1.0, 20 / 41], abs=1e-4)
+    assert mean["fetched / context"].tolist() == pytest.approx([1.0, (10 / 40 + 20 / 41) / 2], abs=1e-4)
+    assert sliding["fetched / context"].tolist() == [1.0] and sliding["kind"].tolist() == ["sliding 512"]
+    assert latest["kind"].tolist() == ["global", "global"]
+    assert caption.startswith("policy infinigen; global layers 2: a selection, 48.8% of the context fetched; global "
+                              "layers 0: read the whole context; sliding-window layers 1: read their last 512 tokens, "
+                              "100.0% of the context (a window, not a selection)")
 
 
 def heat_map_pixels(view_html: str) -> np.ndarray:
@@ -80,12 +85,14 @@ def test_the_heat_map_has_a_pixel_per_layer_and_decode_step_coloured_by_its_fetc
     pixels = heat_map_pixels(view)
     assert pixels.shape == (3, 2, 3)  # 3 layers (rows), 2 decode steps (columns): the prefill is not one
     dense, sparse = panels.HEAT_COLOURS[-1], panels.HEAT_COLOURS[0]
-    assert pixels[0, 0].tolist() == pixels[1, 1].tolist() == dense.tolist()  # fetched everything
+    assert pixels[0, 0].tolist() == pixels[0, 1].tolist() == dense.tolist()  # fetched everything
     assert pixels[2, 0].tolist() == panels.HEAT_COLOURS[1].tolist()  # 10 of 40 = 0.25: the second anchor
     assert pixels[2, 1].tolist() == panels.heat_colours(np.array(20 / 41)).tolist()
     assert pixels[2, 1].tolist() not in (dense.tolist(), sparse.tolist())
     assert "layer 0" in view and "layer 2" in view and "step 1" in view
-    assert "sliding-window layers: 1" in caption and html.escape(caption) in view
+    assert pixels[1, 0].tolist() == panels.SLIDING_GREYS[-1].tolist()  # the sliding layer: its window, in grey
+    assert "sliding-window layers, in grey (their window over the context, not a selection): 1" in caption
+    assert html.escape(caption) in view
 
 
 def test_heat_colours_run_from_the_first_anchor_to_the_last_and_clip():
@@ -112,7 +119,7 @@ def test_views_before_any_decode_step_say_so_and_hold_no_missing_number():
     views = panels.panel_views(panels.collect(engine))
     fetch, timing = views["fetch"][0], views["timing"][0]
     # every layer and every part at 0: an empty table would make Vega label its axis and legend NaN, -Infinity
-    assert fetch["layer"].tolist() == [0, 1, 2] * 2 and set(fetch["fetched / context"]) == {0.0}
+    assert sorted(fetch["layer"].tolist()) == [0, 0, 1, 2, 2] and set(fetch["fetched / context"]) == {0.0}
     assert timing["part"].tolist() == ["speculate", "fetch wait", "attention", "rest of the model"]
     assert set(timing["ms per decode step"]) == {0.0}
     assert not fetch.isna().any().any() and not timing.isna().any().any()
@@ -178,7 +185,8 @@ def test_tick_sends_one_changed_panel_at_a_time_then_nothing(ticking):
         order += sent(update)
         assert update.status == gr.skip()  # the status line did not change: not sent again
         assert skipped(update, SIDEBAR_AND_INSPECTOR)  # nor the sidebar or the inspector
-    assert order == list(panels.PANELS)
+    # each plot twice (Gradio's plots draw the update before the latest), the heat map, plain HTML, once
+    assert order == ["memory", "memory", "fetch", "fetch", "sparsity", "timing", "timing"]
     update = tick(actions, state)  # nothing changed: everything skipped, nothing recomputed
     assert skipped(update, TICK_OUTPUTS[:-1])
 
@@ -198,9 +206,10 @@ def test_a_newly_loaded_models_settings_are_shown_once(ticking):
 def test_tick_sends_only_the_panels_whose_tables_changed(ticking):
     actions, engine = ticking
     state = TickState()
-    for _ in panels.PANELS:
+    while True:
         state = tick(actions, state).last_seen
-    assert not state.panels_pending
+        if not state.panels_pending:
+            break
     # a new step that changes only the time split and the memory: the ratios are the same as before
     engine.history.append(StepStats(3, 42, 1, [layer(0, 42, 42), layer(1, 42, 42), layer(2, 42, 21, compute=99.0)],
                                     total_ms=200.0))
@@ -213,14 +222,15 @@ def test_tick_sends_only_the_panels_whose_tables_changed(ticking):
         order += sent(update)
         if not state.panels_pending:
             break
-    assert order == ["fetch", "sparsity", "timing"]  # memory's table did not change: skipped
+    assert order == ["fetch", "fetch", "sparsity", "timing", "timing"]  # memory's table did not change: skipped
 
 
 def test_while_a_reply_is_generated_the_tick_sends_the_status_and_the_heat_map_and_the_rest_after(ticking):
     actions, engine = ticking
     state = TickState()
-    for _ in panels.PANELS:
+    for _ in range(3):  # memory, memory again, fetch
         state = tick(actions, state).last_seen
+    assert state.resend == "fetch"  # the fetch plot's second update is still to go when the turn starts
     actions.service.busy = True
     timers = []
     for step in range(2):  # the fetch table, the heat map and the time split all change at every step
@@ -246,3 +256,42 @@ def test_while_a_reply_is_generated_the_tick_sends_the_status_and_the_heat_map_a
         after += sent(update)
         state = update.last_seen
     assert {"fetch", "timing"} <= set(after) and "sparsity" not in after
+    assert after.count("fetch") == after.count("timing") == 2  # each plot twice
+
+
+def test_a_plots_second_update_carries_the_same_table_and_caption(ticking):
+    """Gradio 6.31's plots draw the data of the update before the latest (seen in a real Chromium): the tick
+    sends a plot's view again at the next tick, unless it changed meanwhile (then the new view, twice)."""
+    actions, engine = ticking
+    first = tick(actions, None)
+    assert sent(first) == ["memory"] and first.last_seen.resend == "memory" and first.last_seen.panels_pending
+    second = tick(actions, first.last_seen)
+    assert sent(second) == ["memory"] and second.last_seen.resend is None
+    assert second.memory_plot["value"].equals(first.memory_plot["value"])
+    assert second.memory_plot["caption"] == first.memory_plot["caption"]
+    third = tick(actions, second.last_seen)
+    assert sent(third) == ["fetch"] and third.last_seen.resend == "fetch"
+    engine.history.append(StepStats(3, 42, 1, [layer(0, 42, 42), layer(1, 42, 42), layer(2, 42, 7)], total_ms=9.0))
+    engine.steps_run += 1  # the fetch table changed before its second update: the new one goes, twice
+    state, fetched = third.last_seen, []
+    while state.panels_pending:
+        update = tick(actions, state)
+        state = update.last_seen
+        fetched += [update.fetch_plot["value"]] if "fetch" in sent(update) else []
+    assert len(fetched) == 2 and fetched[0].equals(fetched[1])
+    assert not fetched[0].equals(third.fetch_plot["value"])
+
+
+def test_a_replys_rate_stays_what_it_was_after_the_turn(monkeypatch):
+    """The timing panel's tokens/s after a reply: measured from its first token to its last, not to the present
+    (which made it decay after the turn, and the panel change at every tick)."""
+    from chat_service import turns
+
+    clock = iter([10.0, 10.0, 10.5, 11.0])  # the first token (its time read twice), the second, the third
+    monkeypatch.setattr(turns.time, "perf_counter", lambda: next(clock))
+    runner = SimpleNamespace(progress=turns.TurnProgress(phase="prefill"))
+    events = [SimpleNamespace(finish_reason=None)] * 3 + [SimpleNamespace(finish_reason="eos")]
+    list(turns.TurnRunner.track(runner, events))
+    assert runner.progress.tokens == 3 and runner.progress.tokens_per_second() == pytest.approx(2 / 1.0)
+    monkeypatch.setattr(turns.time, "perf_counter", lambda: 100.0)  # a minute later: the same figure
+    assert runner.progress.tokens_per_second() == pytest.approx(2.0)

@@ -18,7 +18,17 @@ from documents.convert import attachment_digest
 from documents.fitting import is_read_above
 
 from . import inspector
-from .page_text import card_line, context_meter, find, search_snippets, session_choices, session_details, status_text
+from .page_text import (
+    card_line,
+    context_meter,
+    find,
+    holds_file,
+    search_snippets,
+    session_choices,
+    session_details,
+    status_text,
+    tokens_read_note,
+)
 from .temp_folders import remove_upload
 
 ERROR_SECONDS = 12
@@ -133,7 +143,7 @@ class PageActions:
         summaries = self.service.store.list()
         summary = find(summaries, current)
         messages = chat.messages if chat is not None else []  # read once, for the button and the meter
-        has_file = any(not is_read_above(record) for message in messages for record in message.attachments)
+        has_file = holds_file(messages)
         remote = self.service.host.remote
         return gr.update(choices=session_choices(summaries, remote), value=current), \
             (summary.title if summary else ""), (summary.system_prompt if summary else ""), \
@@ -174,7 +184,8 @@ class PageActions:
             if updates == 1:  # the message was shown but not sent: the chat as it is, the box as it was
                 yield self.history(), skip, skip, skip, skip
             raise
-        if documents and updates >= 2:
+        chat = self.service.open_sessions.page
+        if updates >= 2 and (documents or (chat is not None and holds_file(chat.messages))):
             yield history, EMPTY_BOX, self.tokens_read_note(), skip, skip
 
     def _status_on_change(self, shown_phase: str | None) -> tuple[object, str]:
@@ -195,18 +206,7 @@ class PageActions:
             yield history, ""
 
     def tokens_read_note(self) -> str:
-        """After a turn with attachments: how much of its prompt the model read, and how much came from stored KV
-        (a chat about a file read before starts from that chat's KV)."""
-        chat = self.service.open_sessions.page
-        reply = chat.messages[-1] if chat is not None and chat.messages else None
-        if chat is None or reply is None or reply.role != "assistant":
-            return ""
-        prompt, read = reply.token_start, chat.last_read_tokens
-        if read < prompt:
-            return f"Read {read:,} new tokens; the other {prompt - read:,} of this {prompt:,}-token prompt came " \
-                   f"from the stored KV of an earlier chat about the same file."
-        return f"Read all {prompt:,} tokens of this prompt once; a new chat about the same file starts from " \
-               f"its stored KV."
+        return tokens_read_note(self.service.open_sessions.page)
 
     @shows_errors
     def regenerate(self) -> Iterator[list[dict]]:

@@ -8,11 +8,14 @@ from collections.abc import Sequence
 
 from chat_service import ChatService
 from documents import Document
+from documents.fitting import is_read_above
 from documents.reading import window_note
 from infinigen_core import chat_token_ids
 from sessions import ChatSession, Message, SessionSummary, format_size
 from sessions.chat import conversation
 from sessions.overflow import OVERFLOW_LABEL, OVERFLOW_POLICIES
+
+from .panels import layer_ranges, windows_text
 
 METER_LISTED = 5  # dropped turns the context meter names; the rest are counted
 
@@ -120,8 +123,8 @@ def context_meter(service: ChatService, messages: Sequence[Message] | None = Non
         used = len(chat_token_ids(engine.tokenizer, turns)) if turns else 0
     window = engine.max_context
     policy = OVERFLOW_POLICIES[service.settings.current.overflow]
-    meter = f"Context: {used:,} of {window:,} tokens ({100 * used / window:.0f}%) · {OVERFLOW_LABEL.lower()}: " \
-            f"{policy.lower()}."
+    meter = f"Context: {used:,} of {window:,} tokens ({100 * used / window:.0f}%){layers_read(engine, used)} · " \
+            f"{OVERFLOW_LABEL.lower()}: {policy.lower()}."
     dropped = service.page_turns.out_of_window.listed(chat.id)
     if dropped:
         named = ", ".join(f"“{html.escape(question)}”" for question in dropped[:METER_LISTED])
@@ -129,6 +132,36 @@ def context_meter(service: ChatService, messages: Sequence[Message] | None = Non
         meter += f" **{len(dropped)} turn{'s' if len(dropped) != 1 else ''} out of the window** (dropped to fit; " \
                  f"the model no longer reads them): {named}{more}."
     return meter
+
+
+def layers_read(engine, used: int) -> str:
+    """For a model with sliding-window layers, what each kind of layer reads of the `used` tokens (' · 15 of 18
+    layers read only the last 512 tokens (a sliding window); InfiniGen fetches up to 2,015 of the 20,143 on
+    the other 3 (global: 5, 11, 17)'); empty for a model without."""
+    adapter = engine.adapter
+    sliding = [layer for layer in range(adapter.num_layers) if not adapter.is_global(layer)]
+    if not sliding:
+        return ""
+    global_ = [layer for layer in range(adapter.num_layers) if adapter.is_global(layer)]
+    windows = [adapter.sliding_window(layer) for layer in sliding]
+    whole = ", all of them so far" if 0 < used <= min(windows) else ""
+    said = f" · {len(sliding)} of {adapter.num_layers} layers read only the last {windows_text(windows)} tokens " \
+           f"(a sliding window{whole})"
+    if not global_:
+        return said
+    others = f"the other {len(global_)} (global: {layer_ranges(global_)})"
+    selecting = [layer for layer in global_ if engine.policy.is_sparse(layer)]
+    config = engine.config
+    budget = config.budget_tokens_for(used)
+    if not used:
+        return said + f"; {others} read every token"
+    if not selecting or (config.dense_under_budget and budget >= used):
+        return said + f"; {others} read all {used:,}"
+    name = "InfiniGen" if config.policy == "infinigen" else config.policy
+    fetches = f"{name} fetches up to {budget:,} of the {used:,}"
+    if len(selecting) == len(global_):
+        return said + f"; {fetches} on {others}"
+    return said + f"; {others} read all {used:,}, but on {layer_ranges(selecting)} {fetches}"
 
 
 def card_line(document: Document, record: dict, fitted: Document, window: int) -> str:
@@ -142,3 +175,28 @@ def card_line(document: Document, record: dict, fitted: Document, window: int) -
     # room 0: it was not read whole because it does not fit
     note = window_note(int(record["tokens"]), room=0, window=window)
     return card + f"{note} (for this question: {fitted.read.split(': ', 1)[-1]})"
+
+
+def holds_file(messages) -> bool:
+    """Whether the messages hold an attached file's text (not only a reference to one above)."""
+    return any(not is_read_above(record) for message in messages for record in message.attachments)
+
+
+def tokens_read_note(chat) -> str:
+    """After a turn in a chat that holds a file: how much of its prompt the model read, and where the rest
+    came from (this chat's earlier turns, the file's text included, or the stored KV of an earlier chat
+    about the same file), so a follow-up shows that the file was not read again."""
+    reply = chat.messages[-1] if chat is not None and chat.messages else None
+    if chat is None or reply is None or reply.role != "assistant":
+        return ""
+    prompt, read = reply.token_start, chat.last_read_tokens
+    if read >= prompt:
+        return f"Read all {prompt:,} tokens of this prompt once; a new chat about the same file starts from " \
+               f"its stored KV."
+    earlier = chat.messages[:-2]  # this chat's turns before this one: their KV is held, not read again
+    if earlier:
+        held = "this chat's earlier turns, their file included" if holds_file(earlier) else "this chat's earlier turns"
+        return f"Read {read:,} new tokens; the other {prompt - read:,} of this {prompt:,}-token prompt " \
+               f"({held}) were not read again: their KV is held."
+    return f"Read {read:,} new tokens; the other {prompt - read:,} of this {prompt:,}-token prompt came " \
+           f"from the stored KV of an earlier chat about the same file."

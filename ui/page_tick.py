@@ -22,6 +22,11 @@ TICK_SECONDS = 2.0  # the live panels' pace between replies
 # frontend copies the value of every component that ever had a status, at every event). `python -m bench page`:
 # the page decoded at a median 0.85-0.91x the API's rate with a tick every 2 s, 0.95x with none
 TICK_SECONDS_WHILE_GENERATING = 10.0
+# Gradio 6.31's native plots (gr.BarPlot, gr.LinePlot) draw, at each update, the data of the update before it
+# (their caption is the new one): in a real Chromium the fetched-ratio panel still showed the empty table after a
+# Gemma 3 turn, its caption already the turn's. So a plot's update goes out twice, the second at the next tick,
+# which draws the first's data. The heat map, plain HTML, is drawn as sent
+PLOTS_DRAW_ONE_BEHIND = True
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class TickState:
     sent: dict[str, str] = field(default_factory=dict)
     next_panel: int = 0
     panels_pending: bool = False
+    resend: str | None = None  # a plot sent at the last tick, to send once more (see PLOTS_DRAW_ONE_BEHIND)
 
 
 @dataclass
@@ -175,15 +181,20 @@ class PageTick:
         count = len(panels.PANELS)
         order = [panels.PANELS[(last.next_panel + i) % count] for i in range(count)]
         changed = [name for name in order if digests[name] != last.sent.get(name)]
-        sendable = [name for name in changed if name in candidates]
+        again = last.resend if last.resend in candidates and last.resend not in changed else None
+        sendable = [again] if again else [name for name in changed if name in candidates]
         if not sendable:
-            update.last_seen = replace(last, panels_pending=bool(changed))
+            update.last_seen = replace(last, panels_pending=bool(changed) or last.resend is not None)
             return
         name = sendable[0]
         value, caption = views[name]
         # a plot takes its table and caption; an HTML panel (the heat map) carries its caption inside
         setattr(update, f"{name}_plot", gr.update(value=value) if isinstance(value, str)
                 else gr.update(value=value, caption=caption))
-        update.last_seen = replace(last, sent={**last.sent, name: digests[name]},
-                                   next_panel=(panels.PANELS.index(name) + 1) % count,
-                                   panels_pending=len(changed) > 1)
+        if again or not PLOTS_DRAW_ONE_BEHIND:
+            resend = None
+        else:  # a plot: once more at the next tick; the heat map leaves a plot's pending second update waiting
+            resend = last.resend if isinstance(value, str) else name
+        update.last_seen = replace(last, sent={**last.sent, name: digests[name]}, resend=resend,
+                                   next_panel=(panels.PANELS.index(name) + 1) % count if not again else last.next_panel,
+                                   panels_pending=len([n for n in changed if n != name]) > 0 or resend is not None)

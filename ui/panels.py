@@ -42,10 +42,32 @@ class PanelData:
     window: int = 1
     policy: str = ""
     layer_kinds: list[str] = field(default_factory=list)  # per layer: "global", "sliding 512", "global, no RoPE"
+    windows: list[int | None] = field(default_factory=list)  # per layer: its sliding window, None for a global one
+    selecting: list[bool] = field(default_factory=list)  # per layer: the policy selected its rows at the latest step
     dense_reason: str | None = None  # why the latest step's sparse layers attended densely (a short chat)
 
     def sliding_layers(self) -> list[int]:
         return [layer for layer, kind in enumerate(self.layer_kinds) if kind.startswith("sliding")]
+
+    def global_layers(self) -> list[int]:
+        sliding = set(self.sliding_layers())
+        return [layer for layer in range(len(self.layer_kinds)) if layer not in sliding]
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """'0-4, 6-10, 12, 13' for [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13]: a caption's list of layers, short."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(", ".join(map(str, run)) if len(run) < 3 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+def windows_text(windows) -> str:
+    """'512' for one window size, '512 or 4,096' where the sliding layers differ."""
+    return " or ".join(f"{window:,}" for window in sorted({window for window in windows if window is not None}))
 
 
 def memory_figures(engine) -> dict[str, float]:
@@ -67,9 +89,11 @@ def memory_figures(engine) -> dict[str, float]:
 def collect(engine, tokens_per_second: float = 0.0) -> PanelData:
     steps = engine.recent_decode_steps()
     layers = engine.adapter.num_layers
+    adapter = engine.adapter
     data = PanelData(memory_mib=memory_figures(engine), tokens_per_second=tokens_per_second,
                      context=engine.num_tokens, window=engine.max_context, policy=engine.config.policy,
-                     layer_kinds=[engine.adapter.layer_kind(layer) for layer in range(layers)])
+                     layer_kinds=[adapter.layer_kind(layer) for layer in range(layers)],
+                     windows=[adapter.sliding_window(layer) for layer in range(layers)])
     if not steps:
         return data
     matrix = np.ones((layers, len(steps)))
@@ -78,6 +102,8 @@ def collect(engine, tokens_per_second: float = 0.0) -> PanelData:
             matrix[layer.layer, column] = layer.fetched_ratio
     data.sparsity = matrix
     data.dense_reason = steps[-1].dense_reason
+    sparse = {layer.layer for layer in steps[-1].layers if layer.sparse}
+    data.selecting = [layer in sparse for layer in range(layers)]
     data.latest_ratio = matrix[:, -1].tolist()
     data.mean_ratio = matrix.mean(axis=1).tolist()
     splits = [s.time_split_ms() for s in steps]
@@ -103,28 +129,56 @@ def memory_table(data: PanelData) -> Table:
     return frame, f"system available: {data.memory_mib.get('system available', 0):,.0f} MiB"
 
 
+SLIDING_SERIES = "sliding window / context"
+
+
 def fetch_table(data: PanelData) -> Table:
     """Per layer, the fetched share of the context at the latest decode step and its mean over the recent
-    steps: two series of one line plot, the layer's kind in the tooltip. Before the first decode step, every
-    layer at 0 (an empty table makes Vega write NaN and -Infinity on the axis and in the legend)."""
+    steps: two series of one line plot, the layer's kind in the tooltip. A sliding-window layer reads its
+    window, not a selection: its own series (the latest step), apart from the global layers', and the caption
+    says what each kind read. Before the first decode step, every layer at 0 (an empty table makes Vega write
+    NaN and -Infinity on the axis and in the legend)."""
     layers = len(data.latest_ratio)
-    ratios = data.latest_ratio + data.mean_ratio
+    latest, mean = data.latest_ratio, data.mean_ratio
     if not layers:
         layers = len(data.layer_kinds)
-        ratios = [0.0] * (2 * layers)
+        latest = mean = [0.0] * layers
     kinds = (data.layer_kinds or ["global"] * layers)[:layers]
-    frame = pd.DataFrame({"layer": list(range(layers)) * 2,
-                          "fetched / context": [round(r, 4) for r in ratios],
-                          "series": ["latest step"] * layers + ["running mean"] * layers,
-                          "kind": kinds * 2})
-    sliding = data.sliding_layers()
+    sliding = set(data.sliding_layers())
+    rows = [(layer, latest[layer], "latest step") for layer in range(layers) if layer not in sliding]
+    rows += [(layer, mean[layer], "running mean") for layer in range(layers) if layer not in sliding]
+    rows += [(layer, latest[layer], SLIDING_SERIES) for layer in range(layers) if layer in sliding]
+    frame = pd.DataFrame({"layer": [row[0] for row in rows],
+                          "fetched / context": [round(row[1], 4) for row in rows],
+                          "series": [row[2] for row in rows],
+                          "kind": [kinds[row[0]] for row in rows]})
     stepped = bool(data.latest_ratio)
     caption = f"policy {data.policy}" if stepped else "no decode step yet"
     if data.dense_reason and stepped:  # the budget covers every token: nothing to select yet
         caption += f"; {data.dense_reason}"
-    if sliding and stepped:  # their whole window is read; InfiniGen selects on the global layers only
-        caption += f"; sliding-window layers (whole window read): {', '.join(map(str, sliding))}"
+    if sliding and stepped:
+        caption += "; " + kinds_apart(data)
     return frame, caption
+
+
+def kinds_apart(data: PanelData) -> str:
+    """What the global layers and the sliding-window layers read at the latest step, said apart: the first
+    select (under a sparse policy), the others read their whole window, whatever the policy."""
+    sliding, global_ = data.sliding_layers(), data.global_layers()
+    window = windows_text(data.windows[layer] for layer in sliding) if data.windows else ""
+    share = sum(data.latest_ratio[layer] for layer in sliding) / len(sliding)
+    reads = f"their last {window} tokens" if window else "their window"
+    said = (f"sliding-window layers {layer_ranges(sliding)}: read {reads}, {100 * share:.1f}% of the context "
+            f"(a window, not a selection)")
+    selecting = [layer for layer in global_ if data.selecting and data.selecting[layer]]
+    reading_all = [layer for layer in global_ if layer not in selecting]
+    if reading_all:
+        said = f"global layers {layer_ranges(reading_all)}: read the whole context; " + said
+    if selecting:
+        fetched = sum(data.latest_ratio[layer] for layer in selecting) / len(selecting)
+        said = (f"global layers {layer_ranges(selecting)}: a selection, {100 * fetched:.1f}% of the context "
+                f"fetched; " + said)
+    return said
 
 
 SPARSITY_TITLE = "Per-layer sparsity over time (fetched ratio)"
@@ -138,6 +192,21 @@ def heat_colours(values: np.ndarray) -> np.ndarray:
     low = np.minimum(np.floor(position).astype(int), len(HEAT_COLOURS) - 2)
     share = (position - low)[..., None]
     return np.rint(HEAT_COLOURS[low] * (1 - share) + HEAT_COLOURS[low + 1] * share).astype(np.uint8)
+
+
+# a sliding-window layer's row, in greys from dark (its window a small share of the context) to light (the
+# whole context still fits its window): its ratio is the window over the context, not a selection
+SLIDING_GREYS = np.array([[72, 72, 72], [224, 224, 224]], dtype=float)
+
+
+def heat_rows(data: PanelData) -> np.ndarray:
+    """[layers, steps, 3] uint8: the heat colours, the sliding-window layers' rows in greys."""
+    rgb = heat_colours(data.sparsity)
+    sliding = data.sliding_layers()
+    if sliding:
+        share = np.clip(data.sparsity[sliding], 0.0, 1.0)[..., None]
+        rgb[sliding] = np.rint(SLIDING_GREYS[0] * (1 - share) + SLIDING_GREYS[1] * share).astype(np.uint8)
+    return rgb
 
 
 def png(rgb: np.ndarray) -> bytes:
@@ -154,12 +223,16 @@ def sparsity_view(data: PanelData) -> View:
     sliding = data.sliding_layers()
     caption = "recent decode steps, oldest first" if steps else "no decode step yet"
     if sliding and steps:
-        caption += f"; sliding-window layers: {', '.join(map(str, sliding))}"
+        caption += (f"; sliding-window layers, in grey (their window over the context, not a selection): "
+                    f"{layer_ranges(sliding)}")
     title = f'<div class="ig-heat-title">{SPARSITY_TITLE}</div>'
     if not steps:
         return f'<div class="ig-heat">{title}<p class="ig-heat-caption">{html.escape(caption)}</p></div>', caption
-    image = base64.b64encode(png(heat_colours(data.sparsity))).decode()
+    image = base64.b64encode(png(heat_rows(data))).decode()
     gradient = ", ".join(f"rgb({r:.0f},{g:.0f},{b:.0f})" for r, g, b in HEAT_COLOURS)
+    greys = ", ".join(f"rgb({r:.0f},{g:.0f},{b:.0f})" for r, g, b in SLIDING_GREYS)
+    grey_legend = (f'<span class="ig-heat-bar" style="background: linear-gradient(to right, {greys})"></span>'
+                   f'<span>sliding window</span>') if sliding else ""
     view = (
         f'<div class="ig-heat">{title}'
         f'<div class="ig-heat-map"><div class="ig-heat-y"><span>layer 0</span><span>layer {layers - 1}</span></div>'
@@ -167,7 +240,7 @@ def sparsity_view(data: PanelData) -> View:
         f'src="data:image/png;base64,{image}"></div>'
         f'<div class="ig-heat-x"><span>step 0 (oldest)</span><span>step {steps - 1}</span></div>'
         f'<div class="ig-heat-legend"><span>0 fetched</span><span class="ig-heat-bar" '
-        f'style="background: linear-gradient(to right, {gradient})"></span><span>all (1.0)</span></div>'
+        f'style="background: linear-gradient(to right, {gradient})"></span><span>all (1.0)</span>{grey_legend}</div>'
         f'<p class="ig-heat-caption">{html.escape(caption)}</p></div>'
     )
     return view, caption
