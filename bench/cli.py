@@ -148,6 +148,10 @@ def _speed_commands(commands) -> None:
     speed.add_argument("--llama-python", type=Path, help="an interpreter with llama-cpp-python: adds llama.cpp's "
                        "rows (same GGUF and token ids, n_threads=2) and each row's ratio to it")
     speed.add_argument("--gguf", type=Path, help="the GGUF llama.cpp loads (default: the model's own, where it is one)")
+    speed.add_argument("--llama-flash-attn", default="both", metavar="both|on|off[,...]",
+                       help="llama.cpp's flash attention settings: both (the faster is its row), on or off; one for "
+                            "every context or one per context, e.g. both,on (a 32k prefill with it off is most of "
+                            "an hour at one thread)")
     speed.add_argument("--threads", type=int, default=None,
                        help="torch threads for our rows and n_threads for llama.cpp's (default: torch's count; "
                             "llama.cpp 2). On a loaded machine 1 thread each is the comparison that means something")
@@ -328,10 +332,11 @@ def _speed_configs(args, engine=None) -> dict[str, EngineConfig]:
 
 
 def run_speed(args) -> tuple[str, dict]:
-    from .speed import decode_speed, llama_cpp_rows, tokens_needed, with_ratios
+    from .speed import decode_speed, flash_attn_per_context, llama_cpp_rows, tokens_needed, with_ratios
 
     configs = _speed_configs(args)
     contexts = parse_numbers(args.context, int)
+    flash_attn_per_context(args.llama_flash_attn.split(","), len(contexts))  # a bad choice fails before the model loads
     text = read_text(args.text)  # bad input fails before the model loads
     gguf = args.gguf
     if args.llama_python and gguf is None:
@@ -357,7 +362,7 @@ def run_speed(args) -> tuple[str, dict]:
         _log(f"llama.cpp ({args.llama_python}, {gguf}): contexts {contexts}")
         try:
             peer = llama_cpp_rows(args.llama_python, gguf, ids, contexts, args.decode_tokens, args.rounds,
-                                  threads=args.threads or 2)
+                                  threads=args.threads or 2, flash_attn=args.llama_flash_attn.split(","))
         except EvalError as error:  # our rows took minutes: keep them, without llama.cpp's column
             _log(f"{error}; the table has no llama.cpp rows")
             peer = []
@@ -366,7 +371,8 @@ def run_speed(args) -> tuple[str, dict]:
     table = format_table(rows, ["context", "policy", "ms_per_token", "ratio_to_full", "ratio_to_llama_cpp",
                                 "prompt_tokens_per_s", "mean_ms", "speculate_ms",
                                 "fetch_wait_ms", "attention_ms", "prefill_s", "fetched_ratio", "ops_per_step",
-                                "syncs_per_step", "host_copies_per_step", "pool_bytes", "device_bytes"])
+                                "syncs_per_step", "host_copies_per_step", "pool_bytes", "device_bytes",
+                                "peak_rss_bytes"])
     return table, {"rows": rows}
 
 

@@ -5,23 +5,37 @@
 The request (stdin, JSON): {"contexts": [{"context": N, "ids": [prefix ids..., next ids...]}], "decode_tokens": 24,
 "rounds": 3}. Per context and round, once with flash attention on and once off (llama.cpp's tools default to
 `-fa auto`, on where the backend has it, as the CPU backend does; on this CPU it speeds up prefill and short
-contexts but slows decode at 8k, so a demanding user picks per case, and so do we): the prefix is evaluated from
+contexts but slows decode at 8k, so a demanding user picks per case, and so do we; a context's optional
+"flash_attn": ["on"] runs that setting alone, as a 32k prefill with it off takes most of an hour at one thread):
+the prefix is evaluated from
 an empty cache (timed: prompt tokens/s), then `decode_tokens // rounds` decode steps each evaluate one token of
 the text (the same tokens our rows decode) and take the greedy argmax of its logits (timed: ms/token; the first
 step after the prefix is a warm-up). A row gives the faster setting's figures, each named: `ms_per_token` and
 `flash_attn` (the decode's), `prompt_tokens_per_s` and `prefill_flash_attn`, and both settings' medians.
 Prints one JSON object: {"llama_cpp": version, "threads": T, "rows": [{"context", "ms_per_token", "mean_ms",
 "decode_steps", "prompt_tokens_per_s", "prefill_s", "flash_attn", "prefill_flash_attn", "ms_per_token_by_fa",
-"prefill_s_by_fa"}]}. Standard library + llama_cpp + numpy only.
+"prefill_s_by_fa", "peak_rss_bytes"}]}, `peak_rss_bytes` being this process's peak resident memory over the run
+(the model, and the KV cache of each setting run). Standard library + llama_cpp + numpy only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
+
+
+FA_NAMES = {True: "on", False: "off"}
+
+
+def flash_attn_settings(names: list[str]) -> tuple[bool, ...]:
+    """The flash attention settings to run, in order: ["on", "off"] -> (True, False)."""
+    if not names or any(name not in ("on", "off") for name in names):
+        raise SystemExit(f"flash_attn must list \"on\" and/or \"off\", got {names!r}")
+    return tuple(dict.fromkeys(name == "on" for name in names))
 
 
 def main() -> int:
@@ -37,18 +51,19 @@ def main() -> int:
     contexts = request["contexts"]
     per_round = max(1, request["decode_tokens"] // request["rounds"])
     n_ctx = max(len(c["ids"]) for c in contexts) + per_round + 16
-    settings = (True, False)  # flash attention on (llama.cpp's default here), off
+    per_context = [flash_attn_settings(entry.get("flash_attn", ["on", "off"])) for entry in contexts]
     models = {fa: llama_cpp.Llama(model_path=args.gguf, n_threads=args.threads, n_threads_batch=args.threads,
                                   n_ctx=n_ctx, n_batch=512, flash_attn=fa, logits_all=False, verbose=False)
-              for fa in settings}
-    vocab = models[True].n_vocab()
+              for fa in dict.fromkeys(fa for settings in per_context for fa in settings)}
+    vocab = next(iter(models.values())).n_vocab()
     rows = []
-    for entry in contexts:
+    for entry, settings in zip(contexts, per_context):
         context, ids = entry["context"], [int(t) for t in entry["ids"]]
         step_ms: dict[bool, list[float]] = {fa: [] for fa in settings}
         prefill: dict[bool, list[float]] = {fa: [] for fa in settings}
         for _ in range(request["rounds"]):
-            for fa, llm in models.items():  # the two settings interleaved, round by round
+            for fa in settings:  # the settings interleaved, round by round
+                llm = models[fa]
                 llm.reset()
                 started = time.perf_counter()
                 llm.eval(ids[:context])
@@ -69,8 +84,11 @@ def main() -> int:
                      "mean_ms": statistics.fmean(step_ms[decode_fa]), "decode_steps": len(step_ms[decode_fa]),
                      "prefill_s": prefill_s[prefill_fa], "prompt_tokens_per_s": context / prefill_s[prefill_fa],
                      "flash_attn": decode_fa, "prefill_flash_attn": prefill_fa,
-                     "ms_per_token_by_fa": {"on": median_ms[True], "off": median_ms[False]},
-                     "prefill_s_by_fa": {"on": prefill_s[True], "off": prefill_s[False]}})
+                     "ms_per_token_by_fa": {FA_NAMES[fa]: median_ms[fa] for fa in settings},
+                     "prefill_s_by_fa": {FA_NAMES[fa]: prefill_s[fa] for fa in settings}})
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    for row in rows:
+        row["peak_rss_bytes"] = peak
     print(json.dumps({"llama_cpp": llama_cpp.__version__, "threads": args.threads, "rows": rows}))
     return 0
 

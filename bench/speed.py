@@ -13,7 +13,8 @@ fp32, int8, int4, auto) in the same interleaved rounds, `POLICY+eager` that poli
 run eagerly where the engine compiled it (compiled.py), and `POLICY+nokernels` that policy on the eager ops
 where the engine has the CPU kernels (cpu_kernels.py); the plain rows use the weights the model loaded with. `llama.cpp` (`--llama-python PATH`) is llama.cpp on the same GGUF and the same token ids, run by that
 interpreter in a subprocess (bench/llama_peer.py, n_threads=2), after our rounds: its rounds cannot
-interleave with ours. `prompt_tokens_per_s` is the prefill's; `ratio_to_llama_cpp` is a row's ms/token
+interleave with ours. `peak_rss_bytes` is a process's peak resident memory: ours so far at the end of a
+context (the model, the compiled step and the largest cache yet), llama.cpp's over its whole run. `prompt_tokens_per_s` is the prefill's; `ratio_to_llama_cpp` is a row's ms/token
 over llama.cpp's. Every row also gives the aten operations of one decode step (kernel launches on a GPU),
 how many of them read a device value back to the host (a stall each on a GPU) and the engine's copies to
 the host.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import time
@@ -108,6 +110,7 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
                      "prompt_tokens_per_s": context / prefill_s if name == first.policy and prefill_s else None,
                      "mean_ms": statistics.fmean(times[name]), "decode_steps": len(times[name]),
                      "prefill_s": prefill_s if name == first.policy else None, **facts[name],
+                     "peak_rss_bytes": peak_rss_bytes(),  # the process's, so far: contexts in rising order
                      **{f"{part}_ms": statistics.median(s[part] for s in splits[name])
                         for part in ("speculate", "fetch_wait", "attention")}})
     if reference:
@@ -131,15 +134,19 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 
 def llama_cpp_rows(python: str | Path, gguf: str | Path, ids: Sequence[int], contexts: Sequence[int],
-                   decode_tokens_n: int, rounds: int, threads: int = 2, timeout_s: float = 2700) -> list[dict]:
+                   decode_tokens_n: int, rounds: int, threads: int = 2, timeout_s: float = 2700,
+                   flash_attn: Sequence[str] | None = None) -> list[dict]:
     """llama.cpp's rows (bench/llama_peer.py run by `python`, an interpreter with llama-cpp-python): per
-    context the faster of flash attention on and off, as the row says (an 8k prefill is ~1-2 minutes a round
-    and setting here, hence the timeout)."""
+    context the faster of flash attention on and off, as the row says, or the one setting `flash_attn`
+    names for that context ("on", "off" or "both", one per context; an 8k prefill is ~1-2 minutes a round
+    and setting here, a 32k one with it off most of an hour, hence the timeout and the choice)."""
     if not Path(gguf).is_file():
         raise EvalError(f"--gguf {gguf}: no such file")
     per_round = decode_tokens_n // rounds
+    settings = flash_attn_per_context(flash_attn, len(contexts))
     request = {"decode_tokens": decode_tokens_n, "rounds": rounds,
-               "contexts": [{"context": c, "ids": [int(t) for t in ids[: c + per_round + 1]]} for c in contexts]}
+               "contexts": [{"context": c, "ids": [int(t) for t in ids[: c + per_round + 1]], "flash_attn": fa}
+                            for c, fa in zip(contexts, settings)]}
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
     try:
         result = subprocess.run([str(python), str(PEER_SCRIPT), "--gguf", str(gguf), "--threads", str(threads)],
@@ -151,6 +158,26 @@ def llama_cpp_rows(python: str | Path, gguf: str | Path, ids: Sequence[int], con
     peer = json.loads(result.stdout.strip().splitlines()[-1])
     return [{"policy": LLAMA_CPP, **row, "fetched_ratio": 1.0, "llama_cpp_version": peer["llama_cpp"],
              "threads": peer["threads"]} for row in peer["rows"]]
+
+
+FLASH_ATTN_CHOICES = {"both": ["on", "off"], "on": ["on"], "off": ["off"]}
+
+
+def flash_attn_per_context(names: Sequence[str] | None, n_contexts: int) -> list[list[str]]:
+    """The peer's flash attention settings per context: None -> both everywhere, one name -> that for every
+    context, else one name per context."""
+    names = list(names or ["both"])
+    if len(names) == 1:
+        names *= n_contexts
+    if len(names) != n_contexts or any(name not in FLASH_ATTN_CHOICES for name in names):
+        raise EvalError(f"--llama-flash-attn: one of {', '.join(FLASH_ATTN_CHOICES)} for every context, or one per "
+                        f"context ({n_contexts}), got {','.join(names)}")
+    return [FLASH_ATTN_CHOICES[name] for name in names]
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def count_decode_step(engine, token: int) -> dict:

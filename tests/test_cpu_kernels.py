@@ -43,6 +43,21 @@ def test_rehearse_select_keeps_what_the_eager_ops_keep(kernels, alpha):
     assert int(slots.max()) < past  # the new token's slot and the unwritten ones are never chosen
 
 
+@pytest.mark.parametrize("group", [1, 4, 5, 8, 9])  # 1-8: sums held in registers per 32 slots; 9: the row loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_query_group_size_selects_what_the_eager_ops_select(kernels, group, dtype):
+    torch.manual_seed(group)
+    partial_query, partial_keys = torch.randn(2, group, 40), torch.randn(2, 40, 620).to(dtype)
+    for past, k in ((600, 90), (300, 30), (45, 9)):  # blocks of 256 slots: tails of 88, 44 and 45 slots
+        slots, scores, valid, alpha_total = kernels.rehearse_select(partial_query, partial_keys, past, k, 4.0)
+        eager = _eager_selection(partial_query, partial_keys.float(), past, k, 4.0)
+        assert int(alpha_total) == int(eager.alpha_total) and torch.equal(valid, eager.valid)
+        for head in range(2):
+            assert set(slots[head].tolist()) == set(eager.slots[head].tolist())
+            by_slot = dict(zip(eager.slots[head].tolist(), eager.scores[head].tolist()))
+            assert scores[head].tolist() == pytest.approx([by_slot[s] for s in slots[head].tolist()], rel=1e-5, abs=1e-7)
+
+
 @pytest.mark.parametrize("spiked", [False, True])
 def test_a_long_past_selects_the_eager_top_k_whichever_way_it_is_partitioned(kernels, spiked):
     """Past 64 x 16 slots the kernel partitions only the values above a floor taken from a sample of every 16th

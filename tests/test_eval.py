@@ -116,6 +116,7 @@ def test_speed_rows_compare_every_policy_with_full_in_the_same_run(tiny_engine):
         assert row["ops_per_step"] > 0
         if row["policy"] != "transformers":
             assert row["syncs_per_step"] == 0, row
+            assert row["peak_rss_bytes"] > 1_000_000  # the process's peak so far, in bytes (Linux gives kB)
     assert by_policy["infinigen"]["host_copies_per_step"] == 1 and by_policy["full"]["host_copies_per_step"] == 0
     with pytest.raises(EvalError, match="tokens are needed"):
         decode_speed(tiny_engine, ids[:PREFILL], PREFILL, configs("full"), decode_tokens_n=6)
