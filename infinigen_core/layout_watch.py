@@ -16,9 +16,9 @@ leaves those guards out; two things then stand in for them:
     forward = LayoutCompiled(model, compile_options)
     output = forward(**inputs)
 
-Not seen, as before this (dynamo's guards saw them): a parameter's data moved to another dtype or device
-in place (`model.half()`, `model.to(...)`). The engine never does that to a loaded model; the call refuses
-it (one parameter's dtype and device are checked per call).
+What the snapshot cannot see (dynamo's guards did): parameters whose data moved to another dtype or device
+in place (`model.half()`, `model.to(...)`) keep their identity. The engine never does that to a loaded
+model; a call after it is refused, found from one parameter's dtype and device, checked at every call.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.modules import module as torch_module
 
-_registrations = itertools.count(1)  # bumped by every module, parameter or buffer torch registers anywhere
+_registrations = itertools.count(1)  # bumped by each registration in a watched model's modules
 _seen_registration = 0
 _forward_numbers = itertools.count(1)
 _SHARED = "_infinigen_layout_compiled"  # where a model keeps its LayoutCompiled
