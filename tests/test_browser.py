@@ -69,7 +69,9 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page, app):
     lengths = reply_lengths_while_streaming(page, 0)
     assert box.input_value() == ""  # sent: the box is cleared
     assert lengths[-1] > 20
-    assert len({n for n in lengths if 0 < n < lengths[-1]}) >= 2  # it grew in steps: streamed
+    # streamed: the page showed part of the reply before all of it (the first text comes at once, then an update
+    # every 0.5 s; a short reply at ~50 tokens/s may take only one more, so one partial length is what is sure)
+    assert {n for n in lengths if 0 < n < lengths[-1]}
     first_reply = page.locator(BOT).last.inner_text()
 
     # the live panels are drawn in the browser (Vega) from the small tables the server sends after decode steps;
