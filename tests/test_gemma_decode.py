@@ -27,8 +27,8 @@ WINDOW = 16
 SELECTING = dict(policy="infinigen", budget=0.3, min_fetch_tokens=0, dense_under_budget=False)
 
 
-@pytest.fixture(scope="module")
-def gemma():
+def tiny_gemma():
+    """A tiny random Gemma 3 (sliding layers of a 16-token window, two global ones) and its skew."""
     config = transformers.Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=1024,
@@ -37,6 +37,11 @@ def gemma():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     return model, calibrate(model, random_tokens(200, seed=1, vocab=VOCAB))
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return tiny_gemma()
 
 
 class VocabularyOps(TorchDispatchMode):

@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from test_gemma_decode import VOCAB, tiny_gemma
 
 import infinigen_core.engine as engine_module
 from infinigen_core import devices
@@ -147,6 +148,24 @@ def test_the_separated_engine_decodes_as_the_plain_one(tiny_llama, monkeypatch, 
         return [engine.prefill(random_tokens(90, seed=3)), *engine.score(random_tokens(4, seed=4))]
 
     reference, logits = both(monkeypatch, tiny_llama, conversation, policy=policy, budget=0.3)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return tiny_gemma()
+
+
+@pytest.mark.parametrize("policy", ["offload", "infinigen"])
+def test_sliding_layers_prefill_from_the_host_pool_as_on_the_plain_cpu(gemma, monkeypatch, policy):
+    """A sliding layer's prefill copies only the slots its window reaches from the host pool, the new rows put
+    at their place in that copy: 90 tokens in chunks of 40 through a window of 16."""
+    def conversation(engine):
+        assert engine.device != EMULATED_COMPUTE or engine.pool.device == EMULATED_HOST
+        return [engine.prefill(random_tokens(90, seed=3, vocab=VOCAB)),
+                *engine.score(random_tokens(4, seed=4, vocab=VOCAB))]
+
+    reference, logits = both(monkeypatch, gemma, conversation, policy=policy, budget=0.3)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
 
 
