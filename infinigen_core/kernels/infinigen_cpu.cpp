@@ -484,16 +484,26 @@ inline float q8_row_dot(const int8_t* codes, const float* scales, const float* x
 #endif
 }
 
+// The decode products' shared checks: one float32 per group of 32 input channels and output row, and the
+// activation row as float32 (whatever dtype it came in), one value per input channel.
+void check_group_scales(const at::Tensor& t, int64_t count, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == count, what,
+              " must be a contiguous float32 [out, in / 32]");
+}
+
+at::Tensor float_row(const at::Tensor& row, int64_t in_features, const char* op) {
+  TORCH_CHECK(row.numel() == in_features, op, ": the row must hold one value per input channel");
+  return row.reshape({in_features}).to(at::kFloat).contiguous();
+}
+
 at::Tensor q8_matvec(const at::Tensor& row, const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
               "q8_matvec: codes must be a contiguous int8 [out, in]");
   const int64_t out_features = codes.size(0), in_features = codes.size(1);
   TORCH_CHECK(in_features % kQ8Group == 0, "q8_matvec: input channels must be a multiple of 32");
   const int64_t groups = in_features / kQ8Group;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == out_features * groups,
-              "q8_matvec: scales must be a contiguous float32 [out, in / 32]");
-  TORCH_CHECK(row.numel() == in_features, "q8_matvec: the row must hold one value per input channel");
-  const at::Tensor x = row.reshape({in_features}).to(at::kFloat).contiguous();
+  check_group_scales(scales, out_features * groups, "q8_matvec: scales");
+  const at::Tensor x = float_row(row, in_features, "q8_matvec");
   at::Tensor out = at::empty({1, out_features}, row.options().dtype(at::kFloat));
   const float* xs = x.data_ptr<float>();
   const int8_t* cs = codes.data_ptr<int8_t>();
@@ -580,12 +590,9 @@ at::Tensor q4_matvec(const at::Tensor& row, const at::Tensor& packed, const at::
   const int64_t out_features = packed.size(0), in_features = packed.size(1) * 2;
   TORCH_CHECK(in_features % kQ8Group == 0, "q4_matvec: input channels must be a multiple of 32");
   const int64_t groups = in_features / kQ8Group;
-  for (const at::Tensor* t : {&scales, &lows}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == out_features * groups,
-                "q4_matvec: scales and lows must be contiguous float32 [out, in / 32]");
-  }
-  TORCH_CHECK(row.numel() == in_features, "q4_matvec: the row must hold one value per input channel");
-  const at::Tensor x = row.reshape({in_features}).to(at::kFloat).contiguous();
+  check_group_scales(scales, out_features * groups, "q4_matvec: scales");
+  check_group_scales(lows, out_features * groups, "q4_matvec: lows");
+  const at::Tensor x = float_row(row, in_features, "q4_matvec");
   const float* xs = x.data_ptr<float>();
   std::vector<float> x_sums(groups, 0.0f);
   for (int64_t g = 0; g < groups; ++g) {
