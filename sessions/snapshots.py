@@ -185,10 +185,10 @@ def _int8_tensors(rows: dict[str, torch.Tensor], start: int, end: int, smooth_ke
         keys = rows[tensor_name(KEYS, layer)]
         if half_keys:
             tensors[tensor_name(KEYS, layer)] = keys.float().clamp(-half_max, half_max).to(torch.float16)
-        elif smooth_keys and keys.shape[1] >= KEY_SMOOTHING_MIN_ROWS:
-            smoothing = tensors[tensor_name(KEY_CHANNEL_SCALES, layer)] = channel_scales(keys)
-            keys = keys.float() / smoothing.float().unsqueeze(1)  # divided by the scale as stored
-        if not half_keys:
+        else:
+            if smooth_keys and keys.shape[1] >= KEY_SMOOTHING_MIN_ROWS:
+                smoothing = tensors[tensor_name(KEY_CHANNEL_SCALES, layer)] = channel_scales(keys)
+                keys = keys.float() / smoothing.float().unsqueeze(1)  # divided by the scale as stored
             tensors[tensor_name(KEYS, layer)], tensors[tensor_name(KEY_SCALES, layer)] = quantize_rows(keys)
         tensors[tensor_name(VALUES, layer)], tensors[tensor_name(VALUE_SCALES, layer)] = quantize_rows(
             rows[tensor_name(VALUES, layer)])
@@ -353,9 +353,11 @@ def check_shapes(tensors: dict[str, torch.Tensor], signature: dict[str, str], st
     layers, heads, dim = (int(signature[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
     dtype = torch.int8 if quantized else getattr(torch, signature["dtype"])
     key_dtype = torch.float16 if half_keys else dtype
-    kinds: tuple[str, ...] = (KEYS, VALUES, POSITIONS)
-    if quantized:
-        kinds += (VALUE_SCALES,) if half_keys else (KEY_SCALES, VALUE_SCALES)
+    # the int8-coded tensors, each with its scale per row and head
+    coded: tuple[tuple[str, str], ...] = ((VALUES, VALUE_SCALES),) if half_keys else ((KEYS, KEY_SCALES),
+                                                                                      (VALUES, VALUE_SCALES))
+    coded = coded if quantized else ()
+    kinds = (KEYS, VALUES, POSITIONS, *(scales for _, scales in coded))
     expected_names = {TOKEN_IDS} | {tensor_name(kind, l) for l in range(layers) for kind in kinds}
     partial_keys = partial_keys or {}
     expected_names |= {tensor_name(PARTIAL_KEYS, l) for l in partial_keys}
@@ -377,9 +379,7 @@ def check_shapes(tensors: dict[str, torch.Tensor], signature: dict[str, str], st
         if half_keys and not bool(torch.isfinite(keys).all()):
             raise ChunkError(f"chunk keys of layer {layer} are malformed")
         if quantized:
-            for kind, scales in ((KEYS, KEY_SCALES), (VALUES, VALUE_SCALES)):
-                if half_keys and kind == KEYS:
-                    continue
+            for kind, scales in coded:
                 scale = tensors[tensor_name(scales, layer)]
                 if scale.shape != (heads, rows) or scale.dtype != _SCALE_DTYPE or not bool(torch.isfinite(scale).all()):
                     raise ChunkError(f"chunk {kind.upper()} scales of layer {layer} are malformed")
