@@ -109,12 +109,6 @@ def timed_reply(url: str, messages: list[dict], max_tokens: int = 8) -> TimedRep
                       tokens, rate)
 
 
-def _first_token(url: str, messages: list[dict]) -> tuple[float, str, int, int]:
-    """(seconds to the first streamed token, the reply, prompt tokens, prompt tokens actually read)."""
-    timed = timed_reply(url, messages)
-    return timed.first_s, timed.reply, timed.prompt, timed.read
-
-
 def _drop_from_page_cache(data_dir: Path) -> None:
     from .resume import evict_from_page_cache
 
@@ -127,14 +121,14 @@ def measure(context: int, text_dir: Path | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="api-bench-") as folder:
         data_dir = Path(folder)
         with _app(data_dir) as url:
-            first_s, reply, first_prompt, first_read = _first_token(url, messages)
+            first = timed_reply(url, messages)
         _drop_from_page_cache(data_dir)
-        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": FOLLOW_UP}]
+        messages += [{"role": "assistant", "content": first.reply}, {"role": "user", "content": FOLLOW_UP}]
         with _app(data_dir) as url:
-            again_s, _, again_prompt, again_read = _first_token(url, messages)
-    return {"first_prompt": first_prompt, "first_read": first_read, "first_ttft_s": first_s,
-            "continued_prompt": again_prompt, "continued_read": again_read, "continued_ttft_s": again_s,
-            "speedup": first_s / again_s}
+            again = timed_reply(url, messages)
+    return {"first_prompt": first.prompt, "first_read": first.read, "first_ttft_s": first.first_s,
+            "continued_prompt": again.prompt, "continued_read": again.read, "continued_ttft_s": again.first_s,
+            "speedup": first.first_s / again.first_s}
 
 
 COLUMNS = ("first_prompt", "first_read", "first_ttft_s", "continued_prompt", "continued_read", "continued_ttft_s",
