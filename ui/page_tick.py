@@ -197,4 +197,4 @@ class PageTick:
             resend = last.resend if isinstance(value, str) else name
         update.last_seen = replace(last, sent={**last.sent, name: digests[name]}, resend=resend,
                                    next_panel=(panels.PANELS.index(name) + 1) % count if not again else last.next_panel,
-                                   panels_pending=len([n for n in changed if n != name]) > 0 or resend is not None)
+                                   panels_pending=any(n != name for n in changed) or resend is not None)
