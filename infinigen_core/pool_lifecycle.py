@@ -9,7 +9,8 @@ them and when that changes:
 - shrinking (`capacity_after_release`): only when the rows in use fill under a quarter of the capacity, and
   then to twice what they need: after a shrink the pool must double before it grows again and fall to a
   quarter before it shrinks again, so edits near a conversation's end never reallocate;
-- a new `PoolStorage` is allocated for every change, the rows in use copied over; pinned memory that a
+- a new `PoolStorage` is allocated for every change, the rows in use copied over (host layers asked onto huge
+  pages first: huge_pages.py); pinned memory that a
   discarded pool held goes back to the system (`release_pinned_memory`), and after a shrink so do the free
   pages of the C heap (`return_freed_heap`).
 
@@ -25,6 +26,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from .huge_pages import advise_huge_pages
 
 # a pool shrinks when its capacity exceeds this many times what it holds (see CapacityRule)
 SHRINK_WHEN_USED_BELOW = 4
@@ -94,6 +97,9 @@ class PoolStorage:
         for layer in range(num_layers):
             keys = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
             values = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+            if not pin_memory:  # rows read by slot: on huge pages where the system has them (before any write)
+                advise_huge_pages(keys)
+                advise_huge_pages(values)
             if keep:
                 keys[:, :keep].copy_(keep_from.layers[layer].keys[:, :keep])
                 values[:, :keep].copy_(keep_from.layers[layer].values[:, :keep])
