@@ -123,6 +123,27 @@ def test_attend_rows_is_attention_over_the_gathered_rows(kernels):
         kernels.attend_rows(query, keys[:, :100], values[:, :100], rows, None, 0.2)
 
 
+@pytest.mark.parametrize("kv,group,dim", [(1, 4, 256), (3, 3, 64)])  # Gemma 3 270M's and SmolLM2's heads
+@pytest.mark.parametrize("repeated", [False, True])
+def test_attend_rows_visits_in_slot_order_what_the_rows_name(kernels, kv, group, dim, repeated):
+    """The kernel reads the rows in slot order, not in the order named: masked rows must stay out wherever they
+    sort to, and a slot named twice must weigh twice (as two gathered copies would), not once."""
+    torch.manual_seed(2)
+    keys, values, query = torch.randn(kv, 2000, dim), torch.randn(kv, 2000, dim), torch.randn(kv, group, dim)
+    rows = torch.stack([torch.randperm(2000)[:700] for _ in range(kv)])  # descending and ascending runs mixed
+    if repeated:
+        rows[:, 5] = rows[:, 9]
+        rows[:, 300] = rows[:, 9]
+    valid = torch.rand(700) < 0.6
+    valid[[5, 9, 300]] = True
+    out = kernels.attend_rows(query, keys, values, rows, valid, dim ** -0.5)
+    picked_keys = torch.stack([keys[h, rows[h]] for h in range(kv)]).unsqueeze(1)
+    picked_values = torch.stack([values[h, rows[h]] for h in range(kv)]).unsqueeze(1)
+    expected = F.scaled_dot_product_attention(query.unsqueeze(1), picked_keys, picked_values,
+                                              attn_mask=valid.view(1, -1), scale=dim ** -0.5)[:, 0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
 def _decode(engine, prompt, steps):
     engine.prefill(prompt)
     logits, token = [], prompt[-1]

@@ -127,41 +127,44 @@ inline void add_scaled(float* out, const at::Half* row, int64_t n, float q) {
   for (; j < n; ++j) out[j] += q * static_cast<float>(row[j]);
 }
 
-// The logits of a block's slots for a query group of G <= 8 heads, 32 slots at a time: the chunk's G x 32
-// sums stay in registers over every channel, and each channel's 32 keys (one cache line in float16) are read
+// The logits of a block's slots for a query group of G <= 8 heads, 32 or 64 slots at a time: the chunk's sums
+// stay in registers over every channel, and each channel's 32 or 64 keys (one or two cache lines) are read
 // and widened once for the whole group, where `add_scaled` reads and writes the sums in memory once per
 // head and channel. The same products, added in the same channel order: the same logits, bit for bit. The
 // channels' rows lie a whole cache apart, too many streams for the hardware prefetcher: each is asked for
-// 512 bytes ahead. Returns where it stopped (a tail of under 32 slots, or 0 without AVX-512 or for G > 8).
+// 512 bytes ahead. Returns where it stopped (a tail of under a chunk, or 0 without AVX-512 or for G > 8).
 #if defined(__AVX512F__)
 inline __m512 load_wide(const float* row) { return _mm512_loadu_ps(row); }
 inline __m512 load_wide(const at::Half* row) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
 }
 
-template <int G, typename Key>
+// V vectors of 16 slots per chunk: G x V sums in registers (at most 16 of the 32), each channel's V x 16 keys
+// read as one run: V = 4 for groups of up to 4 heads (two cache lines of float16 keys per channel and visit,
+// 0.77-0.84x the time of one line at Gemma 3's 32k shapes, docs/BENCHMARKS.md), V = 2 for larger groups
+template <int G, int V, typename Key>
 int64_t block_logits_in_registers(float* acc, const float* q, const Key* keys, int64_t channel_stride, int64_t r,
                                   int64_t n) {
+  constexpr int64_t width = 16 * V;
+  constexpr int64_t line_floats = 64 / sizeof(Key);
   int64_t j = 0;
-  for (; j + 32 <= n; j += 32) {
-    __m512 sums[G][2];
-    for (int g = 0; g < G; ++g) sums[g][0] = sums[g][1] = _mm512_setzero_ps();
+  for (; j + width <= n; j += width) {
+    __m512 sums[G][V];
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < V; ++v) sums[g][v] = _mm512_setzero_ps();
     for (int64_t c = 0; c < r; ++c) {
       const Key* row = keys + c * channel_stride + j;
       const char* ahead = reinterpret_cast<const char*>(row) + 512;
-      __builtin_prefetch(ahead);
-      if (sizeof(Key) == 4) __builtin_prefetch(ahead + 64);  // 32 float keys span two lines
-      const __m512 low = load_wide(row), high = load_wide(row + 16);
+      for (int64_t l = 0; l < width / line_floats; ++l) __builtin_prefetch(ahead + 64 * l);
+      __m512 wide[V];
+      for (int v = 0; v < V; ++v) wide[v] = load_wide(row + 16 * v);
       for (int g = 0; g < G; ++g) {
         const __m512 weight = _mm512_set1_ps(q[g * r + c]);
-        sums[g][0] = _mm512_fmadd_ps(weight, low, sums[g][0]);
-        sums[g][1] = _mm512_fmadd_ps(weight, high, sums[g][1]);
+        for (int v = 0; v < V; ++v) sums[g][v] = _mm512_fmadd_ps(weight, wide[v], sums[g][v]);
       }
     }
-    for (int g = 0; g < G; ++g) {
-      _mm512_storeu_ps(acc + g * kSlotBlock + j, sums[g][0]);
-      _mm512_storeu_ps(acc + g * kSlotBlock + j + 16, sums[g][1]);
-    }
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + g * kSlotBlock + j + 16 * v, sums[g][v]);
   }
   return j;
 }
@@ -170,14 +173,14 @@ template <typename Key>
 int64_t block_logits(float* acc, const float* q, const Key* keys, int64_t channel_stride, int64_t r, int64_t n,
                      int64_t group) {
   switch (group) {
-    case 1: return block_logits_in_registers<1>(acc, q, keys, channel_stride, r, n);
-    case 2: return block_logits_in_registers<2>(acc, q, keys, channel_stride, r, n);
-    case 3: return block_logits_in_registers<3>(acc, q, keys, channel_stride, r, n);
-    case 4: return block_logits_in_registers<4>(acc, q, keys, channel_stride, r, n);
-    case 5: return block_logits_in_registers<5>(acc, q, keys, channel_stride, r, n);
-    case 6: return block_logits_in_registers<6>(acc, q, keys, channel_stride, r, n);
-    case 7: return block_logits_in_registers<7>(acc, q, keys, channel_stride, r, n);
-    case 8: return block_logits_in_registers<8>(acc, q, keys, channel_stride, r, n);
+    case 1: return block_logits_in_registers<1, 4>(acc, q, keys, channel_stride, r, n);
+    case 2: return block_logits_in_registers<2, 4>(acc, q, keys, channel_stride, r, n);
+    case 3: return block_logits_in_registers<3, 4>(acc, q, keys, channel_stride, r, n);
+    case 4: return block_logits_in_registers<4, 4>(acc, q, keys, channel_stride, r, n);
+    case 5: return block_logits_in_registers<5, 2>(acc, q, keys, channel_stride, r, n);
+    case 6: return block_logits_in_registers<6, 2>(acc, q, keys, channel_stride, r, n);
+    case 7: return block_logits_in_registers<7, 2>(acc, q, keys, channel_stride, r, n);
+    case 8: return block_logits_in_registers<8, 2>(acc, q, keys, channel_stride, r, n);
     default: return 0;
   }
 }
@@ -348,6 +351,37 @@ inline void prefetch_row(const float* row, int64_t dim) {
   for (int64_t j = 0; j < dim; j += 16) __builtin_prefetch(row + j);
 }
 
+// Rows of at least this many bytes are read in slot order (below: in the order named). Measured at one thread
+// (docs/BENCHMARKS.md): 1 KB rows (Gemma 3 270M, 256 channels) took 0.88-0.92x the time in slot order, 256-byte
+// rows (SmolLM2, 64 channels) 1.00-1.09x, the hardware prefetcher fetching the gaps between short rows.
+constexpr int64_t kSortedRowBytes = 1024;
+
+// The slots one KV head attends to, masked rows left out; for rows of kSortedRowBytes or more in ascending
+// order: read in the order they lie in the pool, consecutive rows share pages (and their translations) and the
+// hardware prefetcher follows the stream, where the selection's order jumps about the layer. The order does not
+// change what attention computes, only the rounding of its sums. A slot named twice keeps the given order, both
+// times (as the rows were given).
+void visiting_order(const int64_t* slot, int64_t m, const bool* use, int64_t slot_count, bool sort,
+                    std::vector<uint64_t>& seen, int64_t* out) {
+  seen.assign(sort ? (slot_count + 63) / 64 : 0, 0);
+  bool as_named = !sort;  // short rows, or a slot named twice
+  for (int64_t i = 0; i < m && sort; ++i) {
+    if (use != nullptr && !use[i]) continue;
+    const uint64_t bit = uint64_t{1} << (slot[i] & 63);
+    uint64_t& word = seen[slot[i] >> 6];
+    as_named |= (word & bit) != 0;
+    word |= bit;
+  }
+  int64_t n = 0;
+  if (as_named) {
+    for (int64_t i = 0; i < m; ++i)
+      if (use == nullptr || use[i]) out[n++] = slot[i];
+    return;
+  }
+  for (int64_t w = 0; w < static_cast<int64_t>(seen.size()); ++w)
+    for (uint64_t word = seen[w]; word != 0; word &= word - 1) out[n++] = w * 64 + __builtin_ctzll(word);
+}
+
 at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                        const at::Tensor& rows, const c10::optional<at::Tensor>& valid, double scale) {
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && values.dim() == 3 && rows.dim() == 2, "bad ranks");
@@ -369,8 +403,16 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at
   }
   const int64_t* row_all = row_contig.data_ptr<int64_t>();
   for (int64_t i = 0; i < kv * m; ++i) TORCH_CHECK(0 <= row_all[i] && row_all[i] < slot_count, "slot out of range");
+  const int64_t used = use == nullptr ? m : std::count(use, use + m, true);  // rows attended, the same per head
+  TORCH_CHECK(used > 0, "attend_rows: every row of a head is masked");
+  std::vector<int64_t> order(kv * used);
+  {
+    std::vector<uint64_t> seen;
+    const bool sort = dim * static_cast<int64_t>(sizeof(float)) >= kSortedRowBytes;
+    for (int64_t h = 0; h < kv; ++h) visiting_order(row_all + h * m, m, use, slot_count, sort, seen, &order[h * used]);
+  }
 
-  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
+  const int64_t chunks = (used + kRowChunk - 1) / kRowChunk;
   std::vector<float> peaks(kv * chunks * group), sums(kv * chunks * group), partial(kv * chunks * group * dim);
   const float* q_all = q_contig.data_ptr<float>();
   const float* k_all = keys.data_ptr<float>();
@@ -379,9 +421,9 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at
   at::parallel_for(0, kv * chunks, 1, [&](int64_t begin, int64_t end) {
     float weights[kMaxGroup][kRowChunk];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / chunks, r0 = (task % chunks) * kRowChunk, n = std::min(kRowChunk, m - r0);
+      const int64_t h = task / chunks, r0 = (task % chunks) * kRowChunk, n = std::min(kRowChunk, used - r0);
       const float* q = q_all + h * group * dim;
-      const int64_t* slot = row_all + h * m + r0;
+      const int64_t* slot = &order[h * used + r0];
       const float* head_keys = k_all + h * head_stride;
       const float* head_values = v_all + h * head_stride;
       float* peak = &peaks[task * group];
@@ -389,24 +431,21 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at
       std::fill(peak, peak + group, kNegInf);
       for (int64_t i = 0; i < n; ++i) {
         if (i + kPrefetchRows < n) prefetch_row(head_keys + slot[i + kPrefetchRows] * row_stride, dim);
-        const bool kept = use == nullptr || use[r0 + i];
         const float* key = head_keys + slot[i] * row_stride;
         for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q + g * dim;
-          weights[g][i] = kept ? dot(qg, key, dim) * s : kNegInf;
+          weights[g][i] = dot(q + g * dim, key, dim) * s;
           peak[g] = std::max(peak[g], weights[g][i]);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
         const float top = peak[g];
-        for (int64_t i = 0; i < n; ++i)  // a masked row (-inf) weighs 0, as does every row of an all-masked chunk
+        for (int64_t i = 0; i < n; ++i)  // a row whose logit is -inf weighs 0, as does every row of such a chunk
           weights[g][i] = top == kNegInf || weights[g][i] == kNegInf ? 0.0f : exp_nonpositive(weights[g][i] - top);
         sums[task * group + g] = sum_of(weights[g], n);
       }
       std::fill(acc, acc + group * dim, 0.0f);
       for (int64_t i = 0; i < n; ++i) {
         if (i + kPrefetchRows < n) prefetch_row(head_values + slot[i + kPrefetchRows] * row_stride, dim);
-        if (use != nullptr && !use[r0 + i]) continue;
         const float* value = head_values + slot[i] * row_stride;
         for (int64_t g = 0; g < group; ++g) {
           const float w = weights[g][i];
