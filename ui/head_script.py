@@ -12,9 +12,19 @@ open (docs/BENCHMARKS.md, "The page open while a reply decodes").
 The tracker's module keeps its own reference to requestAnimationFrame, taken when the module loads, so the
 patch has to be in place before any of Gradio's modules: Gradio's `head=` is added by its own script, too
 late. A frame asked for from the tracker's module (its file is named statustracker-<hash>.js) comes after a
-quarter of a second instead; the elapsed seconds it shows still count, 4 times a second. Every other frame
-is the browser's own. Where a later Gradio names the file otherwise, nothing changes but the cost of the
+second instead; the elapsed seconds it shows still count, once a second. Every other frame is the browser's
+own, but for one loop more (next paragraph). Where a later Gradio names the file otherwise, nothing changes but the cost of the
 loop.
+
+The same goes for the loader, Gradio's animated logo over an output while its event is pending with
+show_progress="full": it moves by springs that Svelte steps in an animation loop of its own (one loop for the
+whole page, each step asking for the next frame), and the page's first loader, over the whole app while it
+loads, goes on springing for about eight seconds after it is gone: 25-45 frames a second, in the very seconds
+in which a user's first message decodes. Frames for that loop are deferred likewise while no loader or
+progress bar is in the document; once one is, they come at every display frame again. (In Gradio 6 the status
+trackers' springs are the loop's only users on this page. The page-load event and the sidebar refresh after
+each event show no loader at all: they take milliseconds. Chromium over seconds 1-9 after the page is ready, three pages each:
+0.116 -> 0.095 of a core; docs/BENCHMARKS.md.)
 
 It also makes the login page say why a login was refused. Gradio 6's login form posts the user name and key to
 /login with `fetch` and reacts to two answers only: 400 ("Incorrect Credentials") and 200 (it reloads). This
@@ -34,10 +44,15 @@ import re
 
 THROTTLED_FRAME_MS = 1000
 
+# Gradio's loader (its logo, drawn while an event with show_progress="full" is pending) and its progress bar
+LOADER_SHOWN = 'svg[viewBox="-1200 -1200 3000 3000"], .eta-bar'
+
 SLOW_STATUS_TRACKER_FRAMES = f"""(() => {{
   const nextFrame = window.requestAnimationFrame.bind(window);
+  const loaderShown = () => document.querySelector('{LOADER_SHOWN}') !== null;
   window.requestAnimationFrame = function (callback) {{
-    if ((new Error().stack || "").includes("statustracker")) {{
+    const stack = new Error().stack || "";
+    if (stack.includes("statustracker") || (stack.includes("at Object.tick") && !loaderShown())) {{
       return window.setTimeout(() => callback(performance.now()), {THROTTLED_FRAME_MS});
     }}
     return nextFrame(callback);

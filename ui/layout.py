@@ -231,10 +231,13 @@ class ChatPage:
 
     # ---------------------------------------------------------------- events
     def _then_refresh(self, event, **options):
-        """After `event`, the sidebar shows the sessions as they are now, and the status line the app's state."""
+        """After `event`, the sidebar shows the sessions as they are now, and the status line the app's state.
+        Without progress animations: the refresh takes milliseconds, and Gradio's loader over each of its seven
+        outputs springs on for seconds after it has gone (ui/head_script.py)."""
         return event.then(self.actions.refresh_sessions, None, [self.session_picker, self.title_box,
                                                                 self.system_box, self.session_info, self.status,
-                                                                self.file_chat_button, self.context_meter], **options)
+                                                                self.file_chat_button, self.context_meter],
+                          show_progress="hidden", **options)
 
     def _bind(self, demo: gr.Blocks) -> None:
         # scripts and tests (gradio_client, logged in with the key when the app has one) may call the events
@@ -302,4 +305,4 @@ class ChatPage:
         self.status_button.click(act.app_status, None, self.sessions_json, api_name="status")
         self.list_button.click(act.list_sessions, None, self.sessions_json, api_name="list_sessions")
         self.search_api_button.click(act.search, self.search_api, self.sessions_json, api_name="search")
-        self._then_refresh(demo.load(act.history, None, self.chatbot, **hidden), **hidden)
+        self._then_refresh(demo.load(act.history, None, self.chatbot, **quiet), **hidden)
