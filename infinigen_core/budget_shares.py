@@ -78,7 +78,7 @@ def layer_shares(curves: Mapping[int, torch.Tensor], budget: float) -> dict[int,
         if best < 0:
             break
         chosen[best] += 1
-    return {layer: low + SHARE_STEP * step for layer, step in zip(layers, chosen)}
+    return {layer: round(low + SHARE_STEP * step, 4) for layer, step in zip(layers, chosen)}
 
 
 def _interpolate(grid: torch.Tensor, values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
