@@ -35,6 +35,8 @@ def _base_config(args, engine=None) -> EngineConfig:
     """The settings given on the command line (checked before the model loads); with the loaded `engine`, its
     model family's defaults (config.FAMILY_DEFAULTS) in every setting left unset."""
     config, chosen = engine_settings(args)
+    if getattr(args, "uniform_budget", False):
+        config = config.with_changes(budget_by_layer=False)
     if engine is None:
         return config
     from infinigen_core.loading import settings_for_model
@@ -53,6 +55,9 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
     if policies is not None:
         parser.add_argument("--policies", default=policies, help=f"comma-separated (default {policies})")
     add_setting_flags(parser)
+    parser.add_argument("--uniform-budget", action="store_true",
+                        help="every sparse layer fetches the same share of its KV (default: InfiniGen spreads the "
+                             "budget over the layers by how flat their attention was at calibration)")
     add_model_flags(parser, device_default="cpu", quantize=False)
     _output_flags(parser)
 

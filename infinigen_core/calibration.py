@@ -2,7 +2,8 @@
 
 Runs the model once, densely, with a recording attention function swapped in for the duration. What is
 recorded is what each layer's attention receives, so every family's own projection, norms and positional
-encoding are in it: a layer without RoPE (SmolLM3's NoPE layers) is skewed without it.
+encoding are in it: a layer without RoPE (SmolLM3's NoPE layers) is skewed without it. The same record gives
+each layer's attention curve (budget_shares.py), how flat its attention is.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask
 
 from .arch import ModelAdapter
+from .budget_shares import attention_curve
 from .skew import SkewSet, skew_from_states
 
 RECORDING_ATTENTION = "infinigen_calibration"
@@ -64,10 +66,11 @@ def calibrate(model: torch.nn.Module, token_ids: list[int], device: str | torch.
         )
     finally:
         model.set_attn_implementation(previous)
-    skews, scores = [], []
+    skews, scores, curves = [], [], []
     for layer in range(adapter.num_layers):
         queries, keys = recorder[layer]
         skew, score = skew_from_states(queries, keys, adapter.group_size)
         skews.append(skew)
         scores.append(score)
-    return SkewSet(tuple(skews), tuple(scores))
+        curves.append(attention_curve(queries, keys, adapter.group_size, adapter.logit_scale, adapter.softcap))
+    return SkewSet(tuple(skews), tuple(scores), tuple(curves))

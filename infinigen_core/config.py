@@ -61,6 +61,9 @@ class EngineConfig:
         layer's own query. None (the default): ahead only where the pool is apart from the compute device,
         since where they share memory nothing is fetched and the own query is the true one; True rehearses
         ahead on the CPU too (to compare it with the GPU path).
+    budget_by_layer: InfiniGen spreads a fractional budget over its sparse layers by how flat each layer's
+        attention was at calibration (budget_shares.py): a flat layer fetches more, a peaked one less, all of
+        them together no more than the uniform budget; False gives every sparse layer the same budget.
     """
 
     policy: str = "infinigen"
@@ -81,6 +84,7 @@ class EngineConfig:
     selected_rows_cache: int = 0
     zero_copy_fetch: bool = True
     selects_ahead: bool | None = None
+    budget_by_layer: bool = True
 
     def __post_init__(self) -> None:
         if self.selects_ahead not in (None, True, False):
@@ -121,6 +125,8 @@ class EngineConfig:
         if self.selected_rows_cache < 0 or self.selected_rows_cache != int(self.selected_rows_cache):
             raise ConfigError(f"selected_rows_cache must be a whole number of rows >= 0 (0: off), got "
                               f"{self.selected_rows_cache}")
+        if not isinstance(self.budget_by_layer, bool):
+            raise ConfigError(f"budget_by_layer must be True or False, got {self.budget_by_layer!r}")
         if not isinstance(self.zero_copy_fetch, bool):
             raise ConfigError(f"zero_copy_fetch must be True or False, got {self.zero_copy_fetch!r}")
 

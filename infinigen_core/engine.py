@@ -155,7 +155,7 @@ class InfiniGenEngine(SessionRows):
         self.attention = PoolAttention(self.pool, self.adapter, self.policy, self.device, self.kernels)
         if self.fetcher is not None:
             self.fetcher.close()
-        self.fetcher = make_fetcher(self.pool, self.device, max_rows=config.budget_tokens_for(self.max_context) + 1,
+        self.fetcher = make_fetcher(self.pool, self.device, max_rows=self.policy.max_rows_for(self.max_context) + 1,
                                     rows_in_place=self.kernels is not None, zero_copy=config.zero_copy_fetch,
                                     keep=DeviceKeeping.for_policy(self.policy, self.adapter, config))
         self.work = LayerWork(self.pool, self.policy, self.fetcher, self.attention, self.adapter, config)

@@ -6,7 +6,8 @@ eigenvectors of QᵀQ), A = V is orthogonal, so
 head are the columns with the largest mean |QA| + |KA|; only they enter the speculation.
 
 The matrices depend on the model alone, so they are computed once and cached on disk under the model's
-fingerprint; the channel scores are stored too, so any partial ratio can be derived without recalibrating.
+fingerprint; the channel scores are stored too, so any partial ratio can be derived without recalibrating,
+and each layer's attention curve (budget_shares.py), from which any budget is spread over the layers.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-SKEW_FORMAT_VERSION = "1"
+SKEW_FORMAT_VERSION = "2"  # 2: with the attention curves
 
 
 @dataclass(frozen=True)
 class SkewSet:
-    """Per layer: skew [kv_heads, dim, dim] and channel scores [kv_heads, dim]."""
+    """Per layer: skew [kv_heads, dim, dim], channel scores [kv_heads, dim] and attention curve
+    [len(budget_shares.CURVE_FRACTIONS)] (None: not measured, and every layer gets the uniform budget)."""
 
     skews: tuple[torch.Tensor, ...]
     channel_scores: tuple[torch.Tensor, ...]
+    attention_curves: tuple[torch.Tensor, ...] | None = None
 
     def partial_projection(self, layer: int, partial_ratio: float) -> torch.Tensor:
         """[kv_heads, dim, r]: the skew columns of the r strongest channels of each KV head."""
@@ -65,6 +68,8 @@ def save_skew(path: Path, skew_set: SkewSet, meta: dict[str, str]) -> None:
     for layer, (skew, score) in enumerate(zip(skew_set.skews, skew_set.channel_scores)):
         tensors[f"skew.{layer}"] = skew.contiguous()
         tensors[f"scores.{layer}"] = score.contiguous()
+    for layer, curve in enumerate(skew_set.attention_curves or ()):
+        tensors[f"curve.{layer}"] = curve.contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={**meta, "format": SKEW_FORMAT_VERSION})
@@ -72,16 +77,18 @@ def save_skew(path: Path, skew_set: SkewSet, meta: dict[str, str]) -> None:
 
 
 def load_skew(path: Path, num_layers: int) -> SkewSet | None:
-    """The cached skew set, or None when the file is missing, foreign or damaged."""
+    """The cached skew set, or None when the file is missing, foreign, damaged or from before the attention
+    curves (format 1: calibrated again, once)."""
     try:
         tensors = load_file(str(path))
         skews = tuple(tensors[f"skew.{layer}"] for layer in range(num_layers))
         scores = tuple(tensors[f"scores.{layer}"] for layer in range(num_layers))
+        curves = tuple(tensors[f"curve.{layer}"] for layer in range(num_layers))
     except (OSError, KeyError, ValueError, RuntimeError, SafetensorError):
         return None
-    if any(not torch.isfinite(s).all() for s in skews):
+    if any(not torch.isfinite(t).all() for t in skews + curves):
         return None
-    return SkewSet(skews, scores)
+    return SkewSet(skews, scores, curves)
 
 
 def is_orthogonal(matrix: torch.Tensor, tol: float = 1e-4) -> bool:

@@ -175,8 +175,10 @@ class LayerWork:
         """After the step's forward: the selected positions (after eviction), then one stacked,
         non-blocking copy to the host of what the layers left on the device (alpha counts)."""
         if step.selected_slots:  # before the next reserve, which may give those slots to new tokens
-            slots = torch.stack([layer_slots for _, _, layer_slots in step.selected_slots]).to(self.pool.device)
-            for (stats, layer, _), layer_slots in zip(step.selected_slots, slots):
+            # one copy for every layer; a layer's share of the budget sets its width (budget_shares.py)
+            widths = [layer_slots.shape[1] for _, _, layer_slots in step.selected_slots]
+            slots = torch.cat([layer_slots for _, _, layer_slots in step.selected_slots], dim=1).to(self.pool.device)
+            for (stats, layer, _), layer_slots in zip(step.selected_slots, slots.split(widths, dim=1)):
                 stats.selected_positions = self.pool.positions(layer)[layer_slots]
         if step.device_values:
             values = torch.stack([value for _, value in step.device_values]).double()

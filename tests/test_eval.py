@@ -92,7 +92,10 @@ def test_recall_is_complete_when_everything_is_fetched_and_partial_otherwise(tin
                                   configs("infinigen", budget=1.0, alpha=1e9, dense_under_budget=False))
     assert sorted(everything["infinigen"]["per_layer"]) == [2, 3]  # the sparse layers only
     assert everything["infinigen"]["recall"] == pytest.approx(1.0, abs=1e-4)
-    small = attention_recall(tiny_engine, ids[:PREFILL], ids[PREFILL:], configs("streaming", "infinigen", budget=0.1, alpha=1e9))
+    # one budget for every layer: a random model's attention curves are noise, and spreading by them only
+    # moves rows between its two sparse layers (budget_shares.py), which is not what this compares
+    small = attention_recall(tiny_engine, ids[:PREFILL], ids[PREFILL:],
+                             configs("streaming", "infinigen", budget=0.1, alpha=1e9, budget_by_layer=False))
     for name in ("streaming", "infinigen"):
         assert 0 < small[name]["recall"] < 0.95
     # the sink+recent window misses what a random model attends to; speculation finds more of it

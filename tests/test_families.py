@@ -251,14 +251,16 @@ def test_a_nope_layer_is_calibrated_without_rope():
 
 
 def _calibrate_at(model, tokens, first_position):
-    from infinigen_core import calibration
+    forward = model.forward
 
-    original = torch.arange
-    try:  # calibration numbers positions from 0: shift them for this one call
-        calibration.torch.arange = lambda n, **kw: original(first_position, first_position + n, **kw)
+    def shifted(*args, position_ids, **kwargs):  # calibration numbers positions from 0: shift them for this call
+        return forward(*args, position_ids=position_ids + first_position, **kwargs)
+
+    model.forward = shifted
+    try:
         return calibrate(model, tokens)
     finally:
-        calibration.torch.arange = original
+        del model.forward
 
 
 def test_an_unknown_family_is_refused_with_the_supported_list():

@@ -51,10 +51,11 @@ def test_a_global_layer_picks_the_true_top_k_of_its_own_query(gemma_with_distinc
     keys = engine.pool.keys(TARGET).to(engine.device)[0]  # one KV head, [slots, dim]
     is_past = engine.pool.positions(TARGET).to(engine.device) < position
     logits = (query[:, 0] @ keys.T * engine.adapter.logit_scale).masked_fill(~is_past, float("-inf"))
-    expected = set(torch.softmax(logits, -1).sum(0).topk(15).indices.tolist())  # 10% of 150 past tokens
+    rows = engine.policy.budget_for(TARGET, position)  # the layer's share of 10% of 150 past tokens
+    expected = set(torch.softmax(logits, -1).sum(0).topk(rows).indices.tolist())
     selected = {stats.layer: stats.selected_positions for stats in engine.history[-1].sparse_layers()}
     ahead = engine.policy.speculate(SOURCE, *captured[SOURCE], torch.tensor([position]), past_len=position)
     engine.close()
-    assert sorted(selected) == [2, 3] and selected[TARGET].shape == (1, 15)
+    assert sorted(selected) == [2, 3] and selected[TARGET].shape == (1, rows)
     assert set(selected[TARGET][0].tolist()) == expected
     assert set(ahead.slots[0].tolist()) != expected  # the case tells the two apart

@@ -40,8 +40,10 @@ def test_a_selecting_layer_on_one_device_picks_the_true_top_k_of_its_own_query(t
         is_past = engine.pool.positions(layer).to(engine.device) < position
         logits = torch.einsum("hd,hsd->hs", query[0, :, 0], keys.repeat_interleave(2, dim=0)) / math.sqrt(16)
         weight = torch.softmax(logits.masked_fill(~is_past, float("-inf")), -1).view(2, 2, -1).sum(1)
+        rows = engine.policy.budget_for(layer, position)  # its share of the 10% budget (budget_shares.py)
+        assert selected[layer].shape[1] == rows
         for kv in range(2):
-            assert set(selected[layer][kv].tolist()) == set(weight[kv].topk(15).indices.tolist()), (layer, kv)
+            assert set(selected[layer][kv].tolist()) == set(weight[kv].topk(rows).indices.tolist()), (layer, kv)
     engine.close()
 
 

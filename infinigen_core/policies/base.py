@@ -65,6 +65,16 @@ class KVPolicy:
     def is_sparse(self, layer: int) -> bool:
         return selects_rows(layer, self.config.dense_layers, self.ctx.adapter.is_global(layer))
 
+    def budget_for(self, layer: int, past_len: int) -> int:
+        """The rows a sparse `layer` may fetch over a past of `past_len` tokens: the config's budget, the same in
+        every layer unless the policy spreads it (InfiniGen, budget_shares.py)."""
+        return self.config.budget_tokens_for(past_len)
+
+    def max_rows_for(self, context: int) -> int:
+        """The most rows any sparse layer fetches over a past of `context` tokens (what fetch buffers hold)."""
+        layers = [layer for layer in range(self.ctx.adapter.num_layers) if self.is_sparse(layer)]
+        return max((self.budget_for(layer, context) for layer in layers), default=self.config.budget_tokens_for(context))
+
     def speculate(self, layer: int, hidden_states, position_embeddings, positions: torch.Tensor, past_len: int,
                   new_slots: torch.Tensor | None) -> Selection | None:
         """Called before `layer` attends, during decoding, when layer + 1 is sparse: may choose its slots now

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..budget_shares import layer_shares
 from .base import KVPolicy, Selection
 
 
@@ -58,6 +59,7 @@ class InfiniGenPolicy(KVPolicy):
         # every sparse layer's key projection in one batch: a decode step's new partial keys are one product
         self._stacked_key_projections = (torch.cat([self.key_projections[layer] for layer in self.sparse_layers])
                                          if self.sparse_layers else None)
+        self.budget_shares = self._budget_shares()  # {sparse layer: multiple of the uniform budget}, {}: uniform
         self._digests = {layer: projection_digest(ctx.skew_set.partial_projection(layer, self.config.partial_ratio))
                          for layer in self.sparse_layers}
         self._partial_all: torch.Tensor | None = None  # [sparse layers, kv_heads, r, capacity]
@@ -65,6 +67,22 @@ class InfiniGenPolicy(KVPolicy):
         self._pending_keys: list[torch.Tensor] = []  # this step's new keys, written in one go at its end
         self._rank_thresholds = torch.empty(1, 0, dtype=torch.int64, device=device)
         self.rebuild()
+
+    def _budget_shares(self) -> dict[int, float]:
+        """Each sparse layer's multiple of a fractional budget, from the calibrated attention curves (a flat
+        layer reads more, a peaked one less, their mean at most 1); {} (uniform) for a token budget, with
+        `budget_by_layer` off, or a skew set calibrated without curves."""
+        curves = self.ctx.skew_set.attention_curves
+        if not self.config.budget_by_layer or self.config.budget_is_tokens or curves is None:
+            return {}
+        return layer_shares({layer: curves[layer] for layer in self.sparse_layers}, self.config.budget)
+
+    def budget_for(self, layer: int, past_len: int) -> int:
+        """The uniform budget (its floor included) times the layer's share, rounded down (so the layers together
+        never fetch more than the uniform budget would), at least 1 and at most the past."""
+        rows = self.config.budget_tokens_for(past_len)
+        share = self.budget_shares.get(layer)
+        return rows if share is None else max(1, min(past_len, int(share * rows + 1e-9)))
 
     # ---------------------------------------------------------------- partial key cache
     # Stored channel-major, [kv_heads, r, capacity]: the score product then reads a plain strided slice
@@ -257,7 +275,7 @@ class InfiniGenPolicy(KVPolicy):
     def _select_partial(self, target, partial_query, past_len, new_slots, started: float) -> Selection:
         """The top-k slots of `target` for a partial, skewed, scaled query [kv_heads, group, r]."""
         kernels = self.ctx.kernels
-        k = self.config.budget_tokens_for(past_len)
+        k = self.budget_for(target, past_len)
         if (kernels is not None and new_slots is None and self.ctx.adapter.softcap is None and k <= past_len
                 and partial_query.dtype == torch.float32 and kernels.fit(partial_query.shape[1], 0)):
             # the CPU's one-pass kernel: the same logits, mask and top-k as below, without a dozen eager ops
