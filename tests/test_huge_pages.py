@@ -58,3 +58,19 @@ def test_the_pool_layers_are_advised_and_keep_their_rows_when_they_grow():
         assert "hg" in _vm_flags(_first_whole_huge_page(keys))
         assert "hg" in _vm_flags(_first_whole_huge_page(values))
         assert torch.equal(keys[:, :3], rows) and torch.equal(values[:, :3], -rows)
+
+
+
+@linux_only
+def test_infinigens_partial_keys_are_advised_and_kept_when_they_grow(tiny_llama):
+    from conftest import make_tiny_engine, random_tokens
+
+    engine = make_tiny_engine(tiny_llama, policy="infinigen", budget=0.5)
+    engine.prefill(random_tokens(40, seed=3))
+    policy = engine.policy
+    layer = policy.sparse_layers[0]
+    before = policy.partial_keys_t[layer][..., :40].clone()
+    policy.ensure_capacity(1 << 17)  # a cache of several MB: advised before its first write, the slots copied
+    assert "hg" in _vm_flags(_first_whole_huge_page(policy._partial_all))
+    assert torch.equal(policy.partial_keys_t[layer][..., :40], before) and before.abs().sum() > 0
+    assert not policy.partial_keys_t[layer][..., 40:].any()

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from ..budget_shares import layer_shares
+from ..huge_pages import advise_huge_pages
 from .base import KVPolicy, Selection
 
 
@@ -91,8 +92,10 @@ class InfiniGenPolicy(KVPolicy):
         cache = self._partial_all
         if self.sparse_layers and (cache is None or cache.shape[3] < capacity):
             projection = self.key_projections[self.sparse_layers[0]]
-            bigger = torch.zeros(len(self.sparse_layers), projection.shape[0], projection.shape[2], capacity,
+            bigger = torch.empty(len(self.sparse_layers), projection.shape[0], projection.shape[2], capacity,
                                  device=projection.device, dtype=self.partial_store_dtype)
+            advise_huge_pages(bigger)  # the selection reads every slot's partial key: fewer page walks
+            bigger.zero_()
             if cache is not None:
                 bigger[..., : cache.shape[3]] = cache
             self._partial_all = bigger
