@@ -147,7 +147,7 @@ class SettingsKeeper:
         engine.family_defaults = _with_family_defaults(wanted, engine, self.current.chosen)[1]
         # only the tunable settings the user did not choose move; the policy and the rest stay as loaded
         follows = [name for name in _SHOWN if name not in self.current.chosen]
-        follows += ["budget_is_tokens"] if "budget" in follows else []
+        follows += ["budget_is_tokens", "budget_by_layer"] if "budget" in follows else []  # how it is read too
         config = engine.config.with_changes(**{name: getattr(wanted, name) for name in follows})
         if config != engine.config:
             engine.configure(config)

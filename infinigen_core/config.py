@@ -182,12 +182,14 @@ class FamilyDefaults:
 
     model_types: the `model_type` values of the family's configs (read from the loaded model, never its path).
     settings: (name, value) pairs, names from TUNABLE_SETTINGS, values EngineConfig accepts (checked here).
+    spreads_budget: False where the family reads its budget uniformly (EngineConfig.budget_by_layer off).
     """
 
     label: str
     model_types: tuple[str, ...]
     settings: tuple[tuple[str, float], ...]
     evidence: str
+    spreads_budget: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_types:
@@ -205,8 +207,9 @@ class FamilyDefaults:
 FAMILY_DEFAULTS: tuple[FamilyDefaults, ...] = (
     FamilyDefaults(
         "Gemma 3", ("gemma3_text", "gemma3"), (("partial_ratio", 1.0), ("budget", 0.1)),
-        "on gemma-3-270m, 0.1% from full's perplexity at 4k tokens, +2.75% at the general defaults "
-        "(docs/BENCHMARKS.md, Gemma 3 270M)"),
+        "on gemma-3-270m, 0.1% from full's perplexity at 4k tokens, +2.75% at the general defaults; at 16k "
+        "+0.79% with the budget uniform over its global layers, +1.09% spread (docs/BENCHMARKS.md, Gemma 3 270M)",
+        spreads_budget=False),
 )
 
 
@@ -234,10 +237,12 @@ class AppliedDefaults:
     family: FamilyDefaults
     applied: tuple[tuple[str, float], ...]
     kept: tuple[str, ...]  # the family's settings the user had chosen: theirs won
+    uniform_budget: bool = False  # the family's budget read uniformly over the layers (FamilyDefaults.spreads_budget)
 
     def describe(self) -> str:
         """'Gemma 3 defaults: partial ratio 1, budget 0.1 (why)'; the user's choices that won are named."""
-        given = ", ".join(f"{SETTING_LABELS[name]} {value:g}" for name, value in self.applied)
+        given = ", ".join([f"{SETTING_LABELS[name]} {value:g}" for name, value in self.applied]
+                          + (["the budget uniform over the layers"] if self.uniform_budget else []))
         kept = ", ".join(SETTING_LABELS[name] for name in self.kept)
         text = f"{self.family.label} defaults: {given or 'none applied'}"
         text += f"; yours kept: {kept}" if kept else ""
@@ -258,8 +263,11 @@ def with_family_defaults(config: EngineConfig, model_type: str | None,
     changes: dict = dict(applied)
     if "budget" in changes:
         changes["budget_is_tokens"] = False  # a family's budget is a fraction
+    uniform = not family.spreads_budget and "budget" not in user_settings  # with the family's budget, not yours
+    if uniform:
+        changes["budget_by_layer"] = False
     kept = tuple(name for name, _ in family.settings if name in user_settings)
-    return config.with_changes(**changes), AppliedDefaults(family, applied, kept)
+    return config.with_changes(**changes), AppliedDefaults(family, applied, kept, uniform)
 
 
 BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -78,9 +78,11 @@ def test_the_gemma3_family_takes_the_measured_settings_and_others_keep_the_gener
     for model_type in ("gemma3_text", "gemma3"):  # the text checkpoints and the multimodal ones' language model
         config, applied = with_family_defaults(GENERAL, model_type)
         assert tuned(config) == GEMMA and not config.budget_is_tokens
-        assert applied is not None and applied.kept == () and "Gemma 3 defaults: partial ratio 1, budget 0.1" in \
-            applied.describe()
-        assert config.with_changes(**{name: getattr(GENERAL, name) for name in GEMMA}) == GENERAL  # nothing else
+        assert GENERAL.budget_by_layer and not config.budget_by_layer  # measured better uniform at 16k
+        assert applied is not None and applied.kept == () and "Gemma 3 defaults: partial ratio 1, budget 0.1, " \
+            "the budget uniform over the layers" in applied.describe()
+        general = {name: getattr(GENERAL, name) for name in GEMMA}
+        assert config.with_changes(**general, budget_by_layer=True) == GENERAL  # nothing else
     for model_type in ("llama", "smollm3", "qwen3", "gemma2", None):
         assert with_family_defaults(GENERAL, model_type) == (GENERAL, None)
 
@@ -195,7 +197,8 @@ def test_the_app_applies_them_says_so_and_keeps_what_the_user_set_across_models(
         service.switch_model("gemma3_text")
         engine = service.host.engine
         assert tuned(engine.config) == GEMMA
-        assert "Gemma 3 defaults: partial ratio 1, budget 0.1 (on gemma-3-270m" in service.host.model_summary()
+        assert "Gemma 3 defaults: partial ratio 1, budget 0.1, the budget uniform over the layers (on gemma-3-270m" \
+            in service.host.model_summary()
         shown = service.settings.current
         assert (shown.partial_ratio, shown.budget, shown.chosen) == (1.0, "0.1", ())  # the page shows them
 
@@ -210,7 +213,8 @@ def test_the_app_applies_them_says_so_and_keeps_what_the_user_set_across_models(
         assert service.host.engine.config == GENERAL and service.settings.current.budget == "0.15"
         service.switch_model("gemma3_text")
         assert tuned(service.host.engine.config) == {"partial_ratio": 0.5, "budget": 0.1}
-        assert "Gemma 3 defaults: budget 0.1; yours kept: partial ratio" in service.host.model_summary()
+        assert "Gemma 3 defaults: budget 0.1, the budget uniform over the layers; yours kept: partial ratio" in \
+            service.host.model_summary()
     finally:
         if service.open_sessions.page is not None:
             service.open_sessions.page.close()
