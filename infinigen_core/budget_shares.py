@@ -52,6 +52,14 @@ def attention_curve(queries: torch.Tensor, keys: torch.Tensor, group_size: int, 
     return torch.stack(points).float()
 
 
+def spread_for(config, curves, sparse_layers) -> dict[int, float]:
+    """The shares under `config` (EngineConfig) for `sparse_layers` from the calibrated `curves` (SkewSet's
+    attention_curves): {} (every layer uniform) for a token budget, with `budget_by_layer` off, or without curves."""
+    if not config.budget_by_layer or config.budget_is_tokens or curves is None:
+        return {}
+    return layer_shares({layer: curves[layer] for layer in sparse_layers}, config.budget)
+
+
 def layer_shares(curves: Mapping[int, torch.Tensor], budget: float) -> dict[int, float]:
     """Per layer of `curves`, the multiple of the uniform `budget` (a fraction of the past) it fetches; their
     mean is at most 1, so the layers together fetch no more than the uniform budget would."""

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import devices
+from .budget_shares import spread_for
 from .kv_pool import KVPool
 from .policies.base import selects_rows
 from .resident import ResidentLayers, SelectedRowCache
@@ -435,14 +436,16 @@ class DeviceKeeping:
         layers `resident_layer_set` names, over the model's whole context, and the cache of selected rows in the
         layers the policy selects in; `full` keeps the whole pool there anyway (a DirectFetcher)."""
         layers = range(adapter.num_layers)
-        resident = resident_layer_set(policy.name, [adapter.is_global(layer) for layer in layers], config,
-                                      adapter.head_dim, adapter.max_context)
         selecting = frozenset(layer for layer in layers if policy.is_sparse(layer))
+        skew_set = policy.ctx.skew_set  # InfiniGen's budget shares, which size its gathers (budget_shares.py)
+        shares = spread_for(config, skew_set.attention_curves if skew_set is not None else None, sorted(selecting))
+        resident = resident_layer_set(policy.name, [adapter.is_global(layer) for layer in layers], config,
+                                      adapter.head_dim, adapter.max_context, max(shares.values(), default=1.0))
         return DeviceKeeping(resident, selecting, config.selected_rows_cache)
 
 
 def resident_layer_set(policy: str, global_layers: Sequence[bool], config: EngineConfig, head_dim: int,
-                       context: int) -> frozenset[int]:
+                       context: int, widest_share: float = 1.0) -> frozenset[int]:
     """The layers whose K/V a streamed fetcher keeps whole on the compute device under `config`, for a model
     whose layers are global or not (`global_layers`) and a context of `context` tokens. Pure: the engine
     (DeviceKeeping.for_policy) and the GPU predictor (bench/gpu_predict.py) both read it.
@@ -452,8 +455,9 @@ def resident_layer_set(policy: str, global_layers: Sequence[bool], config: Engin
     the fair baseline (FlexGen's users keep resident whatever fits), keeps as many whole layers as fit in the
     device memory InfiniGen's KV-side state takes under the same `config` over `context` tokens: its resident
     layers, its partial keys (partial_ratio of every selecting layer's keys), its two gather buffers
-    (zero_copy.MappedRows, `budget_tokens_for(context) + 1` rows each) and the selected-row cache; InfiniGen's
-    resident layers first, then the others in order."""
+    (zero_copy.MappedRows, each as wide as its widest layer's gather: `widest_share` times
+    `budget_tokens_for(context)`, plus 1, where the budget is spread over the layers) and the selected-row cache;
+    InfiniGen's resident layers first, then the others in order."""
     if not config.dense_layers_on_device or policy == "full":
         return frozenset()
     selecting = [selects_rows(layer, config.dense_layers, is_global) for layer, is_global in enumerate(global_layers)]
@@ -464,7 +468,8 @@ def resident_layer_set(policy: str, global_layers: Sequence[bool], config: Engin
     # wherever the pool is apart from the compute device)
     partial_keys = max(1, int(round(config.partial_ratio * head_dim))) / (2 * head_dim)  # per selecting layer
     zero_copy = config.zero_copy_fetch and config.pool_limit_tokens is None
-    buffer_rows = 2 * (config.budget_tokens_for(context) + 1) if zero_copy else 0
+    widest = min(context, int(widest_share * config.budget_tokens_for(context) + 1e-9))  # as InfiniGen's budget_for
+    buffer_rows = 2 * (widest + 1) if zero_copy else 0
     cache_rows = sum(selecting) * config.selected_rows_cache
     fits = int(len(read_whole) + sum(selecting) * partial_keys + (buffer_rows + cache_rows) / context)
     order = read_whole + [layer for layer, selects in enumerate(selecting) if selects]

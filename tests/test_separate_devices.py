@@ -408,6 +408,9 @@ def test_offload_keeps_the_layers_that_fit_in_infinigens_device_memory(tiny_llam
     assert resident_layer_set("offload", sliding, config, 128, 16384) == {0, 1, 2}
     # a cache of 4096 rows in each of the 3 selecting layers: 0.75 layer more, 4.7: the first selecting layer too
     assert resident_layer_set("offload", sliding, config.with_changes(selected_rows_cache=4096), 128, 16384) == {0, 1, 2, 3}
+    # InfiniGen's budget spread over its layers, the widest reading twice the uniform 1,638 rows: its gather
+    # buffers hold 2 x 3,277 rows, 0.4 layer, so 4.15 layers fit: offload keeps the first selecting layer too
+    assert resident_layer_set("offload", sliding, config, 128, 16384, widest_share=2.0) == {0, 1, 2, 3}
     assert resident_layer_set("offload", sliding, config.with_changes(zero_copy_fetch=False, partial_ratio=0.1),
                               128, 16384) == {0, 1, 2}
     for policy in ("full", "offload", "infinigen"):

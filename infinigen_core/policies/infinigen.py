@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..budget_shares import layer_shares
+from ..budget_shares import spread_for
 from ..huge_pages import advise_huge_pages
 from .base import KVPolicy, Selection
 
@@ -73,10 +73,7 @@ class InfiniGenPolicy(KVPolicy):
         """Each sparse layer's multiple of a fractional budget, from the calibrated attention curves (a flat
         layer reads more, a peaked one less, their mean at most 1); {} (uniform) for a token budget, with
         `budget_by_layer` off, or a skew set calibrated without curves."""
-        curves = self.ctx.skew_set.attention_curves
-        if not self.config.budget_by_layer or self.config.budget_is_tokens or curves is None:
-            return {}
-        return layer_shares({layer: curves[layer] for layer in self.sparse_layers}, self.config.budget)
+        return spread_for(self.config, self.ctx.skew_set.attention_curves, self.sparse_layers)
 
     def budget_for(self, layer: int, past_len: int) -> int:
         """The uniform budget (its floor included) times the layer's share, rounded down (so the layers together
