@@ -128,6 +128,11 @@ def test_the_context_meter_says_what_each_kind_of_layer_reads(selecting_engine, 
         f" · 5 of 6 layers read only the last {WINDOW} tokens (a sliding window); InfiniGen fetches up to 30 of "
         f"the 120 on the other 1 (global: 5)")
     assert "(a sliding window, all of them so far)" in layers_read(selecting_engine, WINDOW)
+    shares, selecting_engine.policy.budget_shares = selecting_engine.policy.budget_shares, {5: 2.0}
+    try:  # a budget spread over the layers (budget_shares.py), the global layer given twice its share: its rows
+        assert "InfiniGen fetches up to 60 of the 120" in layers_read(selecting_engine, 120)
+    finally:
+        selecting_engine.policy.budget_shares = shares
     assert layers_read(selecting_engine, 0) == (f" · 5 of 6 layers read only the last {WINDOW} tokens (a sliding "
                                                 f"window); the other 1 (global: 5) read every token")  # a new chat
     at_the_defaults = load(checkpoint, tmp_path)  # a floor of 256 tokens: a 120-token chat is read whole

@@ -152,10 +152,10 @@ def layers_read(engine, used: int) -> str:
     others = f"the other {len(global_)} (global: {layer_ranges(global_)})"
     selecting = [layer for layer in global_ if engine.policy.is_sparse(layer)]
     config = engine.config
-    budget = config.budget_tokens_for(used)
+    budget = max((engine.policy.budget_for(layer, used) for layer in selecting), default=used)  # the widest layer's
     if not used:
         return said + f"; {others} read every token"
-    if not selecting or (config.dense_under_budget and budget >= used):
+    if not selecting or (config.dense_under_budget and config.budget_tokens_for(used) >= used):
         return said + f"; {others} read all {used:,}"
     name = "InfiniGen" if config.policy == "infinigen" else config.policy
     fetches = f"{name} fetches up to {budget:,} of the {used:,}"
