@@ -12,7 +12,9 @@ the head), captured with `fullgraph=True`, so a step is either compiled whole or
 not hold: the engine's attention (pool write, fetch, speculation, attention over the pool's rows), Python
 that changes with the policy and the pool. It is one opaque custom op per layer, `infinigen::pool_attention`,
 which finds the running step through `stepping(step)` (the way vLLM's attention op reads its forward
-context). The graph therefore holds no engine, step or pool: it never recompiles as the conversation and
+context). Where the CPU kernels are loaded, the op in the graph is their `infinigen_cpu::attend_layer` instead
+(decode_lane.py): in a step the engine opened a decode lane for, the layer runs in C++ with no Python, and in
+any other step it hands the layer to `infinigen::pool_attention`. The graph therefore holds no engine, step or pool: it never recompiles as the conversation and
 the pool grow, when the policy changes, or when another engine wraps the same model. Prefill (many tokens)
 stays eager, so the graph only ever sees static one-token shapes. On the CPU (the default options) dynamo's
 per-call checks of the model's modules are left out (~1.5 ms a step) and layout_watch.py stands in for them:
@@ -49,6 +51,7 @@ import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from . import devices
+from .decode_lane import lane_op_loaded
 from .layout_watch import LayoutCompiled
 
 log = logging.getLogger(__name__)
@@ -81,6 +84,8 @@ def stepping(step) -> Iterator[None]:
 
 def _attend(layer: int, query, key, value, scaling: float, layer_input, position_embeddings) -> torch.Tensor:
     step = _running.step
+    if step.lane is not None:  # the step's lane is open on this thread: the layer runs in C++ (decode_lane.py)
+        return torch.ops.infinigen_cpu.attend_layer(query, key, value, None, None, None, layer, scaling)
     return step.work.attend(step, layer, query, key, value, scaling, layer_input, position_embeddings)
 
 
@@ -115,7 +120,10 @@ def pool_attention(layer: int, query, key, value, scaling: float, layer_input, p
     """
     if torch.compiler.is_compiling():
         cos, sin = position_embeddings if position_embeddings is not None else (None, None)
-        return torch.ops.infinigen.pool_attention(query, key, value, layer_input, cos, sin, layer, scaling)
+        # where this process has the decode lane's op, the graph calls it: C++ from layer to layer in a lane's
+        # step, and the op below for any other step
+        op = torch.ops.infinigen_cpu.attend_layer if lane_op_loaded() else torch.ops.infinigen.pool_attention
+        return op(query, key, value, layer_input, cos, sin, layer, scaling)
     return _attend(layer, query, key, value, scaling, layer_input, position_embeddings)
 
 

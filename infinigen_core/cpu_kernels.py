@@ -10,7 +10,8 @@ slots and the alpha mask, `attend_rows` from the query to the output, reading th
 they lie in the pool. Their results match the eager path's to float rounding (tests/test_cpu_kernels.py);
 the time they save is in docs/BENCHMARKS.md. Two more are decode products at a GGUF file's own codes with a
 float32 row: `q8_matvec`, the output head at its Q8_0 codes (weights.Q8DecodeLinear), and `q4_matvec`, the
-body's layers at their Q4_1 codes (weights.Int4DecodeLinear).
+body's layers at their Q4_1 codes (weights.Int4DecodeLinear). The same library holds the decode lane's op
+(kernels/decode_lane.cpp, decode_lane.py): a one-token step's attention, layer after layer, with no Python.
 
 Building takes ~20 s the first time and is cached in `directory` (one build per source text and CPU level).
 Where it fails (no compiler, no headers) the reason is logged once and the eager path serves.
@@ -34,6 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "infinigen_cpu.cpp"
+LANE_SOURCE = SOURCE.with_name("decode_lane.cpp")  # decode_lane.py's op, built into the same library
 CPU_KERNELS_HELP = ("build InfiniGen's CPU kernels at load and use them for its selection and sparse attention "
                     "(default: on the CPU; about 20 s the first time, cached after); --no-cpu-kernels runs the eager ops")
 
@@ -135,7 +137,8 @@ def _only_builder(build_dir: Path) -> Iterator[None]:
 
 def _build(directory: Path, progress: Callable[[str], None] | None) -> tuple[CpuKernels | None, str | None]:
     capability = torch.backends.cpu.get_cpu_capability()
-    source = SOURCE.read_bytes()
+    sources = [SOURCE, LANE_SOURCE]
+    source = b"".join(path.read_bytes() for path in sources)
     # -fopenmp: at::parallel_for runs on ATen's own OpenMP pool (torch's libgomp, loaded once per process);
     # -fno-trapping-math lets the exponential's floor and selects vectorise (nothing here reads FP traps)
     flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math", *_ARCH_FLAGS.get(capability, [])]
@@ -151,7 +154,7 @@ def _build(directory: Path, progress: Callable[[str], None] | None) -> tuple[Cpu
         if progress is not None and not any(build_dir.glob("*.so")):
             progress("Building InfiniGen's CPU kernels (about 20 s, once)...")
         with _only_builder(build_dir):
-            load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+            load(name=name, sources=[str(path) for path in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                  is_python_module=False, build_directory=str(build_dir), verbose=False)
     except Exception as error:  # a missing compiler, headers or ninja all mean the same here: eager
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]

@@ -296,7 +296,10 @@ class InfiniGenEngine(SessionRows):
             step.prefetched[0] = self.work.start_fetch(0, step)  # later layers are started one layer ahead
         started = time.perf_counter()
         run = self.decode_step if step.is_decode and not eager else self.model
+        lane = self.work.lane if step.is_decode else None  # decode_lane.py: the layers' attention in C++
         try:
+            if lane is not None:
+                lane.begin(step)
             with stepping(step), devices.decode_step(step.is_decode):
                 output = run(
                     input_ids=self._to_device(torch.tensor([token_ids])),
@@ -309,12 +312,16 @@ class InfiniGenEngine(SessionRows):
                     infinigen_pool=True,
                 )
         except BaseException:
+            if step.lane is not None:
+                step.lane.abort()
             self.policy.finish_step(completed=False)
             if self.pool.truncate(first):
                 self.policy.rebuild()
                 self.fetcher.rebuild()
             raise
         self.policy.finish_step(completed=True)
+        if step.lane is not None:
+            step.lane.end(step)
         self.work.finish(step)
         self.token_ids.extend(token_ids)
         self.steps_run += 1

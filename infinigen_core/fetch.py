@@ -153,12 +153,13 @@ class DirectFetcher:
     def start_rows(self, layer: int, slots: torch.Tensor) -> PendingFetch:
         # a pool that evicts counts every fetch of a row, which its gather does
         in_place = self.rows_in_place and not self.pool.counts_fetches
-        return (_RowsInPlace if in_place else _GatherAtWait)(self.pool, layer, slots, self._count, self._new_slot_columns)
+        return (_RowsInPlace if in_place else _GatherAtWait)(self.pool, layer, slots, self.count_rows, self._new_slot_columns)
 
     def start_layer(self, layer: int) -> PendingFetch:
         return _PoolView(self.pool, layer)
 
-    def _count(self, rows: int) -> None:
+    def count_rows(self, rows: int) -> None:
+        """`rows` rows of K/V read for attention (the decode lane counts its own through here)."""
         self.bytes_fetched += rows * self._row_bytes
 
     def flush(self) -> None:

@@ -10,6 +10,8 @@ opaque op) `LayerWork.attend` once per layer, which, in order:
   3. attends densely (prefill, dense layers, dense policies) or over the fetched rows plus the new token;
   4. records the layer's statistics, without reading any device value on the host.
 After the forward, `finish` sends what the layers left on the device to the host in one copy per step.
+Where the pool and the compute share the CPU, a one-token step of the common policies runs these same
+steps in C++ instead (decode_lane.py, `LayerWork.lane`); this module stays the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from .arch import ModelAdapter
 from .attention import PoolAttention
 from .config import EngineConfig
+from .decode_lane import DecodeLane
 from .fetch import DirectFetcher, PendingFetch
 from .kv_pool import KVPool
 from .policies import KVPolicy, Selection
@@ -45,6 +48,7 @@ class Step:
     device_values: list[tuple[LayerStats, torch.Tensor]] = field(default_factory=list)  # sent to the host once
     # after eviction, the slots each sparse layer selected, turned into positions once the step has run
     selected_slots: list[tuple[LayerStats, int, torch.Tensor]] = field(default_factory=list)
+    lane: object | None = None  # decode_lane.DecodeLane: the step's attention runs in C++, layer after layer
 
     @property
     def is_decode(self) -> bool:
@@ -83,6 +87,11 @@ class LayerWork:
         if past_len == 0:
             return True
         return self.config.dense_under_budget and self.config.budget_tokens_for(past_len) >= past_len
+
+    @cached_property
+    def lane(self) -> DecodeLane | None:
+        """Where one-token steps can run their attention in C++ from layer to layer (decode_lane.py)."""
+        return DecodeLane.for_work(self)
 
     @cached_property
     def rehearses_ahead(self) -> bool:

@@ -206,10 +206,15 @@ def test_the_summary_and_the_options_say_whether_the_kernels_run(tiny_llama, ker
 
 
 @torch.inference_mode()
-def test_every_selection_of_a_real_compiled_reply_is_the_eager_ops_choice(real_engine):
+def test_every_selection_of_a_real_compiled_reply_is_the_eager_ops_choice(real_engine, monkeypatch):
     """The default engine (compiled step, kernels, float16 partial keys) at ~300 tokens: each rehearse_select
-    keeps the rows, alpha count and mask that the eager ops compute from the same query and cache."""
+    keeps the rows, alpha count and mask that the eager ops compute from the same query and cache. Through the
+    Python path, which calls the kernels through the policy (the decode lane's are the same calls, to the bit:
+    tests/test_decode_lane.py)."""
     from infinigen_core.calibration import calibration_text
+    from infinigen_core.decode_lane import DecodeLane
+
+    monkeypatch.setattr(DecodeLane, "for_work", staticmethod(lambda work: None))
 
     kernels, seen = real_engine.kernels, []
     assert kernels is not None and real_engine.decode_step.is_compiled

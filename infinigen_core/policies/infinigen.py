@@ -66,6 +66,7 @@ class InfiniGenPolicy(KVPolicy):
         self._partial_all: torch.Tensor | None = None  # [sparse layers, kv_heads, r, capacity]
         self.partial_keys_t: list[torch.Tensor | None] = [None] * adapter.num_layers  # views into it
         self._pending_keys: list[torch.Tensor] = []  # this step's new keys, written in one go at its end
+        self._lane_keys: torch.Tensor | None = None  # the same, left there by a decode lane
         self._rank_thresholds = torch.empty(1, 0, dtype=torch.int64, device=device)
         self.rebuild()
 
@@ -191,10 +192,26 @@ class InfiniGenPolicy(KVPolicy):
             return
         if len(pending) != len(self.sparse_layers):  # not a whole step's worth: cannot happen, but stay exact
             raise RuntimeError("a decode step wrote the keys of only some sparse layers")
-        heads, dim = pending[0].shape[0], pending[0].shape[2]
-        keys = torch.stack(pending).view(-1, 1, dim)  # [sparse layers * kv_heads, 1, dim]
-        partial = self._stored(torch.bmm(keys, self._stacked_key_projections))  # [sparse layers * kv_heads, 1, r]
-        self._partial_all.index_copy_(3, self._pending_slots, partial.view(len(pending), heads, -1, 1))
+        self._write_step_keys(torch.stack(pending), self._pending_slots)
+
+    def lane_key_buffer(self) -> torch.Tensor:
+        """[sparse layers, kv_heads, 1, head_dim]: where a decode lane (decode_lane.py) leaves a step's new keys."""
+        if self._lane_keys is None:
+            adapter = self.ctx.adapter
+            self._lane_keys = torch.empty(len(self.sparse_layers), adapter.num_kv_heads, 1, adapter.head_dim,
+                                          dtype=self.partial_dtype, device=self.ctx.compute_device)
+        return self._lane_keys
+
+    def write_lane_keys(self, slots: torch.Tensor) -> None:
+        """The partial keys of the keys a decode lane's step left in `lane_key_buffer`, into their `slots`."""
+        self._write_step_keys(self._lane_keys, slots)
+
+    def _write_step_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """One decode step's new keys of every sparse layer [sparse layers, kv_heads, 1, dim] through their
+        projections in one product, into the partial key cache at `slots`."""
+        layers, heads, _, dim = keys.shape
+        partial = self._stored(torch.bmm(keys.view(-1, 1, dim), self._stacked_key_projections))  # [layers * kv, 1, r]
+        self._partial_all.index_copy_(3, slots, partial.view(layers, heads, -1, 1))
 
     def _stored(self, partial: torch.Tensor) -> torch.Tensor:
         """Partial keys in the cache's dtype (float16's range bounds them: no key turns into an infinity)."""

@@ -1,0 +1,209 @@
+// The decode lane: a one-token step's attention, layer by layer, with no Python between the layers.
+//
+// The compiled decode step calls `infinigen_cpu::attend_layer` once per layer (the schema of the engine's
+// `infinigen::pool_attention`). Where the engine opened a lane for the running step on this thread
+// (decode_lane.py: `lane_begin` with the step's pool storage, slot and budgets; `lane_end` after it), the
+// layer's work runs here, in the order the Python path (step.py) runs it:
+//   1. the new K/V row into its pool slot, and the new key into the step's buffer of keys for the partial key
+//      cache (InfiniGen's sparse layers; the policy projects them all at once after the step);
+//   2. a selecting layer: its query through its partial skew, `rehearse_select` over the partial key cache,
+//      then `attend_rows` over the new slot and the selected ones, read where they lie in the pool;
+//      any other layer: SDPA over the layer's slots (a sliding layer's last `window`);
+//   3. what the statistics need, kept until `lane_end` hands it over (no host read: all of it is CPU memory).
+// With no lane open (prefill runs eager; other policies), the op calls the engine's Python op instead.
+// The same kernels and ATen ops as the Python path, with the same inputs: the logits agree to the bit.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+struct LayerResult {
+  at::Tensor slots, scores, alpha_total;  // a selecting layer's: [kv, k] int64, [kv, k] float, 0-dim int64
+  int64_t select_ns = 0, attend_ns = 0;
+};
+
+struct Lane {
+  // per layer
+  std::vector<at::Tensor> keys, values;  // the pool's storage [kv, capacity, dim] float32
+  std::vector<at::Tensor> partial_keys;  // InfiniGen's cache [kv, r, capacity] (undefined: not sparse)
+  std::vector<at::Tensor> query_projections;  // [kv, dim, r] float32 (undefined: not sparse)
+  std::vector<int64_t> windows;  // a sliding layer's window, 0 for a global one
+  std::vector<int64_t> budgets;  // rows to select, 0 to attend to every slot (a sliding layer: its window)
+  at::Tensor step_keys;  // [sparse layers, kv, 1, dim]: this step's new keys of the sparse layers (or undefined)
+  std::vector<int64_t> step_key_index;  // per layer, its row of step_keys, -1 for none
+  int64_t slot = 0;  // the new token's slot in every layer (the pool appends: slot i holds position i)
+  double alpha = 0.0;
+  at::Tensor new_slot_column;  // [kv, 1] int64 holding `slot`
+  std::vector<LayerResult> results;
+};
+
+// The lane of the step this thread runs, if any: it holds the pool's storage for that step only, so a pool
+// that reallocates or gives memory back between steps is never kept alive from here.
+thread_local std::unique_ptr<Lane> running;
+
+int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count();
+}
+
+void lane_begin(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                std::vector<std::optional<at::Tensor>> partial_keys,
+                std::vector<std::optional<at::Tensor>> query_projections, std::vector<int64_t> windows,
+                std::optional<at::Tensor> step_keys, int64_t slot, std::vector<int64_t> budgets, double alpha) {
+  const size_t layers = keys.size();
+  TORCH_CHECK(layers > 0 && values.size() == layers && partial_keys.size() == layers &&
+                  query_projections.size() == layers && windows.size() == layers && budgets.size() == layers,
+              "lane_begin: one entry per layer in every list");
+  auto lane = std::make_unique<Lane>();
+  const int64_t kv = keys[0].size(0);
+  int64_t sparse = 0;
+  for (size_t layer = 0; layer < layers; ++layer) {
+    TORCH_CHECK(keys[layer].dim() == 3 && keys[layer].scalar_type() == at::kFloat && keys[layer].is_contiguous() &&
+                    values[layer].sizes() == keys[layer].sizes() && values[layer].is_contiguous(),
+                "lane_begin: contiguous float32 K/V storage [kv, capacity, dim]");
+    TORCH_CHECK(0 <= slot && slot < keys[layer].size(1), "lane_begin: slot ", slot, " outside the pool");
+    const bool is_sparse = partial_keys[layer].has_value();
+    TORCH_CHECK(is_sparse == query_projections[layer].has_value(), "lane_begin: partial keys need a projection");
+    TORCH_CHECK(budgets[layer] == 0 || (is_sparse && budgets[layer] <= slot),
+                "lane_begin: layer ", layer, " cannot select ", budgets[layer], " of ", slot, " past rows");
+    lane->keys.push_back(std::move(keys[layer]));
+    lane->values.push_back(std::move(values[layer]));
+    lane->partial_keys.push_back(is_sparse ? *partial_keys[layer] : at::Tensor());
+    lane->query_projections.push_back(is_sparse ? *query_projections[layer] : at::Tensor());
+    lane->step_key_index.push_back(is_sparse ? sparse++ : -1);
+  }
+  if (sparse > 0) {
+    TORCH_CHECK(step_keys.has_value() && step_keys->size(0) == sparse, "lane_begin: a row of step keys per sparse layer");
+    lane->step_keys = *step_keys;
+  }
+  lane->windows = std::move(windows);
+  lane->budgets = std::move(budgets);
+  lane->slot = slot;
+  lane->alpha = alpha;
+  lane->new_slot_column = at::full({kv, 1}, slot, at::TensorOptions().dtype(at::kLong));
+  lane->results.resize(layers);
+  running = std::move(lane);
+}
+
+// What the step's selecting layers left: (slots, scores, alpha totals) of each in layer order, and per layer
+// the nanoseconds spent selecting and attending [layers, 2] (0 for a layer the lane did not run). Closes the
+// lane of this thread.
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor> lane_end() {
+  std::unique_ptr<Lane> lane = std::move(running);
+  std::vector<at::Tensor> slots, scores, totals;
+  if (!lane) return {slots, scores, totals, at::zeros({0, 2}, at::TensorOptions().dtype(at::kLong))};
+  at::Tensor times = at::empty({static_cast<int64_t>(lane->results.size()), 2}, at::TensorOptions().dtype(at::kLong));
+  int64_t* t = times.data_ptr<int64_t>();
+  for (const auto& result : lane->results) {
+    if (result.slots.defined()) {
+      slots.push_back(result.slots);
+      scores.push_back(result.scores);
+      totals.push_back(result.alpha_total);
+    }
+    *t++ = result.select_ns;
+    *t++ = result.attend_ns;
+  }
+  return {slots, scores, totals, times};
+}
+
+// A step that failed: the lane closes with nothing handed over.
+void lane_abort() { running.reset(); }
+
+using PoolAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                 const std::optional<at::Tensor>&, int64_t, double);
+
+at::Tensor attend_in_python(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const std::optional<at::Tensor>& layer_input, const std::optional<at::Tensor>& cos,
+                            const std::optional<at::Tensor>& sin, int64_t layer, double scaling) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("infinigen::pool_attention", "").typed<PoolAttention>();
+  return op.call(query, key, value, layer_input, cos, sin, layer, scaling);
+}
+
+at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        const std::optional<at::Tensor>& layer_input, const std::optional<at::Tensor>& cos,
+                        const std::optional<at::Tensor>& sin, int64_t layer, double scaling) {
+  Lane* lane = running.get();
+  if (lane == nullptr || query.size(2) != 1) return attend_in_python(query, key, value, layer_input, cos, sin, layer, scaling);
+  TORCH_CHECK(0 <= layer && layer < static_cast<int64_t>(lane->keys.size()), "attend_layer: no layer ", layer);
+  static auto rehearse_select = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("infinigen_cpu::rehearse_select", "")
+      .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t,
+                                                                       int64_t, double)>();
+  static auto attend_rows = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("infinigen_cpu::attend_rows", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const std::optional<at::Tensor>&, double)>();
+  const auto started = std::chrono::steady_clock::now();
+  const at::Tensor& keys = lane->keys[layer];
+  const at::Tensor& values = lane->values[layer];
+  const int64_t kv = keys.size(0), dim = keys.size(2), slot = lane->slot, size = slot + 1;
+  TORCH_CHECK(key.size(1) == kv && key.size(3) == dim && query.size(3) == dim, "attend_layer: the step's shapes are not the lane's");
+  // 1. the new row into its slot ([1, kv, 1, dim] -> [kv, dim]); the sparse layers' new key for the partial cache
+  const at::Tensor new_key = key.select(0, 0).select(1, 0), new_value = value.select(0, 0).select(1, 0);
+  keys.select(1, slot).copy_(new_key);
+  values.select(1, slot).copy_(new_value);
+  if (lane->step_key_index[layer] >= 0) lane->step_keys.select(0, lane->step_key_index[layer]).copy_(key.select(0, 0));
+  const at::Tensor grouped = query.reshape({kv, -1, dim});  // [kv, group, dim]: each KV head's query group
+  LayerResult& result = lane->results[layer];
+  at::Tensor out;
+  const int64_t budget = lane->budgets[layer];
+  if (budget > 0) {
+    // 2a. select: the query through the layer's partial skew (scale folded in), then the kernels
+    const at::Tensor partial_query = at::bmm(grouped, lane->query_projections[layer]);
+    auto [slots, scores, valid, alpha_total] =
+        rehearse_select.call(partial_query, lane->partial_keys[layer], slot, budget, lane->alpha);
+    const auto selected = std::chrono::steady_clock::now();
+    result.select_ns = elapsed_ns(started);
+    const at::Tensor rows = at::cat({lane->new_slot_column, slots}, 1);
+    const at::Tensor live_keys = keys.slice(1, 0, size), live_values = values.slice(1, 0, size);
+    out = attend_rows.call(grouped, live_keys, live_values, rows, valid.view({-1}), scaling);
+    result.slots = slots;
+    result.scores = scores;
+    result.alpha_total = alpha_total;
+    result.attend_ns = elapsed_ns(selected);
+  } else {
+    // 2b. every slot (a sliding layer: its last `window`), as SDPA sees them in the Python path
+    const int64_t window = lane->windows[layer];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, size - window) : 0;
+    const at::Tensor live_keys = keys.slice(1, first, size).unsqueeze(1);
+    const at::Tensor live_values = values.slice(1, first, size).unsqueeze(1);
+    out = at::scaled_dot_product_attention(grouped.view({kv, 1, -1, dim}), live_keys, live_values, std::nullopt, 0.0,
+                                           false, scaling);
+    result.attend_ns = elapsed_ns(started);
+  }
+  return out.view({1, 1, -1, dim});
+}
+
+at::Tensor attend_layer_meta(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const std::optional<at::Tensor>& layer_input, const std::optional<at::Tensor>& cos,
+                             const std::optional<at::Tensor>& sin, int64_t layer, double scaling) {
+  return at::empty({query.size(0), query.size(2), query.size(1), query.size(3)}, query.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(infinigen_cpu, m) {
+  m.def("attend_layer(Tensor query, Tensor key, Tensor value, Tensor? layer_input, Tensor? cos, Tensor? sin, "
+        "int layer, float scaling) -> Tensor");
+  // the lane's opening and closing: plain functions of the engine's, not tensor ops (one kernel for all keys)
+  m.def("lane_begin(Tensor[] keys, Tensor[] values, Tensor?[] partial_keys, Tensor?[] query_projections, "
+        "int[] windows, Tensor? step_keys, int slot, int[] budgets, float alpha) -> ()", &lane_begin);
+  m.def("lane_end() -> (Tensor[], Tensor[], Tensor[], Tensor)", &lane_end);
+  m.def("lane_abort() -> ()", &lane_abort);
+}
+
+TORCH_LIBRARY_IMPL(infinigen_cpu, CPU, m) {
+  m.impl("attend_layer", attend_layer);
+}
+
+TORCH_LIBRARY_IMPL(infinigen_cpu, Meta, m) {
+  m.impl("attend_layer", attend_layer_meta);
+}

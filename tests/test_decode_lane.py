@@ -1,0 +1,174 @@
+"""The decode lane (decode_lane.py, kernels/decode_lane.cpp): a one-token step's attention in C++ from layer to
+layer gives the Python path's logits to the bit, and the same statistics, selections and partial keys.
+
+Each test decodes the same tokens twice with the same settings: once with the lane refused (the Python path,
+step.py, the reference) and once with it, counting the steps the lane really ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gemma_decode import tiny_gemma
+
+from infinigen_core import decode_lane
+from infinigen_core.compiled import compile_decode
+from infinigen_core.config import EngineConfig
+from infinigen_core.decode_lane import DecodeLane, lane_refusal
+from infinigen_core.engine import InfiniGenEngine
+
+from conftest import random_tokens
+
+SELECTING = dict(policy="infinigen", budget=0.2, alpha=4.0, dense_under_budget=False, min_fetch_tokens=0)
+
+
+@pytest.fixture
+def lane_steps(monkeypatch):
+    """How many steps opened the lane (a list that grows by one per such step)."""
+    opened: list[int] = []
+    begin = DecodeLane.begin
+
+    def counted(self, step):
+        if begin(self, step):
+            opened.append(step.first_position)
+            return True
+        return False
+
+    monkeypatch.setattr(DecodeLane, "begin", counted)
+    return opened
+
+
+def _engine(model_and_skew, kernels, **settings) -> InfiniGenEngine:
+    model, skew = model_and_skew
+    return InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny", kernels=kernels)
+
+
+def _decode(engine, prompt, steps):
+    engine.prefill(prompt)
+    logits, token = [], prompt[-1]
+    for _ in range(steps):
+        out = engine.decode(token)
+        logits.append(out)
+        token = int(out.argmax())
+    return torch.stack(logits)
+
+
+def _without_lane(monkeypatch, model_and_skew, kernels, prompt, steps, **settings):
+    """The reference: the same engine and tokens, every step on the Python path."""
+    with monkeypatch.context() as patch:
+        patch.setattr(DecodeLane, "for_work", staticmethod(lambda work: None))
+        engine = _engine(model_and_skew, kernels, **settings)
+        logits = _decode(engine, prompt, steps)
+    return engine, logits
+
+
+def _layer_record(step):
+    return [(layer.layer, layer.sparse, layer.fetched, layer.window, layer.dense_reason, layer.attended,
+             None if layer.selected_positions is None else layer.selected_positions.tolist())
+            for layer in step.layers]
+
+
+@pytest.mark.parametrize("settings", [
+    SELECTING,  # every step selects (from the first one the budget leaves rows out)
+    dict(SELECTING, dense_under_budget=True, budget=230, budget_is_tokens=True),  # dense up to 230 tokens, then selects
+    dict(SELECTING, budget_by_layer=False),  # the uniform budget
+    dict(policy="full"),
+    dict(policy="offload"),
+])
+@torch.inference_mode()
+def test_the_lane_gives_the_python_paths_logits_and_statistics(tiny_llama, kernels, monkeypatch, lane_steps,
+                                                              settings):
+    prompt, steps = random_tokens(200, seed=3), 70  # the pool grows past its first 256 slots mid-decode
+    reference, expected = _without_lane(monkeypatch, tiny_llama, kernels, prompt, steps, **settings)
+    assert not lane_steps
+    engine = _engine(tiny_llama, kernels, **settings)
+    assert lane_refusal(engine.work) is None
+    capacity = engine.pool.capacity
+    got = _decode(engine, prompt, steps)
+    assert len(lane_steps) == steps and engine.pool.capacity > capacity  # every step in the lane, across a growth
+    assert torch.equal(got, expected)  # to the bit: the same kernels and ops on the same inputs
+    for ours, theirs in zip(engine.recent_decode_steps(), reference.recent_decode_steps()):
+        assert _layer_record(ours) == _layer_record(theirs)
+    assert engine.fetcher.bytes_fetched == reference.fetcher.bytes_fetched
+    if settings["policy"] == "infinigen":
+        assert any(layer.sparse for layer in engine.recent_decode_steps()[-1].layers)
+        if settings["dense_under_budget"]:
+            assert engine.recent_decode_steps()[0].dense_reason is not None
+        assert torch.equal(engine.policy._partial_all, reference.policy._partial_all)  # the new keys' partial keys
+    assert torch.ops.infinigen_cpu.lane_end()[3].numel() == 0  # no lane left open on this thread
+    engine.close(), reference.close()
+
+
+@torch.inference_mode()
+def test_sliding_layers_read_their_window_in_the_lane(kernels, monkeypatch, lane_steps):
+    gemma = tiny_gemma()  # sliding layers of a 16-token window beside global ones that select
+    settings = dict(policy="infinigen", budget=0.3, min_fetch_tokens=0, dense_under_budget=False)
+    prompt = random_tokens(60, seed=4, vocab=3001)
+    reference, expected = _without_lane(monkeypatch, gemma, kernels, prompt, 12, **settings)
+    engine = _engine(gemma, kernels, **settings)
+    got = _decode(engine, prompt, 12)
+    assert len(lane_steps) == 12 and torch.equal(got, expected)
+    step = engine.recent_decode_steps()[-1]
+    assert _layer_record(step) == _layer_record(reference.recent_decode_steps()[-1])
+    assert {layer.window for layer in step.layers} == {16, None} and any(layer.sparse for layer in step.layers)
+
+
+@pytest.mark.parametrize("settings, reason", [
+    (dict(policy="h2o"), "the h2o policy"),
+    (dict(policy="streaming"), "the streaming policy"),
+    (dict(SELECTING, pool_limit_tokens=240, recent_window=16), "a pool that evicts"),
+    (dict(SELECTING, record_recall=True), "recall is measured"),
+    (dict(SELECTING, selects_ahead=True), "selections are speculated a layer ahead"),
+])
+@torch.inference_mode()
+def test_what_the_lane_does_not_cover_takes_the_python_path(tiny_llama, kernels, monkeypatch, lane_steps, settings,
+                                                            reason):
+    engine = _engine(tiny_llama, kernels, **settings)
+    assert lane_refusal(engine.work) == reason and engine.work.lane is None
+    _decode(engine, random_tokens(40, seed=6), 3)
+    assert not lane_steps and engine.recent_decode_steps()[-1].layers  # the Python path ran and recorded
+    without_kernels = _engine(tiny_llama, None, **SELECTING)
+    assert lane_refusal(without_kernels.work) == "no CPU kernels"
+    engine.close(), without_kernels.close()
+
+
+@torch.inference_mode()
+def test_a_step_that_raises_closes_the_lane(tiny_llama, kernels, monkeypatch, lane_steps):
+    engine = _engine(tiny_llama, kernels, **SELECTING)
+    engine.prefill(random_tokens(40, seed=7))
+    mlp = engine.model.model.layers[2].mlp
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a layer failed")
+
+    monkeypatch.setattr(mlp, "forward", broken)
+    with pytest.raises(RuntimeError, match="a layer failed"):
+        engine.decode(5)
+    assert len(lane_steps) == 1 and torch.ops.infinigen_cpu.lane_end()[3].numel() == 0  # aborted: nothing open
+    monkeypatch.undo()
+    assert engine.num_tokens == 40 and engine.decode(5).isfinite().all()  # the engine goes on (the Python path's rule)
+    engine.close()
+
+
+@torch.inference_mode()
+def test_the_compiled_step_runs_the_lane_and_hands_other_steps_to_python(tiny_llama, kernels, monkeypatch, lane_steps):
+    """The graph calls the lane's op (with no Python per layer); a step with no lane open (a policy the lane does
+    not cover) goes through the same graph to the Python path. Both give the eager reference's tokens."""
+    if decode_lane.devices.active_mode() is not None:
+        pytest.skip("no step compiles under the separate-devices checks")
+    prompt = random_tokens(120, seed=8)
+    _, expected = _without_lane(monkeypatch, tiny_llama, kernels, prompt, 8, **SELECTING)
+    engine = _engine(tiny_llama, kernels, **SELECTING)
+    assert compile_decode(engine, progress=lambda message: None) is None
+    assert engine.decode_step.is_compiled
+    got = _decode(engine, prompt, 8)
+    assert len(lane_steps) >= 8
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # fused kernels sum in another order
+    engine.reset()
+    engine.configure(EngineConfig(policy="streaming", budget=0.2, min_fetch_tokens=0))
+    opened = len(lane_steps)
+    _, streaming = _without_lane(monkeypatch, tiny_llama, kernels, prompt, 4, policy="streaming", budget=0.2,
+                                 min_fetch_tokens=0)
+    got = _decode(engine, prompt, 4)
+    assert len(lane_steps) == opened and engine.decode_step.is_compiled
+    torch.testing.assert_close(got, streaming, rtol=1e-4, atol=1e-4)
+    engine.close()
