@@ -156,7 +156,7 @@ def _whole_run_separated() -> bool:
 # what these files (and tests marked `one_device`) test exists only where pool and compute share one device (the
 # CPU kernels read the pool in place; a layer selects with its own query), so a whole run under the mode skips
 # them rather than report the path it switched off as failing
-ONE_DEVICE_TEST_FILES = {"test_cpu_kernels.py"}
+ONE_DEVICE_TEST_FILES = {"test_cpu_kernels.py", "test_decode_lane.py"}
 
 
 def pytest_collection_modifyitems(config, items):
