@@ -26,6 +26,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -193,24 +194,29 @@ int64_t block_logits(float*, const float*, const Key*, int64_t, int64_t, int64_t
 
 // Puts the k largest of x[0, n) (distinct values) first, in no particular order. Partitioning all n values
 // around the k-th costs most of a selection at long contexts; instead a sample of every 16th value gives a
-// floor that, with a margin, about k values and a few more lie above: those are moved to the front in one
-// pass and only they are partitioned. The result is exactly the k largest: where fewer than k lie above the
-// floor (the margin was not enough), all n are partitioned as before.
+// floor that, with a margin, about k values and a few more lie above: those are copied out in one pass with no
+// branch (which value passes is a coin toss to the branch predictor: a branch per value cost twice the pass)
+// and only they are partitioned. The result is exactly the k largest: where fewer than k lie above the floor
+// (the margin was not enough), all n are partitioned as before.
 inline void largest_first(uint64_t* x, int64_t n, int64_t k, std::vector<uint64_t>& sample) {
   constexpr int64_t kStride = 16, kMinSample = 64;
   const int64_t samples = n / kStride;
   if (samples >= kMinSample) {
-    sample.resize(samples);
+    sample.resize(samples + n);
+    uint64_t* picked = sample.data() + samples;
     for (int64_t i = 0; i < samples; ++i) sample[i] = x[i * kStride];
     const double expected = static_cast<double>(k) * samples / n;  // sampled values among the k largest
     const int64_t rank = std::min<int64_t>(samples - 1, static_cast<int64_t>(expected + 3.0 * std::sqrt(expected) + 4.0));
-    std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<uint64_t>());
+    std::nth_element(sample.begin(), sample.begin() + rank, sample.begin() + samples, std::greater<uint64_t>());
     const uint64_t floor = sample[rank];
     int64_t above = 0;
-    for (int64_t j = 0; j < n; ++j)
-      if (x[j] >= floor) std::swap(x[above++], x[j]);
+    for (int64_t j = 0; j < n; ++j) {
+      picked[above] = x[j];
+      above += x[j] >= floor;
+    }
     if (above >= k) {
-      if (above > k) std::nth_element(x, x + (k - 1), x + above, std::greater<uint64_t>());
+      if (above > k) std::nth_element(picked, picked + (k - 1), picked + above, std::greater<uint64_t>());
+      std::copy(picked, picked + k, x);
       return;
     }
   }
@@ -237,7 +243,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
 
   // 1. per (head, block of slots): logits, each channel's row of keys read once for the whole group, and
   //    per query head the block's maximum and its sum of e^(logit - that maximum)
-  std::vector<float> logits(kv * group * past);
+  // every value of these two is written before it is read: left uninitialised (at 8k slots, zeroing them
+  // cost more than the pass that writes them)
+  const std::unique_ptr<float[]> logits(new float[kv * group * past]);
   std::vector<float> block_peaks(kv * blocks * group), block_sums(kv * blocks * group);
   at::parallel_for(0, kv * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(kMaxGroup * kSlotBlock), powers(kSlotBlock);
@@ -282,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
   // 2. per (head, block): the alpha count, and each slot's weight (its group's softmax weights summed)
   //    packed with the slot as one integer: weights are >= 0, and such floats order like their bits
   //    (the lower slot first among equal weights)
-  std::vector<uint64_t> ranked(kv * past);
+  const std::unique_ptr<uint64_t[]> ranked(new uint64_t[kv * past]);
   std::vector<int64_t> block_counts(kv * blocks, 0);
   at::parallel_for(0, kv * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(kSlotBlock);
