@@ -103,6 +103,13 @@ class PoolAttention:
                 return out.view(1, 1, -1, dim)
             keys, values = self.pool.gather(layer, rows, shape=(kv_heads, 1, rows.shape[1], dim))
         window = self.adapter.sliding_window(layer)
+        if (selected is None and valid is None and keys.dim() == 3 and (window is None or self.pool.slots_are_positions)
+                and self._kernels_attend(query, keys)):
+            # a dense layer over the pool's own rows: the CPU kernel reads them in place (a sliding layer its window)
+            end = keys.shape[1]
+            first = 0 if window is None else max(0, end - window)
+            out = self.kernels.attend_span(query.view(kv_heads, -1, dim), keys, values, first, end, scaling)
+            return out.view(1, 1, -1, dim)
         if window is not None and selected is None:  # a sliding layer reads its last `window` positions only
             if self.pool.slots_are_positions:
                 keys, values = keys[..., -window:, :], values[..., -window:, :]  # slot i holds position i: a slice

@@ -7,7 +7,8 @@ On the CPU a sparse layer's eager path is a chain of small ops (score product, m
 group sum, top-k, sort, two gathers, attention over the copies), each a pass over memory plus dispatch. The
 two kernels do the same maths in one pass each: `rehearse_select` from partial query and keys to the selected
 slots and the alpha mask, `attend_rows` from the query to the output, reading the selected K/V rows where
-they lie in the pool. Their results match the eager path's to float rounding (tests/test_cpu_kernels.py);
+they lie in the pool (`attend_span`: the same over a dense layer's slots, where SDPA costs more). Their
+results match the eager path's to float rounding (tests/test_cpu_kernels.py);
 the time they save is in docs/BENCHMARKS.md. Two more are decode products at a GGUF file's own codes with a
 float32 row: `q8_matvec`, the output head at its Q8_0 codes (weights.Q8DecodeLinear), and `q4_matvec`, the
 body's layers at their Q4_1 codes (weights.Int4DecodeLinear). The same library holds the decode lane's op
@@ -74,6 +75,13 @@ class CpuKernels:
         """One token's attention: query [kv, group, dim] over the rows `rows` [kv, m] of keys/values
         [kv, slots, dim] (each row contiguous), `valid` [m] bool or None -> [kv, group, dim]."""
         return torch.ops.infinigen_cpu.attend_rows(query, keys, values, rows, valid, scale)
+
+    @staticmethod
+    def attend_span(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int, end: int,
+                    scale: float) -> torch.Tensor:
+        """One token's attention: query [kv, group, dim] over every slot of [first, end) of keys/values
+        [kv, slots, dim] (each row contiguous) -> [kv, group, dim]: a dense layer, attend_rows' arithmetic."""
+        return torch.ops.infinigen_cpu.attend_span(query, keys, values, first, end, scale)
 
     @staticmethod
     def q8_matvec(row: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

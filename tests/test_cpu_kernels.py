@@ -144,6 +144,21 @@ def test_attend_rows_visits_in_slot_order_what_the_rows_name(kernels, kv, group,
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("first, end", [(0, 41), (0, 700), (183, 700)])  # a short chat, several chunks, a window
+def test_attend_span_is_attend_rows_over_every_slot_and_sdpas_attention(kernels, first, end):
+    torch.manual_seed(end)
+    kv, group, dim = 3, 3, 64
+    query, keys, values = torch.randn(kv, group, dim), torch.randn(kv, 800, dim), torch.randn(kv, 800, dim)
+    out = kernels.attend_span(query, keys, values, first, end, dim ** -0.5)
+    rows = torch.arange(first, end).expand(kv, -1)
+    assert torch.equal(out, kernels.attend_rows(query, keys, values, rows, None, dim ** -0.5))  # the same arithmetic
+    expected = F.scaled_dot_product_attention(query.unsqueeze(1), keys[:, first:end].unsqueeze(1),
+                                              values[:, first:end].unsqueeze(1), scale=dim ** -0.5)[:, 0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.attend_span(query, keys, values, 0, 801, 1.0)
+
+
 def _decode(engine, prompt, steps):
     engine.prefill(prompt)
     logits, token = [], prompt[-1]

@@ -8,7 +8,7 @@
 //      cache (InfiniGen's sparse layers; the policy projects them all at once after the step);
 //   2. a selecting layer: its query through its partial skew, `rehearse_select` over the partial key cache,
 //      then `attend_rows` over the new slot and the selected ones, read where they lie in the pool;
-//      any other layer: SDPA over the layer's slots (a sliding layer's last `window`);
+//      any other layer: `attend_span` over the layer's slots (a sliding layer's last `window`);
 //   3. what the statistics need, kept until `lane_end` hands it over (no host read: all of it is CPU memory).
 // With no lane open (prefill runs eager; other policies), the op calls the engine's Python op instead.
 // The same kernels and ATen ops as the Python path, with the same inputs: the logits agree to the bit.
@@ -141,6 +141,9 @@ at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at
       .findSchemaOrThrow("infinigen_cpu::attend_rows", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const std::optional<at::Tensor>&, double)>();
+  static auto attend_span = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("infinigen_cpu::attend_span", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double)>();
   const auto started = std::chrono::steady_clock::now();
   const at::Tensor& keys = lane->keys[layer];
   const at::Tensor& values = lane->values[layer];
@@ -170,13 +173,10 @@ at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at
     result.alpha_total = alpha_total;
     result.attend_ns = elapsed_ns(selected);
   } else {
-    // 2b. every slot (a sliding layer: its last `window`), as SDPA sees them in the Python path
+    // 2b. every slot (a sliding layer: its last `window`), as the Python path reads them
     const int64_t window = lane->windows[layer];
     const int64_t first = window > 0 ? std::max<int64_t>(0, size - window) : 0;
-    const at::Tensor live_keys = keys.slice(1, first, size).unsqueeze(1);
-    const at::Tensor live_values = values.slice(1, first, size).unsqueeze(1);
-    out = at::scaled_dot_product_attention(grouped.view({kv, 1, -1, dim}), live_keys, live_values, std::nullopt, 0.0,
-                                           false, scaling);
+    out = attend_span.call(grouped, keys, values, first, size, scaling);
     result.attend_ns = elapsed_ns(started);
   }
   return out.view({1, 1, -1, dim});

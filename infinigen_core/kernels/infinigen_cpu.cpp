@@ -390,18 +390,26 @@ void visiting_order(const int64_t* slot, int64_t m, const bool* use, int64_t slo
     for (uint64_t word = seen[w]; word != 0; word &= word - 1) out[n++] = w * 64 + __builtin_ctzll(word);
 }
 
+void check_pool_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values) {
+  TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "bad ranks");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+              values.scalar_type() == at::kFloat, "float32 query and rows");
+  TORCH_CHECK(keys.stride(2) == 1 && keys.strides() == values.strides(), "K/V rows must be contiguous, alike");
+  TORCH_CHECK(keys.size(0) == query.size(0) && keys.size(2) == query.size(2) && values.sizes() == keys.sizes(),
+              "query and pool disagree");
+  TORCH_CHECK(query.size(1) <= kMaxGroup && query.size(2) <= kMaxDim, "bad sizes");
+}
+
+at::Tensor attend_in_order(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                           const std::vector<int64_t>& order, int64_t used, double scale);
+
 at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                        const at::Tensor& rows, const c10::optional<at::Tensor>& valid, double scale) {
-  TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && values.dim() == 3 && rows.dim() == 2, "bad ranks");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-              values.scalar_type() == at::kFloat && rows.scalar_type() == at::kLong, "float32 rows, int64 slots");
-  TORCH_CHECK(keys.stride(2) == 1 && keys.strides() == values.strides(), "K/V rows must be contiguous, alike");
-  const at::Tensor q_contig = query.contiguous(), row_contig = rows.contiguous();
-  const int64_t kv = q_contig.size(0), group = q_contig.size(1), dim = q_contig.size(2), m = row_contig.size(1);
-  const int64_t slot_count = keys.size(1), head_stride = keys.stride(0), row_stride = keys.stride(1);
-  TORCH_CHECK(keys.size(0) == kv && row_contig.size(0) == kv && keys.size(2) == dim && values.sizes() == keys.sizes(),
-              "query, rows and pool disagree");
-  TORCH_CHECK(group <= kMaxGroup && dim <= kMaxDim && m > 0, "bad sizes");
+  check_pool_attention(query, keys, values);
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kLong, "int64 slots [kv, rows]");
+  const at::Tensor row_contig = rows.contiguous();
+  const int64_t kv = query.size(0), dim = query.size(2), m = row_contig.size(1), slot_count = keys.size(1);
+  TORCH_CHECK(row_contig.size(0) == kv && m > 0, "rows and pool disagree");
   const bool* use = nullptr;
   at::Tensor valid_contig;
   if (valid.has_value()) {
@@ -419,7 +427,30 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at
     const bool sort = dim * static_cast<int64_t>(sizeof(float)) >= kSortedRowBytes;
     for (int64_t h = 0; h < kv; ++h) visiting_order(row_all + h * m, m, use, slot_count, sort, seen, &order[h * used]);
   }
+  return attend_in_order(query, keys, values, order, used, scale);
+}
 
+// Every slot of [first, end), in every KV head: a dense layer's attention (the new token's slot included) with
+// the same arithmetic as attend_rows. For one token over a few hundred slots it costs a fraction of SDPA's
+// fixed cost per call, and at long contexts it streams the layer as fast.
+at::Tensor attend_span(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, int64_t first,
+                       int64_t end, double scale) {
+  check_pool_attention(query, keys, values);
+  TORCH_CHECK(0 <= first && first < end && end <= keys.size(1), "attend_span: slots [", first, ", ", end, ") outside ",
+              keys.size(1));
+  const int64_t kv = query.size(0), used = end - first;
+  std::vector<int64_t> order(kv * used);
+  for (int64_t h = 0; h < kv; ++h)
+    for (int64_t i = 0; i < used; ++i) order[h * used + i] = first + i;
+  return attend_in_order(query, keys, values, order, used, scale);
+}
+
+// One token's attention in each KV head over the `used` slots order[h * used, (h + 1) * used)
+at::Tensor attend_in_order(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                           const std::vector<int64_t>& order, int64_t used, double scale) {
+  const at::Tensor q_contig = query.contiguous();
+  const int64_t kv = q_contig.size(0), group = q_contig.size(1), dim = q_contig.size(2);
+  const int64_t head_stride = keys.stride(0), row_stride = keys.stride(1);
   const int64_t chunks = (used + kRowChunk - 1) / kRowChunk;
   std::vector<float> peaks(kv * chunks * group), sums(kv * chunks * group), partial(kv * chunks * group * dim);
   const float* q_all = q_contig.data_ptr<float>();
@@ -695,6 +726,7 @@ at::Tensor q4_matvec_meta(const at::Tensor& row, const at::Tensor& packed, const
 TORCH_LIBRARY(infinigen_cpu, m) {
   m.def("rehearse_select(Tensor query, Tensor partial_keys, int past, int k, float alpha) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("attend_rows(Tensor query, Tensor keys, Tensor values, Tensor rows, Tensor? valid, float scale) -> Tensor");
+  m.def("attend_span(Tensor query, Tensor keys, Tensor values, int first, int end, float scale) -> Tensor");
   m.def("q8_matvec(Tensor row, Tensor codes, Tensor scales) -> Tensor");
   m.def("q4_matvec(Tensor row, Tensor packed, Tensor scales, Tensor lows) -> Tensor");
 }
@@ -702,6 +734,7 @@ TORCH_LIBRARY(infinigen_cpu, m) {
 TORCH_LIBRARY_IMPL(infinigen_cpu, CPU, m) {
   m.impl("rehearse_select", rehearse_select);
   m.impl("attend_rows", attend_rows);
+  m.impl("attend_span", attend_span);
   m.impl("q8_matvec", q8_matvec);
   m.impl("q4_matvec", q4_matvec);
 }
