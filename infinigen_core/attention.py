@@ -99,7 +99,7 @@ class PoolAttention:
         if rows is not None:
             if self._kernels_attend(query, keys):
                 mask = None if valid is None else valid.view(-1)
-                out = self.kernels.attend_rows(query.view(kv_heads, -1, dim), keys, values, rows, mask, scaling)
+                out = self.kernels.attend_rows(query.reshape(kv_heads, -1, dim), keys, values, rows, mask, scaling)
                 return out.view(1, 1, -1, dim)
             keys, values = self.pool.gather(layer, rows, shape=(kv_heads, 1, rows.shape[1], dim))
         window = self.adapter.sliding_window(layer)
@@ -108,7 +108,7 @@ class PoolAttention:
             # a dense layer over the pool's own rows: the CPU kernel reads them in place (a sliding layer its window)
             end = keys.shape[1]
             first = 0 if window is None else max(0, end - window)
-            out = self.kernels.attend_span(query.view(kv_heads, -1, dim), keys, values, first, end, scaling)
+            out = self.kernels.attend_span(query.reshape(kv_heads, -1, dim), keys, values, first, end, scaling)
             return out.view(1, 1, -1, dim)
         if window is not None and selected is None:  # a sliding layer reads its last `window` positions only
             if self.pool.slots_are_positions:
@@ -134,7 +134,7 @@ class PoolAttention:
     def _kernels_attend(self, query, keys) -> bool:
         """Whether the CPU kernel can attend here: plain softmax attention over float32 rows."""
         return (self.kernels is not None and not self.policy.needs_attention_weights and self.adapter.softcap is None
-                and query.dtype == torch.float32 and keys.dtype == torch.float32 and query.is_contiguous()
+                and query.dtype == torch.float32 and keys.dtype == torch.float32
                 and self.kernels.fit(self.adapter.group_size, self.adapter.head_dim))
 
     def measure_recall(self, layer, query, key, scaling, selection: Selection, stats: LayerStats) -> None:

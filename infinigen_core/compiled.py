@@ -120,9 +120,10 @@ def pool_attention(layer: int, query, key, value, scaling: float, layer_input, p
     """
     if torch.compiler.is_compiling():
         cos, sin = position_embeddings if position_embeddings is not None else (None, None)
-        # where this process has the decode lane's op, the graph calls it: C++ from layer to layer in a lane's
-        # step, and the op below for any other step
-        op = torch.ops.infinigen_cpu.attend_layer if lane_op_loaded() else torch.ops.infinigen.pool_attention
+        # on the CPU, where this process has the decode lane's op, the graph calls it: C++ from layer to layer in
+        # a lane's step, the op below for any other step (the lane's op has no GPU kernel)
+        lane = query.device.type == "cpu" and lane_op_loaded()
+        op = torch.ops.infinigen_cpu.attend_layer if lane else torch.ops.infinigen.pool_attention
         return op(query, key, value, layer_input, cos, sin, layer, scaling)
     return _attend(layer, query, key, value, scaling, layer_input, position_embeddings)
 

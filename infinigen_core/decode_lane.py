@@ -9,8 +9,9 @@ layer in C++ (kernels/decode_lane.cpp, built with the CPU kernels), with no Pyth
 
 The lane does what `LayerWork.attend` does for such a step, with the same kernels and ATen ops on the same
 inputs, so the logits are the same to the bit (tests/test_decode_lane.py): the new K/V into the pool, InfiniGen's
-selection (`rehearse_select`) and attention over the selected rows where they lie (`attend_rows`), SDPA for
-every other layer. What it covers: the full, offload and infinigen policies on float32 rows, no eviction, each
+selection (`rehearse_select`) and attention over the selected rows where they lie (`attend_rows`),
+`attend_span` over every other layer's slots. The statistics are the Python path's (fetched rows, selections,
+alpha counts, bytes fetched), except the timings: the lane times its selection and its attention in C++. What it covers: the full, offload and infinigen policies on float32 rows, no eviction, each
 selecting layer choosing from its own query (nothing crosses devices, so nothing is speculated a layer
 ahead), no soft-capping, no recall measurement. Anything else takes the Python path, which stays the
 reference. In the compiled step (compiled.py) the lane's op is in the graph, so that inductor's C++ wrapper
@@ -79,6 +80,8 @@ class DecodeLane:
         """Open the lane for `step` on this thread; False (nothing opened) where the step needs the Python path."""
         work, pool, policy = self.work, self.work.pool, self.work.policy
         if not step.is_decode or not pool.last_reserved_contiguous or not pool.slots_are_positions:
+            return False
+        if devices.active_mode() is not None:  # the checks entered after this engine's first step must see every op
             return False
         past = step.past_len
         budgets = [policy.budget_for(layer, past) if step.selects(layer) else 0 for layer in range(len(self.sparse))]

@@ -311,6 +311,8 @@ class InfiniGenEngine(SessionRows):
                     logits_to_keep=1,
                     infinigen_pool=True,
                 )
+            if step.lane is not None:
+                step.lane.end(step)  # closes this thread's lane first, whatever follows
         except BaseException:
             if step.lane is not None:
                 step.lane.abort()
@@ -320,8 +322,6 @@ class InfiniGenEngine(SessionRows):
                 self.fetcher.rebuild()
             raise
         self.policy.finish_step(completed=True)
-        if step.lane is not None:
-            step.lane.end(step)
         self.work.finish(step)
         self.token_ids.extend(token_ids)
         self.steps_run += 1

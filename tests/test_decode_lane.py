@@ -172,3 +172,17 @@ def test_the_compiled_step_runs_the_lane_and_hands_other_steps_to_python(tiny_ll
     assert len(lane_steps) == opened and engine.decode_step.is_compiled
     torch.testing.assert_close(got, streaming, rtol=1e-4, atol=1e-4)
     engine.close()
+
+
+def test_a_lane_whose_layers_did_not_all_attend_is_refused_at_its_end(kernels):
+    """A layer that never reached the lane left its step key unwritten and its selection missing: lane_end says so
+    (and closes the lane) rather than hand the engine another layer's results."""
+    keys = [torch.zeros(1, 8, 4) for _ in range(2)]
+    torch.ops.infinigen_cpu.lane_begin(keys, [torch.zeros(1, 8, 4) for _ in range(2)], [None, None], [None, None],
+                                       [0, 0], None, 3, [0, 0], 1.0)
+    query, new = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 1, 4)
+    out = torch.ops.infinigen_cpu.attend_layer(query, new, new, None, None, None, 0, 0.5)
+    assert out.shape == (1, 1, 2, 4) and torch.equal(keys[0][:, 3], new[0, :, 0])  # layer 0 ran: its row written
+    with pytest.raises(RuntimeError, match="only some layers"):
+        torch.ops.infinigen_cpu.lane_end()
+    assert torch.ops.infinigen_cpu.lane_end()[3].numel() == 0  # closed all the same

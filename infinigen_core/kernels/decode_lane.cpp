@@ -28,6 +28,7 @@ namespace {
 struct LayerResult {
   at::Tensor slots, scores, alpha_total;  // a selecting layer's: [kv, k] int64, [kv, k] float, 0-dim int64
   int64_t select_ns = 0, attend_ns = 0;
+  bool ran = false;
 };
 
 struct Lane {
@@ -102,6 +103,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Ten
   at::Tensor times = at::empty({static_cast<int64_t>(lane->results.size()), 2}, at::TensorOptions().dtype(at::kLong));
   int64_t* t = times.data_ptr<int64_t>();
   for (const auto& result : lane->results) {
+    // a layer that never attended left its row of step keys unwritten and its selection missing
+    TORCH_CHECK(result.ran, "the decode lane's step ran the attention of only some layers");
     if (result.slots.defined()) {
       slots.push_back(result.slots);
       scores.push_back(result.scores);
@@ -156,6 +159,7 @@ at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at
   if (lane->step_key_index[layer] >= 0) lane->step_keys.select(0, lane->step_key_index[layer]).copy_(key.select(0, 0));
   const at::Tensor grouped = query.reshape({kv, -1, dim});  // [kv, group, dim]: each KV head's query group
   LayerResult& result = lane->results[layer];
+  result.ran = true;
   at::Tensor out;
   const int64_t budget = lane->budgets[layer];
   if (budget > 0) {

@@ -198,16 +198,20 @@ int64_t block_logits(float*, const float*, const Key*, int64_t, int64_t, int64_t
 // branch (which value passes is a coin toss to the branch predictor: a branch per value cost twice the pass)
 // and only they are partitioned. The result is exactly the k largest: where fewer than k lie above the floor
 // (the margin was not enough), all n are partitioned as before.
-inline void largest_first(uint64_t* x, int64_t n, int64_t k, std::vector<uint64_t>& sample) {
-  constexpr int64_t kStride = 16, kMinSample = 64;
-  const int64_t samples = n / kStride;
+// `scratch` holds at least largest_first_scratch(n) values.
+constexpr int64_t kSampleStride = 16;
+inline int64_t largest_first_scratch(int64_t n) { return n / kSampleStride + n; }
+
+inline void largest_first(uint64_t* x, int64_t n, int64_t k, uint64_t* scratch) {
+  constexpr int64_t kMinSample = 64;
+  const int64_t samples = n / kSampleStride;
   if (samples >= kMinSample) {
-    sample.resize(samples + n);
-    uint64_t* picked = sample.data() + samples;
-    for (int64_t i = 0; i < samples; ++i) sample[i] = x[i * kStride];
+    uint64_t* sample = scratch;
+    uint64_t* picked = scratch + samples;
+    for (int64_t i = 0; i < samples; ++i) sample[i] = x[i * kSampleStride];
     const double expected = static_cast<double>(k) * samples / n;  // sampled values among the k largest
     const int64_t rank = std::min<int64_t>(samples - 1, static_cast<int64_t>(expected + 3.0 * std::sqrt(expected) + 4.0));
-    std::nth_element(sample.begin(), sample.begin() + rank, sample.begin() + samples, std::greater<uint64_t>());
+    std::nth_element(sample, sample + rank, sample + samples, std::greater<uint64_t>());
     const uint64_t floor = sample[rank];
     int64_t above = 0;
     for (int64_t j = 0; j < n; ++j) {
@@ -326,10 +330,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
 
   // 4. per head: its top k, partitioned once more where the mask cuts them, so its best `kept` come first
   at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint64_t> sample;
+    const std::unique_ptr<uint64_t[]> scratch(new uint64_t[largest_first_scratch(past)]);  // written before read
     for (int64_t h = begin; h < end; ++h) {
       uint64_t* head = &ranked[h * past];
-      if (k < past) largest_first(head, past, k, sample);
+      if (k < past) largest_first(head, past, k, scratch.get());
       if (0 < kept && kept < k) std::nth_element(head, head + (kept - 1), head + k, std::greater<uint64_t>());
       float* score_out = scores.data_ptr<float>() + h * k;
       int64_t* slot_out = slots.data_ptr<int64_t>() + h * k;
