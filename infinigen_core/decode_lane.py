@@ -104,7 +104,7 @@ class DecodeLane:
         slots, scores, totals, times = torch.ops.infinigen_cpu.lane_end()
         policy, past, budgets = self.work.policy, step.past_len, self._budgets
         if any(self._has_partial):
-            policy.write_lane_keys(step.slots[0])
+            policy.write_step_keys(policy.lane_key_buffer(), step.slots[0])
         selected = iter(zip(slots, scores, totals))
         layers = step.stats.layers
         for layer, ((select_ns, attend_ns), window) in enumerate(zip(times.tolist(), self.windows)):

@@ -192,21 +192,16 @@ class InfiniGenPolicy(KVPolicy):
             return
         if len(pending) != len(self.sparse_layers):  # not a whole step's worth: cannot happen, but stay exact
             raise RuntimeError("a decode step wrote the keys of only some sparse layers")
-        self._write_step_keys(torch.stack(pending), self._pending_slots)
+        self.write_step_keys(torch.stack(pending), self._pending_slots)
 
     def lane_key_buffer(self) -> torch.Tensor:
         """[sparse layers, kv_heads, 1, head_dim]: where a decode lane (decode_lane.py) leaves a step's new keys."""
         if self._lane_keys is None:
-            adapter = self.ctx.adapter
-            self._lane_keys = torch.empty(len(self.sparse_layers), adapter.num_kv_heads, 1, adapter.head_dim,
-                                          dtype=self.partial_dtype, device=self.ctx.compute_device)
+            shape = (len(self.sparse_layers), self.ctx.adapter.num_kv_heads, 1, self.ctx.adapter.head_dim)
+            self._lane_keys = torch.empty(shape, dtype=self.partial_dtype, device=self.ctx.compute_device)
         return self._lane_keys
 
-    def write_lane_keys(self, slots: torch.Tensor) -> None:
-        """The partial keys of the keys a decode lane's step left in `lane_key_buffer`, into their `slots`."""
-        self._write_step_keys(self._lane_keys, slots)
-
-    def _write_step_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+    def write_step_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """One decode step's new keys of every sparse layer [sparse layers, kv_heads, 1, dim] through their
         projections in one product, into the partial key cache at `slots`."""
         layers, heads, _, dim = keys.shape
