@@ -3,8 +3,9 @@
     python -m bench speed --text essays/ --context 2048,4096,8192 --policies full,offload,infinigen
 
 Per context: one prefill (dense, timed), then rounds in which every policy in turn decodes a few of the
-text's next tokens from the same prefix. Interleaving the policies means a burst of load from another
-process slows them alike; the first step after each switch is a warm-up and is not timed. The median
+text's next tokens from the same prefix, each round starting one policy later than the one before.
+Interleaving the policies means a burst of load from another process slows them alike; the first step after
+each switch is a warm-up and is not timed. The median
 step time is reported (robust to such bursts) and its ratio to `full`'s. Two reference rows run plain
 transformers over the same tokens: `transformers` (its own DynamicCache, no engine) and `hf-offload`
 (`DynamicCache(offloading=True)`, what a transformers user picks to keep the cache off the GPU).
@@ -82,8 +83,13 @@ def decode_speed(engine, ids: Sequence[int], context: int, configs: dict[str, En
     times = {name: [] for name in configs}
     splits = {name: [] for name in configs}  # where each step's time went (speculation, fetch, attention)
     facts = {}
+    names = list(configs)
     for round_index in range(rounds):
-        for name, config in configs.items():
+        # each round starts with the next policy: the step that follows a switch of settings (caches cold, the
+        # machine's clocks) is not always the same policy's, so no row carries that bias in every round
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            config = configs[name]
             if progress:
                 progress(f"context {context}: round {round_index + 1}/{rounds}, {name}")
             kind = row_weights(name)[1]

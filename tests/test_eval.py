@@ -104,8 +104,12 @@ def test_recall_is_complete_when_everything_is_fetched_and_partial_otherwise(tin
 
 def test_speed_rows_compare_every_policy_with_full_in_the_same_run(tiny_engine):
     ids = random_tokens(PREFILL + 12, seed=8)
-    rows = decode_speed(tiny_engine, ids, PREFILL, configs("full", "offload", "infinigen"), decode_tokens_n=6, rounds=2)
+    messages: list[str] = []
+    rows = decode_speed(tiny_engine, ids, PREFILL, configs("full", "offload", "infinigen"), decode_tokens_n=6, rounds=2,
+                        progress=messages.append)
     assert [row["policy"] for row in rows] == ["full", "offload", "infinigen", "transformers"]  # hf-offload: GPU only
+    order = [message.rsplit(", ", 1)[1] for message in messages if "round" in message]
+    assert order == ["full", "offload", "infinigen", "offload", "infinigen", "full"]  # each round starts one later
     by_policy = {row["policy"]: row for row in rows}
     assert by_policy["full"]["ratio_to_full"] == 1.0
     for row in rows:
