@@ -50,6 +50,19 @@ struct Lane {
 // that reallocates or gives memory back between steps is never kept alive from here.
 thread_local std::unique_ptr<Lane> running;
 
+// dst[h, j] = src[h, j] for two float32 [kv, dim] views of any strides: a row of a few hundred bytes per head,
+// where ATen's copy_ costs microseconds of set-up for each of the step's ~90 such copies
+void copy_rows(const at::Tensor& dst, const at::Tensor& src) {
+  TORCH_CHECK(dst.scalar_type() == at::kFloat && src.scalar_type() == at::kFloat && dst.sizes() == src.sizes() &&
+                  dst.dim() == 2, "copy_rows: two float32 [kv, dim] views");
+  float* d = dst.data_ptr<float>();
+  const float* s = src.data_ptr<float>();
+  const int64_t rows = dst.size(0), cols = dst.size(1);
+  const int64_t ds0 = dst.stride(0), ds1 = dst.stride(1), ss0 = src.stride(0), ss1 = src.stride(1);
+  for (int64_t h = 0; h < rows; ++h)
+    for (int64_t j = 0; j < cols; ++j) d[h * ds0 + j * ds1] = s[h * ss0 + j * ss1];
+}
+
 int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count();
 }
@@ -81,7 +94,8 @@ void lane_begin(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
     lane->step_key_index.push_back(is_sparse ? sparse++ : -1);
   }
   if (sparse > 0) {
-    TORCH_CHECK(step_keys.has_value() && step_keys->size(0) == sparse, "lane_begin: a row of step keys per sparse layer");
+    TORCH_CHECK(step_keys.has_value() && step_keys->size(0) == sparse && step_keys->scalar_type() == at::kFloat &&
+                    step_keys->dim() == 4, "lane_begin: a float32 row of step keys [kv, 1, dim] per sparse layer");
     lane->step_keys = *step_keys;
   }
   lane->windows = std::move(windows);
@@ -154,9 +168,10 @@ at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at
   TORCH_CHECK(key.size(1) == kv && key.size(3) == dim && query.size(3) == dim, "attend_layer: the step's shapes are not the lane's");
   // 1. the new row into its slot ([1, kv, 1, dim] -> [kv, dim]); the sparse layers' new key for the partial cache
   const at::Tensor new_key = key.select(0, 0).select(1, 0), new_value = value.select(0, 0).select(1, 0);
-  keys.select(1, slot).copy_(new_key);
-  values.select(1, slot).copy_(new_value);
-  if (lane->step_key_index[layer] >= 0) lane->step_keys.select(0, lane->step_key_index[layer]).copy_(key.select(0, 0));
+  copy_rows(keys.select(1, slot), new_key);
+  copy_rows(values.select(1, slot), new_value);
+  if (lane->step_key_index[layer] >= 0)
+    copy_rows(lane->step_keys.select(0, lane->step_key_index[layer]).select(1, 0), new_key);
   const at::Tensor grouped = query.reshape({kv, -1, dim});  // [kv, group, dim]: each KV head's query group
   LayerResult& result = lane->results[layer];
   result.ran = true;
