@@ -14,8 +14,9 @@ that changes with the policy and the pool. It is one opaque custom op per layer,
 which finds the running step through `stepping(step)` (the way vLLM's attention op reads its forward
 context). Where the CPU kernels are loaded, the op in the graph is their `infinigen_cpu::attend_layer` instead
 (decode_lane.py): in a step the engine opened a decode lane for, the layer runs in C++ with no Python, and in
-any other step it hands the layer to `infinigen::pool_attention`. The graph therefore holds no engine, step or pool: it never recompiles as the conversation and
-the pool grow, when the policy changes, or when another engine wraps the same model. Prefill (many tokens)
+any other step it hands the layer to `infinigen::pool_attention`. The graph therefore holds no engine, step or
+pool: it never recompiles as the conversation and the pool grow, when the policy changes, or when another
+engine wraps the same model. Prefill (many tokens)
 stays eager, so the graph only ever sees static one-token shapes. On the CPU (the default options) dynamo's
 per-call checks of the model's modules are left out (~1.5 ms a step) and layout_watch.py stands in for them:
 a model whose layers were swapped (weights.py) is compiled again, and no other model runs this one's graph.
