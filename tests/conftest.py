@@ -64,11 +64,23 @@ def tiny_opt():
     return model, calibrate(model, random_tokens(256, seed=1))
 
 
-def make_tiny_engine(model_and_skew, **settings) -> InfiniGenEngine:
-    """An engine over a tiny model; the fetch floor is off unless asked for, since tiny tests use short contexts."""
+def make_tiny_engine(model_and_skew, kernels=None, **settings) -> InfiniGenEngine:
+    """An engine over a tiny model (with the CPU kernels given, if any); the fetch floor is off unless asked for,
+    since tiny tests use short contexts."""
     settings.setdefault("min_fetch_tokens", 0)
     model, skew = model_and_skew
-    return InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny")
+    return InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny", kernels=kernels)
+
+
+def greedy_logits(engine: InfiniGenEngine, prompt: list[int], steps: int) -> torch.Tensor:
+    """Prefill `prompt`, then decode `steps` greedy tokens from its last one: each step's logits [steps, vocab]."""
+    engine.prefill(prompt)
+    logits, token = [], prompt[-1]
+    for _ in range(steps):
+        out = engine.decode(token)
+        logits.append(out)
+        token = int(out.argmax())
+    return torch.stack(logits)
 
 
 def decode_seeing_attention_inputs(engine: InfiniGenEngine, attentions: list[torch.nn.Module], prompt: list[int],

@@ -15,7 +15,7 @@ from infinigen_core.config import EngineConfig
 from infinigen_core.cpu_kernels import pack_q4
 from infinigen_core.engine import InfiniGenEngine
 
-from conftest import make_tiny_engine, random_tokens
+from conftest import greedy_logits, make_tiny_engine, random_tokens
 
 
 def _eager_selection(partial_query, partial_keys, past, k, alpha):
@@ -159,16 +159,6 @@ def test_attend_span_is_attend_rows_over_every_slot_and_sdpas_attention(kernels,
         kernels.attend_span(query, keys, values, 0, 801, 1.0)
 
 
-def _decode(engine, prompt, steps):
-    engine.prefill(prompt)
-    logits, token = [], prompt[-1]
-    for _ in range(steps):
-        out = engine.decode(token)
-        logits.append(out)
-        token = int(out.argmax())
-    return torch.stack(logits)
-
-
 @pytest.mark.parametrize("settings, narrow", [
     ({}, False),
     ({"pool_limit_tokens": 244, "recent_window": 16}, False),  # a pool that evicts (from step 5): rows gathered
@@ -180,12 +170,11 @@ def test_the_engine_decodes_the_same_with_the_kernels(tiny_llama, kernels, setti
     config = dict(policy="infinigen", budget=0.2, alpha=4.0, dense_under_budget=False, min_fetch_tokens=0, **settings)
     prompt = random_tokens(240, seed=5)
     eager = make_tiny_engine(tiny_llama, **config)
-    model, skew = tiny_llama
     if narrow:
         kernels = dataclasses.replace(kernels, max_group=1)  # the tiny Llama has 2 query heads per KV head
-    fast = InfiniGenEngine(model, None, EngineConfig(**config), skew_set=skew, fingerprint="tiny", kernels=kernels)
+    fast = make_tiny_engine(tiny_llama, kernels, **config)
     assert fast.kernels is kernels and eager.kernels is None
-    expected, got = _decode(eager, prompt, 8), _decode(fast, prompt, 8)
+    expected, got = greedy_logits(eager, prompt, 8), greedy_logits(fast, prompt, 8)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     fetched = [[(layer.sparse, layer.fetched) for layer in step.layers] for step in (eager.history[-1], fast.history[-1])]
     assert fetched[0] == fetched[1] and any(sparse for sparse, _ in fetched[1])  # the same statistics

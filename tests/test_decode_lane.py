@@ -14,9 +14,8 @@ from infinigen_core import decode_lane
 from infinigen_core.compiled import compile_decode
 from infinigen_core.config import EngineConfig
 from infinigen_core.decode_lane import DecodeLane, lane_refusal
-from infinigen_core.engine import InfiniGenEngine
 
-from conftest import random_tokens
+from conftest import greedy_logits, make_tiny_engine, random_tokens
 
 SELECTING = dict(policy="infinigen", budget=0.2, alpha=4.0, dense_under_budget=False, min_fetch_tokens=0)
 
@@ -37,27 +36,12 @@ def lane_steps(monkeypatch):
     return opened
 
 
-def _engine(model_and_skew, kernels, **settings) -> InfiniGenEngine:
-    model, skew = model_and_skew
-    return InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny", kernels=kernels)
-
-
-def _decode(engine, prompt, steps):
-    engine.prefill(prompt)
-    logits, token = [], prompt[-1]
-    for _ in range(steps):
-        out = engine.decode(token)
-        logits.append(out)
-        token = int(out.argmax())
-    return torch.stack(logits)
-
-
 def _without_lane(monkeypatch, model_and_skew, kernels, prompt, steps, **settings):
     """The reference: the same engine and tokens, every step on the Python path."""
     with monkeypatch.context() as patch:
         patch.setattr(DecodeLane, "for_work", staticmethod(lambda work: None))
-        engine = _engine(model_and_skew, kernels, **settings)
-        logits = _decode(engine, prompt, steps)
+        engine = make_tiny_engine(model_and_skew, kernels, **settings)
+        logits = greedy_logits(engine, prompt, steps)
     return engine, logits
 
 
@@ -80,10 +64,10 @@ def test_the_lane_gives_the_python_paths_logits_and_statistics(tiny_llama, kerne
     prompt, steps = random_tokens(200, seed=3), 70  # the pool grows past its first 256 slots mid-decode
     reference, expected = _without_lane(monkeypatch, tiny_llama, kernels, prompt, steps, **settings)
     assert not lane_steps
-    engine = _engine(tiny_llama, kernels, **settings)
+    engine = make_tiny_engine(tiny_llama, kernels, **settings)
     assert lane_refusal(engine.work) is None
     capacity = engine.pool.capacity
-    got = _decode(engine, prompt, steps)
+    got = greedy_logits(engine, prompt, steps)
     assert len(lane_steps) == steps and engine.pool.capacity > capacity  # every step in the lane, across a growth
     assert torch.equal(got, expected)  # to the bit: the same kernels and ops on the same inputs
     for ours, theirs in zip(engine.recent_decode_steps(), reference.recent_decode_steps()):
@@ -104,8 +88,8 @@ def test_sliding_layers_read_their_window_in_the_lane(kernels, monkeypatch, lane
     settings = dict(policy="infinigen", budget=0.3, min_fetch_tokens=0, dense_under_budget=False)
     prompt = random_tokens(60, seed=4, vocab=3001)
     reference, expected = _without_lane(monkeypatch, gemma, kernels, prompt, 12, **settings)
-    engine = _engine(gemma, kernels, **settings)
-    got = _decode(engine, prompt, 12)
+    engine = make_tiny_engine(gemma, kernels, **settings)
+    got = greedy_logits(engine, prompt, 12)
     assert len(lane_steps) == 12 and torch.equal(got, expected)
     step = engine.recent_decode_steps()[-1]
     assert _layer_record(step) == _layer_record(reference.recent_decode_steps()[-1])
@@ -122,18 +106,18 @@ def test_sliding_layers_read_their_window_in_the_lane(kernels, monkeypatch, lane
 @torch.inference_mode()
 def test_what_the_lane_does_not_cover_takes_the_python_path(tiny_llama, kernels, monkeypatch, lane_steps, settings,
                                                             reason):
-    engine = _engine(tiny_llama, kernels, **settings)
+    engine = make_tiny_engine(tiny_llama, kernels, **settings)
     assert lane_refusal(engine.work) == reason and engine.work.lane is None
-    _decode(engine, random_tokens(40, seed=6), 3)
+    greedy_logits(engine, random_tokens(40, seed=6), 3)
     assert not lane_steps and engine.recent_decode_steps()[-1].layers  # the Python path ran and recorded
-    without_kernels = _engine(tiny_llama, None, **SELECTING)
+    without_kernels = make_tiny_engine(tiny_llama, None, **SELECTING)
     assert lane_refusal(without_kernels.work) == "no CPU kernels"
     engine.close(), without_kernels.close()
 
 
 @torch.inference_mode()
 def test_a_step_that_raises_closes_the_lane(tiny_llama, kernels, monkeypatch, lane_steps):
-    engine = _engine(tiny_llama, kernels, **SELECTING)
+    engine = make_tiny_engine(tiny_llama, kernels, **SELECTING)
     engine.prefill(random_tokens(40, seed=7))
     mlp = engine.model.model.layers[2].mlp
 
@@ -157,10 +141,10 @@ def test_the_compiled_step_runs_the_lane_and_hands_other_steps_to_python(tiny_ll
         pytest.skip("no step compiles under the separate-devices checks")
     prompt = random_tokens(120, seed=8)
     _, expected = _without_lane(monkeypatch, tiny_llama, kernels, prompt, 8, **SELECTING)
-    engine = _engine(tiny_llama, kernels, **SELECTING)
+    engine = make_tiny_engine(tiny_llama, kernels, **SELECTING)
     assert compile_decode(engine, progress=lambda message: None) is None
     assert engine.decode_step.is_compiled
-    got = _decode(engine, prompt, 8)
+    got = greedy_logits(engine, prompt, 8)
     assert len(lane_steps) >= 8
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # fused kernels sum in another order
     engine.reset()
@@ -168,7 +152,7 @@ def test_the_compiled_step_runs_the_lane_and_hands_other_steps_to_python(tiny_ll
     opened = len(lane_steps)
     _, streaming = _without_lane(monkeypatch, tiny_llama, kernels, prompt, 4, policy="streaming", budget=0.2,
                                  min_fetch_tokens=0)
-    got = _decode(engine, prompt, 4)
+    got = greedy_logits(engine, prompt, 4)
     assert len(lane_steps) == opened and engine.decode_step.is_compiled
     torch.testing.assert_close(got, streaming, rtol=1e-4, atol=1e-4)
     engine.close()
