@@ -62,15 +62,13 @@ class DecodeLane:
         self.work = work
         policy, adapter = work.policy, work.adapter
         layers = range(adapter.num_layers)
+        # of the lane's policies only InfiniGen has sparse layers, each with a partial-key cache and its projection
         self.sparse = [policy.is_sparse(layer) for layer in layers]
         self.windows = [adapter.sliding_window(layer) for layer in layers]
         self._window_sizes = [window or 0 for window in self.windows]
-        partial = getattr(policy, "partial_keys_t", None)
-        self._has_partial = [partial is not None and partial[layer] is not None and self.sparse[layer] for layer in layers]
-        projections = getattr(policy, "single_query_projections", None)
-        self._query_projections = [projections[layer] if self._has_partial[layer] else None for layer in layers]
-        self._rows_per_selection = adapter.num_kv_heads  # fetch statistics: rows read per selected slot
-        self._budgets: list[int] = []
+        self._query_projections = [policy.single_query_projections[layer] if sparse else None
+                                   for layer, sparse in enumerate(self.sparse)]
+        self._budgets: list[int] = []  # the running step's, per layer (0: it attends to every slot)
 
     @staticmethod
     def for_work(work) -> DecodeLane | None:
@@ -88,11 +86,11 @@ class DecodeLane:
         if any(budget > past for budget in budgets) or (past == 0 and any(budgets)):
             return False  # a budget past the rows held: the Python path's eager selection
         storage = pool.storage.layers
-        partial = getattr(policy, "partial_keys_t", None)
+        sparse = any(self.sparse)
         torch.ops.infinigen_cpu.lane_begin(
             [store.keys for store in storage], [store.values for store in storage],
-            [partial[layer] if has else None for layer, has in enumerate(self._has_partial)], self._query_projections,
-            self._window_sizes, policy.lane_key_buffer() if any(self._has_partial) else None, past, budgets,
+            [policy.partial_keys_t[layer] if is_sparse else None for layer, is_sparse in enumerate(self.sparse)],
+            self._query_projections, self._window_sizes, policy.lane_key_buffer() if sparse else None, past, budgets,
             work.config.alpha)
         self._budgets = budgets
         step.lane = self
@@ -103,7 +101,7 @@ class DecodeLane:
         layers' new keys into the policy's partial key cache."""
         slots, scores, totals, times = torch.ops.infinigen_cpu.lane_end()
         policy, past, budgets = self.work.policy, step.past_len, self._budgets
-        if any(self._has_partial):
+        if any(self.sparse):
             policy.write_step_keys(policy.lane_key_buffer(), step.slots[0])
         selected = iter(zip(slots, scores, totals))
         layers = step.stats.layers
@@ -117,7 +115,7 @@ class DecodeLane:
                 stats.sparse, stats.fetched, stats.speculate_ms = True, budgets[layer], select_ns / 1e6
                 stats.deferred_from = step.stats
                 step.device_values.append((stats, total))
-                self.work.fetcher.count_rows((budgets[layer] + 1) * self._rows_per_selection)
+                self.work.fetcher.count_rows((budgets[layer] + 1) * self.work.adapter.num_kv_heads)  # new token too
             layers.append(stats)
 
     @staticmethod
