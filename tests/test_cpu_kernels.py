@@ -98,6 +98,25 @@ def test_the_cache_is_float16_only_where_every_selection_takes_the_kernels(tiny_
     assert dtypes == {"kernels": torch.float16, "evicting": torch.float32, "eager": torch.float32}
 
 
+def test_partial_key_rows_never_lie_a_whole_number_of_pages_apart(tiny_llama, kernels):
+    # a selection reads every channel's row at the same slots: rows 2^k bytes apart share the CPU caches' sets
+    engine = make_tiny_engine(tiny_llama, kernels=kernels, policy="infinigen", budget=0.5)
+    engine.prefill(random_tokens(40, seed=3))
+    policy = engine.policy
+    layer = policy.sparse_layers[0]
+    before = policy.partial_keys_t[layer][..., :40].clone()
+    for capacity in (1 << 15, 64):  # grown to a power of two of slots, then released back to a few
+        if capacity > policy.partial_keys_t[layer].shape[-1]:
+            policy.ensure_capacity(capacity)
+        else:
+            policy.release_capacity(capacity)
+        cache = policy.partial_keys_t[layer]
+        assert cache.shape[-1] == capacity and cache.stride(-1) == 1
+        assert (cache.stride(-2) * cache.element_size()) % 4096 != 0
+        assert torch.equal(cache[..., :40], before) and before.abs().sum() > 0
+    engine.close()
+
+
 def test_rehearse_select_refuses_a_k_past_the_slots(kernels):
     with pytest.raises(RuntimeError, match="bad sizes"):
         kernels.rehearse_select(torch.randn(2, 2, 8), torch.randn(2, 8, 50), 40, 41, 5.0)
