@@ -10,12 +10,14 @@ layer in C++ (kernels/decode_lane.cpp, built with the CPU kernels), with no Pyth
 The lane does what `LayerWork.attend` does for such a step, with the same kernels and ATen ops on the same
 inputs, so the logits are the same to the bit (tests/test_decode_lane.py): the new K/V into the pool, InfiniGen's
 selection (`rehearse_select`) and attention over the selected rows where they lie (`attend_rows`),
-`attend_span` over every other layer's slots. The statistics are the Python path's (fetched rows, selections,
-alpha counts, bytes fetched), except the timings: the lane times its selection and its attention in C++. What it covers: the full, offload and infinigen policies on float32 rows, no eviction, each
-selecting layer choosing from its own query (nothing crosses devices, so nothing is speculated a layer
-ahead), no soft-capping, no recall measurement. Anything else takes the Python path, which stays the
-reference. In the compiled step (compiled.py) the lane's op is in the graph, so that inductor's C++ wrapper
-calls it without Python; with no lane open the op hands the layer to the Python path.
+`attend_span` over every other layer's slots, and the new key's partial key into InfiniGen's cache (the function
+the Python path's `InfiniGenPolicy.write_step_keys` calls too, so the caches agree to the bit). The statistics
+are the Python path's (fetched rows, selections, alpha counts, bytes fetched), except the timings: the lane
+times its selection and its attention in C++. What it covers: the full, offload and infinigen policies on
+float32 rows, no eviction, each selecting layer choosing from its own query (nothing crosses devices, so nothing
+is speculated a layer ahead), no soft-capping, no recall measurement. Anything else takes the Python path, which
+stays the reference. In the compiled step (compiled.py) the lane's op is in the graph, so that inductor's C++
+wrapper calls it without Python; with no lane open the op hands the layer to the Python path.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class DecodeLane:
         self._window_sizes = [window or 0 for window in self.windows]
         self._query_projections = [policy.single_query_projections[layer] if sparse else None
                                    for layer, sparse in enumerate(self.sparse)]
+        self._key_projections = [policy.key_projections[layer] if sparse else None
+                                 for layer, sparse in enumerate(self.sparse)]
         self._budgets: list[int] = []  # the running step's, per layer (0: it attends to every slot)
 
     @staticmethod
@@ -86,23 +90,19 @@ class DecodeLane:
         if any(budget > past for budget in budgets) or (past == 0 and any(budgets)):
             return False  # a budget past the rows held: the Python path's eager selection
         storage = pool.storage.layers
-        sparse = any(self.sparse)
         torch.ops.infinigen_cpu.lane_begin(
             [store.keys for store in storage], [store.values for store in storage],
             [policy.partial_keys_t[layer] if is_sparse else None for layer, is_sparse in enumerate(self.sparse)],
-            self._query_projections, self._window_sizes, policy.lane_key_buffer() if sparse else None, past, budgets,
-            work.config.alpha)
+            self._query_projections, self._key_projections, self._window_sizes, past, budgets, work.config.alpha)
         self._budgets = budgets
         step.lane = self
         return True
 
     def end(self, step) -> None:
-        """Close the lane: the layers' statistics into the step (what LayerWork.attend records), and the sparse
-        layers' new keys into the policy's partial key cache."""
+        """Close the lane: the layers' statistics into the step (what LayerWork.attend records; the sparse layers'
+        new partial keys are in the policy's cache already, written by each layer in C++)."""
         slots, scores, totals, times = torch.ops.infinigen_cpu.lane_end()
-        policy, past, budgets = self.work.policy, step.past_len, self._budgets
-        if any(self.sparse):
-            policy.write_step_keys(policy.lane_key_buffer(), step.slots[0])
+        past, budgets = step.past_len, self._budgets
         selected = iter(zip(slots, scores, totals))
         layers = step.stats.layers
         for layer, ((select_ns, attend_ns), window) in enumerate(zip(times.tolist(), self.windows)):

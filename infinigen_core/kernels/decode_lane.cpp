@@ -4,20 +4,23 @@
 // `infinigen::pool_attention`). Where the engine opened a lane for the running step on this thread
 // (decode_lane.py: `lane_begin` with the step's pool storage, slot and budgets; `lane_end` after it), the
 // layer's work runs here, in the order the Python path (step.py) runs it:
-//   1. the new K/V row into its pool slot, and the new key into the step's buffer of keys for the partial key
-//      cache (InfiniGen's sparse layers; the policy projects them all at once after the step);
+//   1. the new K/V row into its pool slot;
 //   2. a selecting layer: its query through its partial skew, `rehearse_select` over the partial key cache,
 //      then `attend_rows` over the new slot and the selected ones, read where they lie in the pool;
 //      any other layer: `attend_span` over the layer's slots (a sliding layer's last `window`);
-//   3. what the statistics need, kept until `lane_end` hands it over (no host read: all of it is CPU memory).
+//   3. InfiniGen's sparse layers: the new key's partial key into the partial key cache (`store_partial_key`,
+//      the function the Python path's `write_step_partial_keys` calls, so both caches hold the same bits);
+//   4. what the statistics need, kept until `lane_end` hands it over (no host read: all of it is CPU memory).
 // With no lane open (prefill runs eager; other policies), the op calls the engine's Python op instead.
 // The same kernels and ATen ops as the Python path, with the same inputs: the logits agree to the bit.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <tuple>
@@ -36,10 +39,9 @@ struct Lane {
   std::vector<at::Tensor> keys, values;  // the pool's storage [kv, capacity, dim] float32
   std::vector<at::Tensor> partial_keys;  // InfiniGen's cache [kv, r, capacity] (undefined: not sparse)
   std::vector<at::Tensor> query_projections;  // [kv, dim, r] float32 (undefined: not sparse)
+  std::vector<at::Tensor> key_projections;  // [kv, dim, r] float32 (undefined: not sparse)
   std::vector<int64_t> windows;  // a sliding layer's window, 0 for a global one
   std::vector<int64_t> budgets;  // rows to select, 0 to attend to every slot (a sliding layer: its window)
-  at::Tensor step_keys;  // [sparse layers, kv, 1, dim]: this step's new keys of the sparse layers (or undefined)
-  std::vector<int64_t> step_key_index;  // per layer, its row of step_keys, -1 for none
   int64_t slot = 0;  // the new token's slot in every layer (the pool appends: slot i holds position i)
   double alpha = 0.0;
   at::Tensor new_slot_column;  // [kv, 1] int64 holding `slot`
@@ -63,40 +65,114 @@ void copy_rows(const at::Tensor& dst, const at::Tensor& src) {
     for (int64_t j = 0; j < cols; ++j) d[h * ds0 + j * ds1] = s[h * ss0 + j * ss1];
 }
 
+// float16's largest finite value: a partial key past it is stored as it, never as an infinity (what the Python
+// path's clamp before its cast does; a NaN stays a NaN either way)
+constexpr float kHalfMax = 65504.0f;
+
+template <typename Stored>
+Stored stored_as(float value);
+
+template <>
+float stored_as<float>(float value) { return value; }
+
+template <>
+c10::Half stored_as<c10::Half>(float value) {
+  return c10::Half(value < -kHalfMax ? -kHalfMax : (value > kHalfMax ? kHalfMax : value));  // round to nearest even
+}
+
+template <typename Stored>
+void store_partial_key_as(const at::Tensor& cache, const at::Tensor& key, const at::Tensor& projection, int64_t slot) {
+  const int64_t kv = key.size(0), dim = key.size(1), r = projection.size(2);
+  const float* k = key.data_ptr<float>();
+  const float* p = projection.data_ptr<float>();
+  Stored* out = cache.data_ptr<Stored>();
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), cs0 = cache.stride(0), cs1 = cache.stride(1);
+  float sums[256];  // r <= 256: lane_begin and write_step_partial_keys check it
+  for (int64_t h = 0; h < kv; ++h) {
+    const float* head_projection = p + h * dim * r;
+    for (int64_t j = 0; j < r; ++j) sums[j] = 0.0f;
+    // channel after channel, one fused multiply-add per partial channel: vectorises over the r channels
+    for (int64_t c = 0; c < dim; ++c) {
+      const float channel = k[h * ks0 + c * ks1];
+      const float* row = head_projection + c * r;
+      for (int64_t j = 0; j < r; ++j) sums[j] = std::fma(channel, row[j], sums[j]);
+    }
+    for (int64_t j = 0; j < r; ++j) out[h * cs0 + j * cs1 + slot] = stored_as<Stored>(sums[j]);
+  }
+}
+
+void check_partial_key_shapes(const at::Tensor& cache, const at::Tensor& key, const at::Tensor& projection,
+                              int64_t slot) {
+  TORCH_CHECK(key.dim() == 2 && key.scalar_type() == at::kFloat, "partial keys: a float32 key [kv, dim]");
+  TORCH_CHECK(projection.dim() == 3 && projection.scalar_type() == at::kFloat && projection.is_contiguous() &&
+                  projection.size(0) == key.size(0) && projection.size(1) == key.size(1) && projection.size(2) <= 256,
+              "partial keys: a contiguous float32 projection [kv, dim, r <= 256] for the key [kv, dim]");
+  TORCH_CHECK(cache.dim() == 3 && cache.size(0) == key.size(0) && cache.size(1) == projection.size(2) &&
+                  cache.stride(2) == 1 && (cache.scalar_type() == at::kHalf || cache.scalar_type() == at::kFloat),
+              "partial keys: a float16 or float32 cache [kv, r, capacity], slots contiguous");
+  TORCH_CHECK(0 <= slot && slot < cache.size(2), "partial keys: slot ", slot, " outside the cache");
+}
+
+// One new token's partial key: its key [kv, dim] (any strides) through the layer's key projection [kv, dim, r],
+// into column `slot` of the layer's partial key cache [kv, r, capacity], in the cache's dtype. Each partial
+// channel sums the key's channels in order, which is not the order of torch.bmm (MKL's): the lane and the Python
+// path both call this function for a decode step's keys, so the two caches agree to the bit.
+void store_partial_key(const at::Tensor& cache, const at::Tensor& key, const at::Tensor& projection, int64_t slot) {
+  if (cache.scalar_type() == at::kHalf)
+    store_partial_key_as<c10::Half>(cache, key, projection, slot);
+  else
+    store_partial_key_as<float>(cache, key, projection, slot);
+}
+
+// The Python path's form (InfiniGenPolicy.write_step_keys): one decode step's new keys of every sparse layer
+// [layers, kv, 1, dim], through their projections [layers * kv, dim, r], into `cache` [layers, kv, r, capacity].
+void write_step_partial_keys(const at::Tensor& keys, const at::Tensor& projections, const at::Tensor& cache,
+                             int64_t slot) {
+  TORCH_CHECK(keys.dim() == 4 && keys.size(2) == 1 && cache.dim() == 4 && cache.size(0) == keys.size(0) &&
+                  projections.dim() == 3 && projections.size(0) == keys.size(0) * keys.size(1),
+              "write_step_partial_keys: keys [layers, kv, 1, dim], projections [layers * kv, dim, r], "
+              "cache [layers, kv, r, capacity]");
+  const at::Tensor per_layer = projections.view({keys.size(0), keys.size(1), projections.size(1), projections.size(2)});
+  for (int64_t layer = 0; layer < keys.size(0); ++layer) {
+    const at::Tensor key = keys.select(0, layer).select(1, 0);
+    check_partial_key_shapes(cache[layer], key, per_layer[layer], slot);
+    store_partial_key(cache[layer], key, per_layer[layer], slot);
+  }
+}
+
 int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count();
 }
 
 void lane_begin(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                 std::vector<std::optional<at::Tensor>> partial_keys,
-                std::vector<std::optional<at::Tensor>> query_projections, std::vector<int64_t> windows,
-                std::optional<at::Tensor> step_keys, int64_t slot, std::vector<int64_t> budgets, double alpha) {
+                std::vector<std::optional<at::Tensor>> query_projections,
+                std::vector<std::optional<at::Tensor>> key_projections, std::vector<int64_t> windows, int64_t slot,
+                std::vector<int64_t> budgets, double alpha) {
   const size_t layers = keys.size();
   TORCH_CHECK(layers > 0 && values.size() == layers && partial_keys.size() == layers &&
-                  query_projections.size() == layers && windows.size() == layers && budgets.size() == layers,
+                  query_projections.size() == layers && key_projections.size() == layers && windows.size() == layers &&
+                  budgets.size() == layers,
               "lane_begin: one entry per layer in every list");
   auto lane = std::make_unique<Lane>();
   const int64_t kv = keys[0].size(0);
-  int64_t sparse = 0;
   for (size_t layer = 0; layer < layers; ++layer) {
     TORCH_CHECK(keys[layer].dim() == 3 && keys[layer].scalar_type() == at::kFloat && keys[layer].is_contiguous() &&
                     values[layer].sizes() == keys[layer].sizes() && values[layer].is_contiguous(),
                 "lane_begin: contiguous float32 K/V storage [kv, capacity, dim]");
     TORCH_CHECK(0 <= slot && slot < keys[layer].size(1), "lane_begin: slot ", slot, " outside the pool");
     const bool is_sparse = partial_keys[layer].has_value();
-    TORCH_CHECK(is_sparse == query_projections[layer].has_value(), "lane_begin: partial keys need a projection");
+    TORCH_CHECK(is_sparse == query_projections[layer].has_value() && is_sparse == key_projections[layer].has_value(),
+                "lane_begin: partial keys need their query and key projections");
+    if (is_sparse)
+      check_partial_key_shapes(*partial_keys[layer], keys[layer].select(1, slot), *key_projections[layer], slot);
     TORCH_CHECK(budgets[layer] == 0 || (is_sparse && budgets[layer] <= slot),
                 "lane_begin: layer ", layer, " cannot select ", budgets[layer], " of ", slot, " past rows");
     lane->keys.push_back(std::move(keys[layer]));
     lane->values.push_back(std::move(values[layer]));
     lane->partial_keys.push_back(is_sparse ? *partial_keys[layer] : at::Tensor());
     lane->query_projections.push_back(is_sparse ? *query_projections[layer] : at::Tensor());
-    lane->step_key_index.push_back(is_sparse ? sparse++ : -1);
-  }
-  if (sparse > 0) {
-    TORCH_CHECK(step_keys.has_value() && step_keys->size(0) == sparse && step_keys->scalar_type() == at::kFloat &&
-                    step_keys->dim() == 4, "lane_begin: a float32 row of step keys [kv, 1, dim] per sparse layer");
-    lane->step_keys = *step_keys;
+    lane->key_projections.push_back(is_sparse ? *key_projections[layer] : at::Tensor());
   }
   lane->windows = std::move(windows);
   lane->budgets = std::move(budgets);
@@ -117,7 +193,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Ten
   at::Tensor times = at::empty({static_cast<int64_t>(lane->results.size()), 2}, at::TensorOptions().dtype(at::kLong));
   int64_t* t = times.data_ptr<int64_t>();
   for (const auto& result : lane->results) {
-    // a layer that never attended left its row of step keys unwritten and its selection missing
+    // a layer that never attended left its partial key unwritten and its selection missing
     TORCH_CHECK(result.ran, "the decode lane's step ran the attention of only some layers");
     if (result.slots.defined()) {
       slots.push_back(result.slots);
@@ -166,12 +242,10 @@ at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at
   const at::Tensor& values = lane->values[layer];
   const int64_t kv = keys.size(0), dim = keys.size(2), slot = lane->slot, size = slot + 1;
   TORCH_CHECK(key.size(1) == kv && key.size(3) == dim && query.size(3) == dim, "attend_layer: the step's shapes are not the lane's");
-  // 1. the new row into its slot ([1, kv, 1, dim] -> [kv, dim]); the sparse layers' new key for the partial cache
+  // 1. the new row into its slot ([1, kv, 1, dim] -> [kv, dim])
   const at::Tensor new_key = key.select(0, 0).select(1, 0), new_value = value.select(0, 0).select(1, 0);
   copy_rows(keys.select(1, slot), new_key);
   copy_rows(values.select(1, slot), new_value);
-  if (lane->step_key_index[layer] >= 0)
-    copy_rows(lane->step_keys.select(0, lane->step_key_index[layer]).select(1, 0), new_key);
   const at::Tensor grouped = query.reshape({kv, -1, dim});  // [kv, group, dim]: each KV head's query group
   LayerResult& result = lane->results[layer];
   result.ran = true;
@@ -198,6 +272,11 @@ at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at
     out = attend_span.call(grouped, keys, values, first, size, scaling);
     result.attend_ns = elapsed_ns(started);
   }
+  // 3. the new token's partial key, dense step or not (later steps select over it). A selection above read only
+  // the slots before this one; a step that fails after this leaves a partial key in a slot the pool gives again,
+  // written again by the step that takes it
+  if (lane->partial_keys[layer].defined())
+    store_partial_key(lane->partial_keys[layer], keys.select(1, slot), lane->key_projections[layer], slot);
   return out.view({1, 1, -1, dim});
 }
 
@@ -214,13 +293,15 @@ TORCH_LIBRARY_FRAGMENT(infinigen_cpu, m) {
         "int layer, float scaling) -> Tensor");
   // the lane's opening and closing: plain functions of the engine's, not tensor ops (one kernel for all keys)
   m.def("lane_begin(Tensor[] keys, Tensor[] values, Tensor?[] partial_keys, Tensor?[] query_projections, "
-        "int[] windows, Tensor? step_keys, int slot, int[] budgets, float alpha) -> ()", &lane_begin);
+        "Tensor?[] key_projections, int[] windows, int slot, int[] budgets, float alpha) -> ()", &lane_begin);
   m.def("lane_end() -> (Tensor[], Tensor[], Tensor[], Tensor)", &lane_end);
   m.def("lane_abort() -> ()", &lane_abort);
+  m.def("write_step_partial_keys(Tensor keys, Tensor projections, Tensor(a!) cache, int slot) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(infinigen_cpu, CPU, m) {
   m.impl("attend_layer", attend_layer);
+  m.impl("write_step_partial_keys", write_step_partial_keys);
 }
 
 TORCH_LIBRARY_IMPL(infinigen_cpu, Meta, m) {

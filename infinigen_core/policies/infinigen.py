@@ -66,7 +66,11 @@ class InfiniGenPolicy(KVPolicy):
         self._partial_all: torch.Tensor | None = None  # [sparse layers, kv_heads, r, capacity]
         self.partial_keys_t: list[torch.Tensor | None] = [None] * adapter.num_layers  # views into it
         self._pending_keys: list[torch.Tensor] = []  # this step's new keys, written in one go at its end
-        self._lane_keys: torch.Tensor | None = None  # the same, left there by a decode lane
+        # a decode step's partial keys through the decode lane's function wherever the lane may run, so that a step
+        # on this path and one in the lane leave the same bits (decode_lane.cpp, `store_partial_key`)
+        self._step_keys_in_kernel = (ctx.kernels is not None and device.type == "cpu"
+                                     and self.partial_dtype == torch.float32
+                                     and hasattr(torch.ops.infinigen_cpu, "write_step_partial_keys"))
         self._rank_thresholds = torch.empty(1, 0, dtype=torch.int64, device=device)
         self.rebuild()
 
@@ -194,16 +198,14 @@ class InfiniGenPolicy(KVPolicy):
             raise RuntimeError("a decode step wrote the keys of only some sparse layers")
         self.write_step_keys(torch.stack(pending), self._pending_slots)
 
-    def lane_key_buffer(self) -> torch.Tensor:
-        """[sparse layers, kv_heads, 1, head_dim]: where a decode lane (decode_lane.py) leaves a step's new keys."""
-        if self._lane_keys is None:
-            shape = (len(self.sparse_layers), self.ctx.adapter.num_kv_heads, 1, self.ctx.adapter.head_dim)
-            self._lane_keys = torch.empty(shape, dtype=self.partial_dtype, device=self.ctx.compute_device)
-        return self._lane_keys
-
     def write_step_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """One decode step's new keys of every sparse layer [sparse layers, kv_heads, 1, dim] through their
-        projections in one product, into the partial key cache at `slots`."""
+        projections, into the partial key cache at `slots` (one slot, the same in every layer: the pool's last)."""
+        if self._step_keys_in_kernel:
+            # the slot from the host's count, not from `slots` (on the compute device: reading it would wait there)
+            torch.ops.infinigen_cpu.write_step_partial_keys(keys, self._stacked_key_projections, self._partial_all,
+                                                            self.ctx.pool.size() - 1)
+            return
         layers, heads, _, dim = keys.shape
         partial = self._stored(torch.bmm(keys.view(-1, 1, dim), self._stacked_key_projections))  # [layers * kv, 1, r]
         self._partial_all.index_copy_(3, slots, partial.view(layers, heads, -1, 1))
