@@ -8,8 +8,8 @@
 //   2. a selecting layer: its query through its partial skew, `rehearse_select` over the partial key cache,
 //      then `attend_rows` over the new slot and the selected ones, read where they lie in the pool;
 //      any other layer: `attend_span` over the layer's slots (a sliding layer's last `window`);
-//   3. InfiniGen's sparse layers: the new key's partial key into the partial key cache (`store_partial_key`,
-//      the function the Python path's `write_step_partial_keys` calls, so both caches hold the same bits);
+//   3. InfiniGen's sparse layers: the new key's partial key into the partial key cache (`project_key`, which
+//      the Python path's `write_step_partial_keys` calls too, so both caches hold the same bits);
 //   4. what the statistics need, kept until `lane_end` hands it over (no host read: all of it is CPU memory).
 // With no lane open (prefill runs eager; other policies), the op calls the engine's Python op instead.
 // The same kernels and ATen ops as the Python path, with the same inputs: the logits agree to the bit.
@@ -68,6 +68,7 @@ void copy_rows(const at::Tensor& dst, const at::Tensor& src) {
 // float16's largest finite value: a partial key past it is stored as it, never as an infinity (what the Python
 // path's clamp before its cast does; a NaN stays a NaN either way)
 constexpr float kHalfMax = 65504.0f;
+constexpr int64_t kMaxPartialChannels = 256;
 
 template <typename Stored>
 Stored stored_as(float value);
@@ -80,64 +81,73 @@ c10::Half stored_as<c10::Half>(float value) {
   return c10::Half(value < -kHalfMax ? -kHalfMax : (value > kHalfMax ? kHalfMax : value));  // round to nearest even
 }
 
+// Where one layer's new partial key goes: the slot's column of the layer's cache [kv, r, capacity].
+struct PartialKeyColumn {
+  const at::Tensor& cache;  // [..., kv, r, capacity], slots contiguous
+  int64_t offset;  // the element of (head 0, channel 0) in the slot's column
+};
+
 template <typename Stored>
-void store_partial_key_as(const at::Tensor& cache, const at::Tensor& key, const at::Tensor& projection, int64_t slot) {
-  const int64_t kv = key.size(0), dim = key.size(1), r = projection.size(2);
-  const float* k = key.data_ptr<float>();
-  const float* p = projection.data_ptr<float>();
-  Stored* out = cache.data_ptr<Stored>();
-  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), cs0 = cache.stride(0), cs1 = cache.stride(1);
-  float sums[256];  // r <= 256: lane_begin and write_step_partial_keys check it
+void project_key_as(const PartialKeyColumn& column, const float* key, int64_t key_head_stride,
+                    const float* projection, int64_t kv, int64_t dim) {
+  const at::Tensor& cache = column.cache;
+  const int64_t r = cache.size(-2), head_stride = cache.stride(-3), channel_stride = cache.stride(-2);
+  Stored* out = cache.data_ptr<Stored>() + column.offset;
   for (int64_t h = 0; h < kv; ++h) {
-    const float* head_projection = p + h * dim * r;
-    for (int64_t j = 0; j < r; ++j) sums[j] = 0.0f;
-    // channel after channel, one fused multiply-add per partial channel: vectorises over the r channels
+    const float* head_key = key + h * key_head_stride;
+    const float* head_projection = projection + h * dim * r;
+    float sums[kMaxPartialChannels] = {};
+    // channel after channel, one fused multiply-add per partial channel (vectorised over the r channels)
     for (int64_t c = 0; c < dim; ++c) {
-      const float channel = k[h * ks0 + c * ks1];
-      const float* row = head_projection + c * r;
+      const float channel = head_key[c];
+      const float* __restrict row = head_projection + c * r;
       for (int64_t j = 0; j < r; ++j) sums[j] = std::fma(channel, row[j], sums[j]);
     }
-    for (int64_t j = 0; j < r; ++j) out[h * cs0 + j * cs1 + slot] = stored_as<Stored>(sums[j]);
+    for (int64_t j = 0; j < r; ++j) out[h * head_stride + j * channel_stride] = stored_as<Stored>(sums[j]);
   }
 }
 
-void check_partial_key_shapes(const at::Tensor& cache, const at::Tensor& key, const at::Tensor& projection,
-                              int64_t slot) {
-  TORCH_CHECK(key.dim() == 2 && key.scalar_type() == at::kFloat, "partial keys: a float32 key [kv, dim]");
-  TORCH_CHECK(projection.dim() == 3 && projection.scalar_type() == at::kFloat && projection.is_contiguous() &&
-                  projection.size(0) == key.size(0) && projection.size(1) == key.size(1) && projection.size(2) <= 256,
-              "partial keys: a contiguous float32 projection [kv, dim, r <= 256] for the key [kv, dim]");
-  TORCH_CHECK(cache.dim() == 3 && cache.size(0) == key.size(0) && cache.size(1) == projection.size(2) &&
-                  cache.stride(2) == 1 && (cache.scalar_type() == at::kHalf || cache.scalar_type() == at::kFloat),
-              "partial keys: a float16 or float32 cache [kv, r, capacity], slots contiguous");
-  TORCH_CHECK(0 <= slot && slot < cache.size(2), "partial keys: slot ", slot, " outside the cache");
+// One new token's partial key: its key (kv rows of `dim` contiguous floats, `key_head_stride` apart) through the
+// layer's key projection [kv, dim, r] (contiguous), into `column`, in the cache's dtype. Each partial channel sums
+// the key's channels in order, which is not torch.bmm's order (MKL's): the lane and the Python path both call
+// this for a decode step's keys, so their caches agree to the bit. Raw pointers, no ATen view per call: a view
+// costs about a microsecond, and the lane stores 28 partial keys a step with the default model.
+void project_key(const PartialKeyColumn& column, const float* key, int64_t key_head_stride, const float* projection,
+                 int64_t kv, int64_t dim) {
+  if (column.cache.scalar_type() == at::kHalf)
+    project_key_as<c10::Half>(column, key, key_head_stride, projection, kv, dim);
+  else
+    project_key_as<float>(column, key, key_head_stride, projection, kv, dim);
 }
 
-// One new token's partial key: its key [kv, dim] (any strides) through the layer's key projection [kv, dim, r],
-// into column `slot` of the layer's partial key cache [kv, r, capacity], in the cache's dtype. Each partial
-// channel sums the key's channels in order, which is not the order of torch.bmm (MKL's): the lane and the Python
-// path both call this function for a decode step's keys, so the two caches agree to the bit.
-void store_partial_key(const at::Tensor& cache, const at::Tensor& key, const at::Tensor& projection, int64_t slot) {
-  if (cache.scalar_type() == at::kHalf)
-    store_partial_key_as<c10::Half>(cache, key, projection, slot);
-  else
-    store_partial_key_as<float>(cache, key, projection, slot);
+// What project_key reads and writes fits: a float16 or float32 cache [..., kv, r, capacity] with contiguous slots,
+// a contiguous float32 projection [..., kv, dim, r] with r <= kMaxPartialChannels, `slot` inside the cache.
+void check_partial_keys(const at::Tensor& cache, const at::Tensor& projection, int64_t kv, int64_t dim, int64_t slot) {
+  TORCH_CHECK(cache.dim() >= 3 && cache.size(-3) == kv && cache.stride(-1) == 1 &&
+                  (cache.scalar_type() == at::kHalf || cache.scalar_type() == at::kFloat),
+              "partial keys: a float16 or float32 cache [kv, r, capacity], slots contiguous");
+  TORCH_CHECK(projection.dim() >= 3 && projection.scalar_type() == at::kFloat && projection.is_contiguous() &&
+                  projection.size(-3) == kv && projection.size(-2) == dim && projection.size(-1) == cache.size(-2) &&
+                  projection.size(-1) <= kMaxPartialChannels,
+              "partial keys: a contiguous float32 projection [kv, dim, r <= 256] for the cache's r channels");
+  TORCH_CHECK(0 <= slot && slot < cache.size(-1), "partial keys: slot ", slot, " outside the cache");
 }
 
 // The Python path's form (InfiniGenPolicy.write_step_keys): one decode step's new keys of every sparse layer
 // [layers, kv, 1, dim], through their projections [layers * kv, dim, r], into `cache` [layers, kv, r, capacity].
 void write_step_partial_keys(const at::Tensor& keys, const at::Tensor& projections, const at::Tensor& cache,
                              int64_t slot) {
-  TORCH_CHECK(keys.dim() == 4 && keys.size(2) == 1 && cache.dim() == 4 && cache.size(0) == keys.size(0) &&
-                  projections.dim() == 3 && projections.size(0) == keys.size(0) * keys.size(1),
-              "write_step_partial_keys: keys [layers, kv, 1, dim], projections [layers * kv, dim, r], "
-              "cache [layers, kv, r, capacity]");
-  const at::Tensor per_layer = projections.view({keys.size(0), keys.size(1), projections.size(1), projections.size(2)});
-  for (int64_t layer = 0; layer < keys.size(0); ++layer) {
-    const at::Tensor key = keys.select(0, layer).select(1, 0);
-    check_partial_key_shapes(cache[layer], key, per_layer[layer], slot);
-    store_partial_key(cache[layer], key, per_layer[layer], slot);
-  }
+  TORCH_CHECK(keys.dim() == 4 && keys.size(2) == 1 && keys.scalar_type() == at::kFloat && keys.is_contiguous() &&
+                  cache.dim() == 4 && cache.size(0) == keys.size(0) && projections.size(0) == keys.size(0) * keys.size(1),
+              "write_step_partial_keys: contiguous float32 keys [layers, kv, 1, dim], projections [layers * kv, dim, "
+              "r], cache [layers, kv, r, capacity]");
+  const int64_t kv = keys.size(1), dim = keys.size(3);
+  check_partial_keys(cache, projections.view({keys.size(0), kv, dim, -1}), kv, dim, slot);
+  const float* key = keys.data_ptr<float>();
+  const float* projection = projections.data_ptr<float>();
+  for (int64_t layer = 0; layer < keys.size(0); ++layer)
+    project_key({cache, layer * cache.stride(0) + slot}, key + layer * kv * dim, dim,
+                projection + layer * kv * dim * projections.size(2), kv, dim);
 }
 
 int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
@@ -164,8 +174,7 @@ void lane_begin(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
     const bool is_sparse = partial_keys[layer].has_value();
     TORCH_CHECK(is_sparse == query_projections[layer].has_value() && is_sparse == key_projections[layer].has_value(),
                 "lane_begin: partial keys need their query and key projections");
-    if (is_sparse)
-      check_partial_key_shapes(*partial_keys[layer], keys[layer].select(1, slot), *key_projections[layer], slot);
+    if (is_sparse) check_partial_keys(*partial_keys[layer], *key_projections[layer], kv, keys[layer].size(2), slot);
     TORCH_CHECK(budgets[layer] == 0 || (is_sparse && budgets[layer] <= slot),
                 "lane_begin: layer ", layer, " cannot select ", budgets[layer], " of ", slot, " past rows");
     lane->keys.push_back(std::move(keys[layer]));
@@ -276,7 +285,8 @@ at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at
   // the slots before this one; a step that fails after this leaves a partial key in a slot the pool gives again,
   // written again by the step that takes it
   if (lane->partial_keys[layer].defined())
-    store_partial_key(lane->partial_keys[layer], keys.select(1, slot), lane->key_projections[layer], slot);
+    project_key({lane->partial_keys[layer], slot}, keys.data_ptr<float>() + slot * dim, keys.stride(0),
+                lane->key_projections[layer].data_ptr<float>(), kv, dim);
   return out.view({1, 1, -1, dim});
 }
 

@@ -67,7 +67,7 @@ class InfiniGenPolicy(KVPolicy):
         self.partial_keys_t: list[torch.Tensor | None] = [None] * adapter.num_layers  # views into it
         self._pending_keys: list[torch.Tensor] = []  # this step's new keys, written in one go at its end
         # a decode step's partial keys through the decode lane's function wherever the lane may run, so that a step
-        # on this path and one in the lane leave the same bits (decode_lane.cpp, `store_partial_key`)
+        # on this path and one in the lane leave the same bits (decode_lane.cpp, `project_key`)
         self._step_keys_in_kernel = (ctx.kernels is not None and device.type == "cpu"
                                      and self.partial_dtype == torch.float32
                                      and hasattr(torch.ops.infinigen_cpu, "write_step_partial_keys"))
