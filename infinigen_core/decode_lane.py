@@ -86,7 +86,7 @@ class DecodeLane:
         if devices.active_mode() is not None:  # the checks entered after this engine's first step must see every op
             return False
         past = step.past_len
-        budgets = [policy.budget_for(layer, past) if step.selects(layer) else 0 for layer in range(len(self.sparse))]
+        budgets = self._budgets_for(step, past)
         if any(budget > past for budget in budgets) or (past == 0 and any(budgets)):
             return False  # a budget past the rows held: the Python path's eager selection
         storage = pool.storage.layers
@@ -97,6 +97,14 @@ class DecodeLane:
         self._budgets = budgets
         step.lane = self
         return True
+
+    def _budgets_for(self, step, past: int) -> list[int]:
+        """Rows each layer selects this step (0: it attends to every slot); a dense step's at once, with no call
+        per layer (a short chat's every step is one)."""
+        if step.dense_reason is not None or not any(self.sparse):
+            return [0] * len(self.sparse)
+        policy = self.work.policy
+        return [policy.budget_for(layer, past) if step.selects(layer) else 0 for layer in range(len(self.sparse))]
 
     def end(self, step) -> None:
         """Close the lane: the layers' statistics into the step (what LayerWork.attend records; the sparse layers'

@@ -223,7 +223,8 @@ class InfiniGenPolicy(KVPolicy):
         return self.partial_keys_t[layer][:, :, : self.ctx.pool.size()].transpose(1, 2)
 
     def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.partial_keys_t if t is not None)
+        cache = self._partial_all  # the sparse layers' caches are views into it, together all of it
+        return 0 if cache is None else cache.numel() * cache.element_size()
 
     # ---------------------------------------------------------------- speculation
     def _init_rotary_rehearsal(self, device) -> None:
