@@ -11,7 +11,8 @@ The lane does what `LayerWork.attend` does for such a step, with the same kernel
 inputs, so the logits are the same to the bit (tests/test_decode_lane.py): the new K/V into the pool, InfiniGen's
 selection (`rehearse_select`) and attention over the selected rows where they lie (`attend_rows`),
 `attend_span` over every other layer's slots, and the new key's partial key into InfiniGen's cache (the function
-the Python path's `InfiniGenPolicy.write_step_keys` calls too, so the caches agree to the bit). The statistics
+the Python path's `StepPartialKeys.write` calls too, so the caches agree to the bit; a dense step leaves it to
+the policy, which makes it with the same function when the cache is next read or written). The statistics
 are the Python path's (fetched rows, selections, alpha counts, bytes fetched), except the timings: the lane
 times its selection and its attention in C++. What it covers: the full, offload and infinigen policies on
 float32 rows, no eviction, each selecting layer choosing from its own query (nothing crosses devices, so nothing
@@ -89,11 +90,16 @@ class DecodeLane:
         budgets = self._budgets_for(step, past)
         if any(budget > past for budget in budgets) or (past == 0 and any(budgets)):
             return False  # a budget past the rows held: the Python path's eager selection
+        # a step that selects reads the partial keys of every past slot: those a dense step left out are made first
+        projects_keys = any(budgets)
+        if projects_keys:
+            policy.step_keys.complete()
         storage = pool.storage.layers
         torch.ops.infinigen_cpu.lane_begin(
             [store.keys for store in storage], [store.values for store in storage],
             [policy.partial_keys_t[layer] if is_sparse else None for layer, is_sparse in enumerate(self.sparse)],
-            self._query_projections, self._key_projections, self._window_sizes, past, budgets, work.config.alpha)
+            self._query_projections, self._key_projections, self._window_sizes, past, budgets, work.config.alpha,
+            projects_keys)
         self._budgets = budgets
         step.lane = self
         return True
@@ -107,10 +113,13 @@ class DecodeLane:
         return [policy.budget_for(layer, past) if step.selects(layer) else 0 for layer in range(len(self.sparse))]
 
     def end(self, step) -> None:
-        """Close the lane: the layers' statistics into the step (what LayerWork.attend records; the sparse layers'
-        new partial keys are in the policy's cache already, written by each layer in C++)."""
+        """Close the lane: the layers' statistics into the step (what LayerWork.attend records). The sparse layers'
+        new partial keys are in the policy's cache already (written by each layer in C++), or, after a dense step,
+        left for the policy to make when something reads the cache."""
         slots, scores, totals, times = torch.ops.infinigen_cpu.lane_end()
         past, budgets = step.past_len, self._budgets
+        if any(self.sparse) and not any(budgets):  # a dense step: its partial keys are made when next read
+            self.work.policy.step_keys.defer(past)
         selected = iter(zip(slots, scores, totals))
         layers = step.stats.layers
         for layer, ((select_ns, attend_ns), window) in enumerate(zip(times.tolist(), self.windows)):

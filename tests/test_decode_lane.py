@@ -96,6 +96,43 @@ def test_the_lane_gives_the_python_paths_logits_and_statistics(tiny_llama, kerne
     engine.close(), reference.close()
 
 
+SHORT_CHAT = dict(SELECTING, dense_under_budget=True, budget=230, budget_is_tokens=True)  # dense up to 230 tokens
+
+
+@torch.inference_mode()
+def test_a_short_chats_dense_steps_leave_their_partial_keys_until_something_reads_them(tiny_llama, kernels,
+                                                                                     monkeypatch, lane_steps):
+    """A dense step selects nothing, so the lane leaves its partial keys out; the policy makes them from the pool's
+    keys, with the lane's own function, when they are read (a session's export here) or before anything writes
+    the cache (a prefill after a truncate): the same bits as the Python path, which writes them at each step."""
+    prompt, steps = random_tokens(40, seed=9), 12
+    reference, expected = _without_lane(monkeypatch, tiny_llama, kernels, prompt, steps, **SHORT_CHAT)
+    engine = make_tiny_engine(tiny_llama, kernels, **SHORT_CHAT)
+    got = greedy_logits(engine, prompt, steps)
+    assert len(lane_steps) == steps and torch.equal(got, expected)
+    policy, size = engine.policy, engine.pool.size()
+    assert policy.step_keys.unprojected == (len(prompt), size)  # every decode step's partial keys left out
+    everything = torch.arange(size)
+    for layer in policy.sparse_layers:
+        assert torch.equal(policy.export_partial_keys(layer, everything),
+                           reference.policy.export_partial_keys(layer, everything))
+    assert policy.step_keys.unprojected is None
+    _assert_decode_partial_keys_are_the_projections_products(engine, len(prompt))
+
+    greedy_logits(engine, prompt[:3], 4)  # more dense steps to leave out, then a truncate and a prefill over them
+    greedy_logits(reference, prompt[:3], 4)
+    assert policy.step_keys.unprojected is not None
+    for each in (engine, reference):
+        each.truncate(size + 2)
+    got, expected = greedy_logits(engine, prompt[:6], 3), greedy_logits(reference, prompt[:6], 3)
+    assert torch.equal(got, expected)
+    held = engine.pool.size()
+    assert policy.step_keys.unprojected == (held - 3, held)  # the prefill made the ones it was to write over first
+    policy.step_keys.complete()
+    assert torch.equal(policy._partial_all[..., :held], reference.policy._partial_all[..., :held])
+    engine.close(), reference.close()
+
+
 @torch.inference_mode()
 def test_sliding_layers_read_their_window_in_the_lane(kernels, monkeypatch, lane_steps):
     gemma = tiny_gemma()  # sliding layers of a 16-token window beside global ones that select
@@ -177,7 +214,7 @@ def test_a_lane_whose_layers_did_not_all_attend_is_refused_at_its_end(kernels):
     so (and closes the lane) rather than hand the engine another layer's results."""
     keys = [torch.zeros(1, 8, 4) for _ in range(2)]
     torch.ops.infinigen_cpu.lane_begin(keys, [torch.zeros(1, 8, 4) for _ in range(2)], [None, None], [None, None],
-                                       [None, None], [0, 0], 3, [0, 0], 1.0)
+                                       [None, None], [0, 0], 3, [0, 0], 1.0, True)
     query, new = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 1, 4)
     out = torch.ops.infinigen_cpu.attend_layer(query, new, new, None, None, None, 0, 0.5)
     assert out.shape == (1, 1, 2, 4) and torch.equal(keys[0][:, 3], new[0, :, 0])  # layer 0 ran: its row written

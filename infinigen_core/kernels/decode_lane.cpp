@@ -9,7 +9,9 @@
 //      then `attend_rows` over the new slot and the selected ones, read where they lie in the pool;
 //      any other layer: `attend_span` over the layer's slots (a sliding layer's last `window`);
 //   3. InfiniGen's sparse layers: the new key's partial key into the partial key cache (`project_key`, which
-//      the Python path's `write_step_partial_keys` calls too, so both caches hold the same bits);
+//      the Python path's `write_step_partial_keys` calls too, so both caches hold the same bits); in a dense
+//      step (a short chat's: nothing selects) the policy makes it later, when something reads the cache
+//      (`project_slots`): read cold after the model's weights, 28 projections cost ~0.2 ms a step;
 //   4. what the statistics need, kept until `lane_end` hands it over (no host read: all of it is CPU memory).
 // With no lane open (prefill runs eager; other policies), the op calls the engine's Python op instead.
 // The same kernels and ATen ops as the Python path, with the same inputs: the logits agree to the bit.
@@ -44,6 +46,7 @@ struct Lane {
   std::vector<int64_t> budgets;  // rows to select, 0 to attend to every slot (a sliding layer: its window)
   int64_t slot = 0;  // the new token's slot in every layer (the pool appends: slot i holds position i)
   double alpha = 0.0;
+  bool project_keys = true;  // false: a dense step, whose partial keys the policy makes later (project_slots)
   at::Tensor new_slot_column;  // [kv, 1] int64 holding `slot`
   std::vector<LayerResult> results;
 };
@@ -150,6 +153,35 @@ void write_step_partial_keys(const at::Tensor& keys, const at::Tensor& projectio
                 projection + layer * kv * dim * projections.size(2), kv, dim);
 }
 
+// Partial keys a decode lane left out (`lane_begin`'s project_keys: a dense step, whose layers select nothing),
+// made when something is about to read the cache: slots [first, end) of every sparse layer, from the pool's keys
+// of that layer ([kv, >= end, dim] float32, rows contiguous) through its projection ([layers * kv, dim, r]), into
+// `cache` [layers, kv, r, capacity]. The lane copies a step's new key into the pool before it would have
+// projected it, and nothing writes those rows since (InfiniGenPolicy makes them first): the same inputs to the
+// same function, so the same bits as projecting at each step.
+void project_slots(const std::vector<at::Tensor>& keys, const at::Tensor& projections, const at::Tensor& cache,
+                   int64_t first, int64_t end) {
+  const int64_t layers = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(layers > 0 && cache.dim() == 4 && cache.size(0) == layers && projections.dim() == 3 &&
+                  projections.size(0) == layers * cache.size(1) && 0 <= first && first <= end,
+              "project_slots: a pool key view per sparse layer, projections [layers * kv, dim, r], "
+              "cache [layers, kv, r, capacity]");
+  const int64_t kv = cache.size(1), dim = projections.size(1), r = projections.size(2);
+  if (first == end) return;
+  check_partial_keys(cache, projections.view({layers, kv, dim, r}), kv, dim, end - 1);
+  const float* projection = projections.data_ptr<float>();
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const at::Tensor& layer_keys = keys[layer];
+    TORCH_CHECK(layer_keys.dim() == 3 && layer_keys.scalar_type() == at::kFloat && layer_keys.size(0) == kv &&
+                    layer_keys.size(1) >= end && layer_keys.size(2) == dim && layer_keys.stride(2) == 1,
+                "project_slots: a float32 key view [kv, >= end, dim] per sparse layer");
+    const float* key = layer_keys.data_ptr<float>();
+    for (int64_t slot = first; slot < end; ++slot)
+      project_key({cache, layer * cache.stride(0) + slot}, key + slot * layer_keys.stride(1), layer_keys.stride(0),
+                  projection + layer * kv * dim * r, kv, dim);
+  }
+}
+
 int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count();
 }
@@ -158,7 +190,7 @@ void lane_begin(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                 std::vector<std::optional<at::Tensor>> partial_keys,
                 std::vector<std::optional<at::Tensor>> query_projections,
                 std::vector<std::optional<at::Tensor>> key_projections, std::vector<int64_t> windows, int64_t slot,
-                std::vector<int64_t> budgets, double alpha) {
+                std::vector<int64_t> budgets, double alpha, bool project_keys) {
   const size_t layers = keys.size();
   TORCH_CHECK(layers > 0 && values.size() == layers && partial_keys.size() == layers &&
                   query_projections.size() == layers && key_projections.size() == layers && windows.size() == layers &&
@@ -187,6 +219,7 @@ void lane_begin(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
   lane->budgets = std::move(budgets);
   lane->slot = slot;
   lane->alpha = alpha;
+  lane->project_keys = project_keys;
   lane->new_slot_column = at::full({kv, 1}, slot, at::TensorOptions().dtype(at::kLong));
   lane->results.resize(layers);
   running = std::move(lane);
@@ -281,10 +314,10 @@ at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at
     out = attend_span.call(grouped, keys, values, first, size, scaling);
     result.attend_ns = elapsed_ns(started);
   }
-  // 3. the new token's partial key, dense step or not (later steps select over it). A selection above read only
+  // 3. the new token's partial key, unless the policy makes it later (a dense step). A selection above read only
   // the slots before this one; a step that fails after this leaves a partial key in a slot the pool gives again,
   // written again by the step that takes it
-  if (lane->partial_keys[layer].defined())
+  if (lane->project_keys && lane->partial_keys[layer].defined())
     project_key({lane->partial_keys[layer], slot}, keys.data_ptr<float>() + slot * dim, keys.stride(0),
                 lane->key_projections[layer].data_ptr<float>(), kv, dim);
   return out.view({1, 1, -1, dim});
@@ -303,15 +336,18 @@ TORCH_LIBRARY_FRAGMENT(infinigen_cpu, m) {
         "int layer, float scaling) -> Tensor");
   // the lane's opening and closing: plain functions of the engine's, not tensor ops (one kernel for all keys)
   m.def("lane_begin(Tensor[] keys, Tensor[] values, Tensor?[] partial_keys, Tensor?[] query_projections, "
-        "Tensor?[] key_projections, int[] windows, int slot, int[] budgets, float alpha) -> ()", &lane_begin);
+        "Tensor?[] key_projections, int[] windows, int slot, int[] budgets, float alpha, bool project_keys) -> ()",
+        &lane_begin);
   m.def("lane_end() -> (Tensor[], Tensor[], Tensor[], Tensor)", &lane_end);
   m.def("lane_abort() -> ()", &lane_abort);
   m.def("write_step_partial_keys(Tensor keys, Tensor projections, Tensor(a!) cache, int slot) -> ()");
+  m.def("project_slots(Tensor[] keys, Tensor projections, Tensor(a!) cache, int first, int end) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(infinigen_cpu, CPU, m) {
   m.impl("attend_layer", attend_layer);
   m.impl("write_step_partial_keys", write_step_partial_keys);
+  m.impl("project_slots", project_slots);
 }
 
 TORCH_LIBRARY_IMPL(infinigen_cpu, Meta, m) {
