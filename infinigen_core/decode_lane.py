@@ -10,12 +10,15 @@ layer in C++ (kernels/decode_lane.cpp, built with the CPU kernels), with no Pyth
 The lane does what `LayerWork.attend` does for such a step, with the same kernels and ATen ops on the same
 inputs, so the logits are the same to the bit (tests/test_decode_lane.py): the new K/V into the pool, InfiniGen's
 selection (`rehearse_select`) and attention over the selected rows where they lie (`attend_rows`),
-`attend_span` over every other layer's slots. The statistics are the Python path's (fetched rows, selections,
-alpha counts, bytes fetched), except the timings: the lane times its selection and its attention in C++. What it covers: the full, offload and infinigen policies on float32 rows, no eviction, each
-selecting layer choosing from its own query (nothing crosses devices, so nothing is speculated a layer
-ahead), no soft-capping, no recall measurement. Anything else takes the Python path, which stays the
-reference. In the compiled step (compiled.py) the lane's op is in the graph, so that inductor's C++ wrapper
-calls it without Python; with no lane open the op hands the layer to the Python path.
+`attend_span` over every other layer's slots, and the new key's partial key into InfiniGen's cache (the function
+the Python path's `StepPartialKeys.write` calls too, so the caches agree to the bit; a dense step leaves it to
+the policy, which makes it with the same function when the cache is next read or written). The statistics
+are the Python path's (fetched rows, selections, alpha counts, bytes fetched), except the timings: the lane
+times its selection and its attention in C++. What it covers: the full, offload and infinigen policies on
+float32 rows, no eviction, each selecting layer choosing from its own query (nothing crosses devices, so nothing
+is speculated a layer ahead), no soft-capping, no recall measurement. Anything else takes the Python path, which
+stays the reference. In the compiled step (compiled.py) the lane's op is in the graph, so that inductor's C++
+wrapper calls it without Python; with no lane open the op hands the layer to the Python path.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class DecodeLane:
         self._window_sizes = [window or 0 for window in self.windows]
         self._query_projections = [policy.single_query_projections[layer] if sparse else None
                                    for layer, sparse in enumerate(self.sparse)]
+        self._key_projections = [policy.key_projections[layer] if sparse else None
+                                 for layer, sparse in enumerate(self.sparse)]
         self._budgets: list[int] = []  # the running step's, per layer (0: it attends to every slot)
 
     @staticmethod
@@ -82,27 +87,39 @@ class DecodeLane:
         if devices.active_mode() is not None:  # the checks entered after this engine's first step must see every op
             return False
         past = step.past_len
-        budgets = [policy.budget_for(layer, past) if step.selects(layer) else 0 for layer in range(len(self.sparse))]
+        budgets = self._budgets_for(step, past)
         if any(budget > past for budget in budgets) or (past == 0 and any(budgets)):
             return False  # a budget past the rows held: the Python path's eager selection
+        # a step that selects reads the partial keys of every past slot: those a dense step left out are made first
+        projects_keys = any(budgets)
+        if projects_keys:
+            policy.step_keys.complete()
         storage = pool.storage.layers
-        sparse = any(self.sparse)
         torch.ops.infinigen_cpu.lane_begin(
             [store.keys for store in storage], [store.values for store in storage],
             [policy.partial_keys_t[layer] if is_sparse else None for layer, is_sparse in enumerate(self.sparse)],
-            self._query_projections, self._window_sizes, policy.lane_key_buffer() if sparse else None, past, budgets,
-            work.config.alpha)
+            self._query_projections, self._key_projections, self._window_sizes, past, budgets, work.config.alpha,
+            projects_keys)
         self._budgets = budgets
         step.lane = self
         return True
 
+    def _budgets_for(self, step, past: int) -> list[int]:
+        """Rows each layer selects this step (0: it attends to every slot); a dense step's at once, with no call
+        per layer (a short chat's every step is one)."""
+        if step.dense_reason is not None or not any(self.sparse):
+            return [0] * len(self.sparse)
+        policy = self.work.policy
+        return [policy.budget_for(layer, past) if step.selects(layer) else 0 for layer in range(len(self.sparse))]
+
     def end(self, step) -> None:
-        """Close the lane: the layers' statistics into the step (what LayerWork.attend records), and the sparse
-        layers' new keys into the policy's partial key cache."""
+        """Close the lane: the layers' statistics into the step (what LayerWork.attend records). The sparse layers'
+        new partial keys are in the policy's cache already (written by each layer in C++), or, after a dense step,
+        left for the policy to make when something reads the cache."""
         slots, scores, totals, times = torch.ops.infinigen_cpu.lane_end()
-        policy, past, budgets = self.work.policy, step.past_len, self._budgets
-        if any(self.sparse):
-            policy.write_step_keys(policy.lane_key_buffer(), step.slots[0])
+        past, budgets = step.past_len, self._budgets
+        if any(self.sparse) and not any(budgets):  # a dense step: its partial keys are made when next read
+            self.work.policy.step_keys.defer(past)
         selected = iter(zip(slots, scores, totals))
         layers = step.stats.layers
         for layer, ((select_ns, attend_ns), window) in enumerate(zip(times.tolist(), self.windows)):

@@ -45,6 +45,19 @@ def _without_lane(monkeypatch, model_and_skew, kernels, prompt, steps, **setting
     return engine, logits
 
 
+def _assert_decode_partial_keys_are_the_projections_products(engine, first_slot: int) -> None:
+    """The partial keys the decode steps wrote (slots from `first_slot` on) against the policy's own products of the
+    pool's keys (torch.bmm, as its prefill writes them), to the cache's rounding: a decode step sums in another
+    order, so the float32 sums may differ in their last bits, and a float16 cache by one float16 step."""
+    policy, size = engine.policy, engine.pool.size()
+    assert size > first_slot
+    for layer in policy.sparse_layers:
+        keys = engine.pool.keys(layer)[:, first_slot:size]
+        expected = policy._stored(torch.bmm(keys, policy.key_projections[layer])).transpose(1, 2)
+        written = policy.partial_keys_t[layer][:, :, first_slot:size]
+        torch.testing.assert_close(written.float(), expected.float(), rtol=2e-3, atol=1e-4)
+
+
 def _layer_record(step):
     return [(layer.layer, layer.sparse, layer.fetched, layer.window, layer.dense_reason, layer.attended,
              None if layer.selected_positions is None else layer.selected_positions.tolist())
@@ -78,7 +91,45 @@ def test_the_lane_gives_the_python_paths_logits_and_statistics(tiny_llama, kerne
         if settings["dense_under_budget"]:
             assert engine.recent_decode_steps()[0].dense_reason is not None
         assert torch.equal(engine.policy._partial_all, reference.policy._partial_all)  # the new keys' partial keys
+        _assert_decode_partial_keys_are_the_projections_products(engine, len(prompt))  # dense steps' too
     assert torch.ops.infinigen_cpu.lane_end()[3].numel() == 0  # no lane left open on this thread
+    engine.close(), reference.close()
+
+
+SHORT_CHAT = dict(SELECTING, dense_under_budget=True, budget=230, budget_is_tokens=True)  # dense up to 230 tokens
+
+
+@torch.inference_mode()
+def test_a_short_chats_dense_steps_leave_their_partial_keys_until_something_reads_them(tiny_llama, kernels,
+                                                                                     monkeypatch, lane_steps):
+    """A dense step selects nothing, so the lane leaves its partial keys out; the policy makes them from the pool's
+    keys, with the lane's own function, when they are read (a session's export here) or before anything writes
+    the cache (a prefill after a truncate): the same bits as the Python path, which writes them at each step."""
+    prompt, steps = random_tokens(40, seed=9), 12
+    reference, expected = _without_lane(monkeypatch, tiny_llama, kernels, prompt, steps, **SHORT_CHAT)
+    engine = make_tiny_engine(tiny_llama, kernels, **SHORT_CHAT)
+    got = greedy_logits(engine, prompt, steps)
+    assert len(lane_steps) == steps and torch.equal(got, expected)
+    policy, size = engine.policy, engine.pool.size()
+    assert policy.step_keys.unprojected == (len(prompt), size)  # every decode step's partial keys left out
+    everything = torch.arange(size)
+    for layer in policy.sparse_layers:
+        assert torch.equal(policy.export_partial_keys(layer, everything),
+                           reference.policy.export_partial_keys(layer, everything))
+    assert policy.step_keys.unprojected is None
+    _assert_decode_partial_keys_are_the_projections_products(engine, len(prompt))
+
+    greedy_logits(engine, prompt[:3], 4)  # more dense steps to leave out, then a truncate and a prefill over them
+    greedy_logits(reference, prompt[:3], 4)
+    assert policy.step_keys.unprojected is not None
+    for each in (engine, reference):
+        each.truncate(size + 2)
+    got, expected = greedy_logits(engine, prompt[:6], 3), greedy_logits(reference, prompt[:6], 3)
+    assert torch.equal(got, expected)
+    held = engine.pool.size()
+    assert policy.step_keys.unprojected == (held - 3, held)  # the prefill made the ones it was to write over first
+    policy.step_keys.complete()
+    assert torch.equal(policy._partial_all[..., :held], reference.policy._partial_all[..., :held])
     engine.close(), reference.close()
 
 
@@ -159,14 +210,35 @@ def test_the_compiled_step_runs_the_lane_and_hands_other_steps_to_python(tiny_ll
 
 
 def test_a_lane_whose_layers_did_not_all_attend_is_refused_at_its_end(kernels):
-    """A layer that never reached the lane left its step key unwritten and its selection missing: lane_end says so
-    (and closes the lane) rather than hand the engine another layer's results."""
+    """A layer that never reached the lane left its partial key unwritten and its selection missing: lane_end says
+    so (and closes the lane) rather than hand the engine another layer's results."""
     keys = [torch.zeros(1, 8, 4) for _ in range(2)]
     torch.ops.infinigen_cpu.lane_begin(keys, [torch.zeros(1, 8, 4) for _ in range(2)], [None, None], [None, None],
-                                       [0, 0], None, 3, [0, 0], 1.0)
+                                       [None, None], [0, 0], 3, [0, 0], 1.0, True)
     query, new = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 1, 4)
     out = torch.ops.infinigen_cpu.attend_layer(query, new, new, None, None, None, 0, 0.5)
     assert out.shape == (1, 1, 2, 4) and torch.equal(keys[0][:, 3], new[0, :, 0])  # layer 0 ran: its row written
     with pytest.raises(RuntimeError, match="only some layers"):
         torch.ops.infinigen_cpu.lane_end()
     assert torch.ops.infinigen_cpu.lane_end()[3].numel() == 0  # closed all the same
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_a_decode_steps_partial_keys_are_the_projections_products_in_the_caches_dtype(kernels, dtype):
+    """`write_step_partial_keys` (the Python path's call of the function the lane calls for each layer): every
+    layer's new key through its own heads' projections, into its one slot, in the cache's dtype; float16's range
+    bounds a key past it (65504, never an infinity); no other slot is touched."""
+    generator = torch.Generator().manual_seed(5)
+    layers, heads, dim, r, capacity, slot = 3, 2, 16, 8, 10, 6
+    keys = torch.randn(layers, heads, 1, dim, generator=generator)
+    keys[1, 0] *= 1e6  # far past float16's range once projected
+    projections = torch.randn(layers * heads, dim, r, generator=generator)
+    cache = torch.zeros(layers, heads, r, capacity, dtype=dtype)
+    torch.ops.infinigen_cpu.write_step_partial_keys(keys, projections, cache, slot)
+    expected = torch.bmm(keys.view(-1, 1, dim), projections).view(layers, heads, r)
+    if dtype == torch.float16:
+        expected = expected.clamp(-65504.0, 65504.0).to(dtype)
+        assert cache[1, 0, :, slot].abs().eq(65504.0).all()
+    torch.testing.assert_close(cache[..., slot], expected, rtol=2e-3 if dtype == torch.float16 else 1e-5, atol=1e-5)
+    others = [column for column in range(capacity) if column != slot]
+    assert not cache[..., others].any()

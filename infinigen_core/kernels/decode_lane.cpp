@@ -4,20 +4,25 @@
 // `infinigen::pool_attention`). Where the engine opened a lane for the running step on this thread
 // (decode_lane.py: `lane_begin` with the step's pool storage, slot and budgets; `lane_end` after it), the
 // layer's work runs here, in the order the Python path (step.py) runs it:
-//   1. the new K/V row into its pool slot, and the new key into the step's buffer of keys for the partial key
-//      cache (InfiniGen's sparse layers; the policy projects them all at once after the step);
+//   1. the new K/V row into its pool slot;
 //   2. a selecting layer: its query through its partial skew, `rehearse_select` over the partial key cache,
 //      then `attend_rows` over the new slot and the selected ones, read where they lie in the pool;
 //      any other layer: `attend_span` over the layer's slots (a sliding layer's last `window`);
-//   3. what the statistics need, kept until `lane_end` hands it over (no host read: all of it is CPU memory).
+//   3. InfiniGen's sparse layers: the new key's partial key into the partial key cache (`project_key`, which
+//      the Python path's `write_step_partial_keys` calls too, so both caches hold the same bits); in a dense
+//      step (a short chat's: nothing selects) the policy makes it later, when something reads the cache
+//      (`project_slots`): read cold after the model's weights, 28 projections cost ~0.2 ms a step;
+//   4. what the statistics need, kept until `lane_end` hands it over (no host read: all of it is CPU memory).
 // With no lane open (prefill runs eager; other policies), the op calls the engine's Python op instead.
 // The same kernels and ATen ops as the Python path, with the same inputs: the logits agree to the bit.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <tuple>
@@ -36,12 +41,12 @@ struct Lane {
   std::vector<at::Tensor> keys, values;  // the pool's storage [kv, capacity, dim] float32
   std::vector<at::Tensor> partial_keys;  // InfiniGen's cache [kv, r, capacity] (undefined: not sparse)
   std::vector<at::Tensor> query_projections;  // [kv, dim, r] float32 (undefined: not sparse)
+  std::vector<at::Tensor> key_projections;  // [kv, dim, r] float32 (undefined: not sparse)
   std::vector<int64_t> windows;  // a sliding layer's window, 0 for a global one
   std::vector<int64_t> budgets;  // rows to select, 0 to attend to every slot (a sliding layer: its window)
-  at::Tensor step_keys;  // [sparse layers, kv, 1, dim]: this step's new keys of the sparse layers (or undefined)
-  std::vector<int64_t> step_key_index;  // per layer, its row of step_keys, -1 for none
   int64_t slot = 0;  // the new token's slot in every layer (the pool appends: slot i holds position i)
   double alpha = 0.0;
+  bool project_keys = true;  // false: a dense step, whose partial keys the policy makes later (project_slots)
   at::Tensor new_slot_column;  // [kv, 1] int64 holding `slot`
   std::vector<LayerResult> results;
 };
@@ -63,45 +68,158 @@ void copy_rows(const at::Tensor& dst, const at::Tensor& src) {
     for (int64_t j = 0; j < cols; ++j) d[h * ds0 + j * ds1] = s[h * ss0 + j * ss1];
 }
 
+// float16's largest finite value: a partial key past it is stored as it, never as an infinity (what the Python
+// path's clamp before its cast does; a NaN stays a NaN either way)
+constexpr float kHalfMax = 65504.0f;
+constexpr int64_t kMaxPartialChannels = 256;
+
+template <typename Stored>
+Stored stored_as(float value);
+
+template <>
+float stored_as<float>(float value) { return value; }
+
+template <>
+c10::Half stored_as<c10::Half>(float value) {
+  return c10::Half(value < -kHalfMax ? -kHalfMax : (value > kHalfMax ? kHalfMax : value));  // round to nearest even
+}
+
+// Where one layer's new partial key goes: the slot's column of the layer's cache [kv, r, capacity].
+struct PartialKeyColumn {
+  const at::Tensor& cache;  // [..., kv, r, capacity], slots contiguous
+  int64_t offset;  // the element of (head 0, channel 0) in the slot's column
+};
+
+template <typename Stored>
+void project_key_as(const PartialKeyColumn& column, const float* key, int64_t key_head_stride,
+                    const float* projection, int64_t kv, int64_t dim) {
+  const at::Tensor& cache = column.cache;
+  const int64_t r = cache.size(-2), head_stride = cache.stride(-3), channel_stride = cache.stride(-2);
+  Stored* out = cache.data_ptr<Stored>() + column.offset;
+  for (int64_t h = 0; h < kv; ++h) {
+    const float* head_key = key + h * key_head_stride;
+    const float* head_projection = projection + h * dim * r;
+    float sums[kMaxPartialChannels] = {};
+    // channel after channel, one fused multiply-add per partial channel (vectorised over the r channels)
+    for (int64_t c = 0; c < dim; ++c) {
+      const float channel = head_key[c];
+      const float* __restrict row = head_projection + c * r;
+      for (int64_t j = 0; j < r; ++j) sums[j] = std::fma(channel, row[j], sums[j]);
+    }
+    for (int64_t j = 0; j < r; ++j) out[h * head_stride + j * channel_stride] = stored_as<Stored>(sums[j]);
+  }
+}
+
+// One new token's partial key: its key (kv rows of `dim` contiguous floats, `key_head_stride` apart) through the
+// layer's key projection [kv, dim, r] (contiguous), into `column`, in the cache's dtype. Each partial channel sums
+// the key's channels in order, which is not torch.bmm's order (MKL's): the lane and the Python path both call
+// this for a decode step's keys, so their caches agree to the bit. Raw pointers, no ATen view per call: a view
+// costs about a microsecond, and the lane stores 28 partial keys a step with the default model.
+void project_key(const PartialKeyColumn& column, const float* key, int64_t key_head_stride, const float* projection,
+                 int64_t kv, int64_t dim) {
+  if (column.cache.scalar_type() == at::kHalf)
+    project_key_as<c10::Half>(column, key, key_head_stride, projection, kv, dim);
+  else
+    project_key_as<float>(column, key, key_head_stride, projection, kv, dim);
+}
+
+// What project_key reads and writes fits: a float16 or float32 cache [..., kv, r, capacity] with contiguous slots,
+// a contiguous float32 projection [..., kv, dim, r] with r <= kMaxPartialChannels, `slot` inside the cache.
+void check_partial_keys(const at::Tensor& cache, const at::Tensor& projection, int64_t kv, int64_t dim, int64_t slot) {
+  TORCH_CHECK(cache.dim() >= 3 && cache.size(-3) == kv && cache.stride(-1) == 1 &&
+                  (cache.scalar_type() == at::kHalf || cache.scalar_type() == at::kFloat),
+              "partial keys: a float16 or float32 cache [kv, r, capacity], slots contiguous");
+  TORCH_CHECK(projection.dim() >= 3 && projection.scalar_type() == at::kFloat && projection.is_contiguous() &&
+                  projection.size(-3) == kv && projection.size(-2) == dim && projection.size(-1) == cache.size(-2) &&
+                  projection.size(-1) <= kMaxPartialChannels,
+              "partial keys: a contiguous float32 projection [kv, dim, r <= 256] for the cache's r channels");
+  TORCH_CHECK(0 <= slot && slot < cache.size(-1), "partial keys: slot ", slot, " outside the cache");
+}
+
+// The Python path's form (InfiniGenPolicy.write_step_keys): one decode step's new keys of every sparse layer
+// [layers, kv, 1, dim], through their projections [layers * kv, dim, r], into `cache` [layers, kv, r, capacity].
+void write_step_partial_keys(const at::Tensor& keys, const at::Tensor& projections, const at::Tensor& cache,
+                             int64_t slot) {
+  TORCH_CHECK(keys.dim() == 4 && keys.size(2) == 1 && keys.scalar_type() == at::kFloat && keys.is_contiguous() &&
+                  cache.dim() == 4 && cache.size(0) == keys.size(0) && projections.size(0) == keys.size(0) * keys.size(1),
+              "write_step_partial_keys: contiguous float32 keys [layers, kv, 1, dim], projections [layers * kv, dim, "
+              "r], cache [layers, kv, r, capacity]");
+  const int64_t kv = keys.size(1), dim = keys.size(3);
+  check_partial_keys(cache, projections.view({keys.size(0), kv, dim, -1}), kv, dim, slot);
+  const float* key = keys.data_ptr<float>();
+  const float* projection = projections.data_ptr<float>();
+  for (int64_t layer = 0; layer < keys.size(0); ++layer)
+    project_key({cache, layer * cache.stride(0) + slot}, key + layer * kv * dim, dim,
+                projection + layer * kv * dim * projections.size(2), kv, dim);
+}
+
+// Partial keys a decode lane left out (`lane_begin`'s project_keys: a dense step, whose layers select nothing),
+// made when something is about to read the cache: slots [first, end) of every sparse layer, from the pool's keys
+// of that layer ([kv, >= end, dim] float32, rows contiguous) through its projection ([layers * kv, dim, r]), into
+// `cache` [layers, kv, r, capacity]. The lane copies a step's new key into the pool before it would have
+// projected it, and nothing writes those rows since (InfiniGenPolicy makes them first): the same inputs to the
+// same function, so the same bits as projecting at each step.
+void project_slots(const std::vector<at::Tensor>& keys, const at::Tensor& projections, const at::Tensor& cache,
+                   int64_t first, int64_t end) {
+  const int64_t layers = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(layers > 0 && cache.dim() == 4 && cache.size(0) == layers && projections.dim() == 3 &&
+                  projections.size(0) == layers * cache.size(1) && 0 <= first && first <= end,
+              "project_slots: a pool key view per sparse layer, projections [layers * kv, dim, r], "
+              "cache [layers, kv, r, capacity]");
+  const int64_t kv = cache.size(1), dim = projections.size(1), r = projections.size(2);
+  if (first == end) return;
+  check_partial_keys(cache, projections.view({layers, kv, dim, r}), kv, dim, end - 1);
+  const float* projection = projections.data_ptr<float>();
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const at::Tensor& layer_keys = keys[layer];
+    TORCH_CHECK(layer_keys.dim() == 3 && layer_keys.scalar_type() == at::kFloat && layer_keys.size(0) == kv &&
+                    layer_keys.size(1) >= end && layer_keys.size(2) == dim && layer_keys.stride(2) == 1,
+                "project_slots: a float32 key view [kv, >= end, dim] per sparse layer");
+    const float* key = layer_keys.data_ptr<float>();
+    for (int64_t slot = first; slot < end; ++slot)
+      project_key({cache, layer * cache.stride(0) + slot}, key + slot * layer_keys.stride(1), layer_keys.stride(0),
+                  projection + layer * kv * dim * r, kv, dim);
+  }
+}
+
 int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count();
 }
 
 void lane_begin(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                 std::vector<std::optional<at::Tensor>> partial_keys,
-                std::vector<std::optional<at::Tensor>> query_projections, std::vector<int64_t> windows,
-                std::optional<at::Tensor> step_keys, int64_t slot, std::vector<int64_t> budgets, double alpha) {
+                std::vector<std::optional<at::Tensor>> query_projections,
+                std::vector<std::optional<at::Tensor>> key_projections, std::vector<int64_t> windows, int64_t slot,
+                std::vector<int64_t> budgets, double alpha, bool project_keys) {
   const size_t layers = keys.size();
   TORCH_CHECK(layers > 0 && values.size() == layers && partial_keys.size() == layers &&
-                  query_projections.size() == layers && windows.size() == layers && budgets.size() == layers,
+                  query_projections.size() == layers && key_projections.size() == layers && windows.size() == layers &&
+                  budgets.size() == layers,
               "lane_begin: one entry per layer in every list");
   auto lane = std::make_unique<Lane>();
   const int64_t kv = keys[0].size(0);
-  int64_t sparse = 0;
   for (size_t layer = 0; layer < layers; ++layer) {
     TORCH_CHECK(keys[layer].dim() == 3 && keys[layer].scalar_type() == at::kFloat && keys[layer].is_contiguous() &&
                     values[layer].sizes() == keys[layer].sizes() && values[layer].is_contiguous(),
                 "lane_begin: contiguous float32 K/V storage [kv, capacity, dim]");
     TORCH_CHECK(0 <= slot && slot < keys[layer].size(1), "lane_begin: slot ", slot, " outside the pool");
     const bool is_sparse = partial_keys[layer].has_value();
-    TORCH_CHECK(is_sparse == query_projections[layer].has_value(), "lane_begin: partial keys need a projection");
+    TORCH_CHECK(is_sparse == query_projections[layer].has_value() && is_sparse == key_projections[layer].has_value(),
+                "lane_begin: partial keys need their query and key projections");
+    if (is_sparse) check_partial_keys(*partial_keys[layer], *key_projections[layer], kv, keys[layer].size(2), slot);
     TORCH_CHECK(budgets[layer] == 0 || (is_sparse && budgets[layer] <= slot),
                 "lane_begin: layer ", layer, " cannot select ", budgets[layer], " of ", slot, " past rows");
     lane->keys.push_back(std::move(keys[layer]));
     lane->values.push_back(std::move(values[layer]));
     lane->partial_keys.push_back(is_sparse ? *partial_keys[layer] : at::Tensor());
     lane->query_projections.push_back(is_sparse ? *query_projections[layer] : at::Tensor());
-    lane->step_key_index.push_back(is_sparse ? sparse++ : -1);
-  }
-  if (sparse > 0) {
-    TORCH_CHECK(step_keys.has_value() && step_keys->size(0) == sparse && step_keys->scalar_type() == at::kFloat &&
-                    step_keys->dim() == 4, "lane_begin: a float32 row of step keys [kv, 1, dim] per sparse layer");
-    lane->step_keys = *step_keys;
+    lane->key_projections.push_back(is_sparse ? *key_projections[layer] : at::Tensor());
   }
   lane->windows = std::move(windows);
   lane->budgets = std::move(budgets);
   lane->slot = slot;
   lane->alpha = alpha;
+  lane->project_keys = project_keys;
   lane->new_slot_column = at::full({kv, 1}, slot, at::TensorOptions().dtype(at::kLong));
   lane->results.resize(layers);
   running = std::move(lane);
@@ -117,7 +235,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Ten
   at::Tensor times = at::empty({static_cast<int64_t>(lane->results.size()), 2}, at::TensorOptions().dtype(at::kLong));
   int64_t* t = times.data_ptr<int64_t>();
   for (const auto& result : lane->results) {
-    // a layer that never attended left its row of step keys unwritten and its selection missing
+    // a layer that never attended left its partial key unwritten and its selection missing
     TORCH_CHECK(result.ran, "the decode lane's step ran the attention of only some layers");
     if (result.slots.defined()) {
       slots.push_back(result.slots);
@@ -166,12 +284,10 @@ at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at
   const at::Tensor& values = lane->values[layer];
   const int64_t kv = keys.size(0), dim = keys.size(2), slot = lane->slot, size = slot + 1;
   TORCH_CHECK(key.size(1) == kv && key.size(3) == dim && query.size(3) == dim, "attend_layer: the step's shapes are not the lane's");
-  // 1. the new row into its slot ([1, kv, 1, dim] -> [kv, dim]); the sparse layers' new key for the partial cache
+  // 1. the new row into its slot ([1, kv, 1, dim] -> [kv, dim])
   const at::Tensor new_key = key.select(0, 0).select(1, 0), new_value = value.select(0, 0).select(1, 0);
   copy_rows(keys.select(1, slot), new_key);
   copy_rows(values.select(1, slot), new_value);
-  if (lane->step_key_index[layer] >= 0)
-    copy_rows(lane->step_keys.select(0, lane->step_key_index[layer]).select(1, 0), new_key);
   const at::Tensor grouped = query.reshape({kv, -1, dim});  // [kv, group, dim]: each KV head's query group
   LayerResult& result = lane->results[layer];
   result.ran = true;
@@ -198,6 +314,12 @@ at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at
     out = attend_span.call(grouped, keys, values, first, size, scaling);
     result.attend_ns = elapsed_ns(started);
   }
+  // 3. the new token's partial key, unless the policy makes it later (a dense step). A selection above read only
+  // the slots before this one; a step that fails after this leaves a partial key in a slot the pool gives again,
+  // written again by the step that takes it
+  if (lane->project_keys && lane->partial_keys[layer].defined())
+    project_key({lane->partial_keys[layer], slot}, keys.data_ptr<float>() + slot * dim, keys.stride(0),
+                lane->key_projections[layer].data_ptr<float>(), kv, dim);
   return out.view({1, 1, -1, dim});
 }
 
@@ -214,13 +336,18 @@ TORCH_LIBRARY_FRAGMENT(infinigen_cpu, m) {
         "int layer, float scaling) -> Tensor");
   // the lane's opening and closing: plain functions of the engine's, not tensor ops (one kernel for all keys)
   m.def("lane_begin(Tensor[] keys, Tensor[] values, Tensor?[] partial_keys, Tensor?[] query_projections, "
-        "int[] windows, Tensor? step_keys, int slot, int[] budgets, float alpha) -> ()", &lane_begin);
+        "Tensor?[] key_projections, int[] windows, int slot, int[] budgets, float alpha, bool project_keys) -> ()",
+        &lane_begin);
   m.def("lane_end() -> (Tensor[], Tensor[], Tensor[], Tensor)", &lane_end);
   m.def("lane_abort() -> ()", &lane_abort);
+  m.def("write_step_partial_keys(Tensor keys, Tensor projections, Tensor(a!) cache, int slot) -> ()");
+  m.def("project_slots(Tensor[] keys, Tensor projections, Tensor(a!) cache, int first, int end) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(infinigen_cpu, CPU, m) {
   m.impl("attend_layer", attend_layer);
+  m.impl("write_step_partial_keys", write_step_partial_keys);
+  m.impl("project_slots", project_slots);
 }
 
 TORCH_LIBRARY_IMPL(infinigen_cpu, Meta, m) {

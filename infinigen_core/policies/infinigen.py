@@ -78,8 +78,7 @@ class InfiniGenPolicy(KVPolicy):
                          for layer in self.sparse_layers}
         self._partial_all: torch.Tensor | None = None  # [sparse layers, kv_heads, r, capacity]
         self.partial_keys_t: list[torch.Tensor | None] = [None] * adapter.num_layers  # views into it
-        self._pending_keys: list[torch.Tensor] = []  # this step's new keys, written in one go at its end
-        self._lane_keys: torch.Tensor | None = None  # the same, left there by a decode lane
+        self.step_keys = StepPartialKeys(self)  # each decode step's new partial keys
         self._rank_thresholds = torch.empty(1, 0, dtype=torch.int64, device=device)
         self.rebuild()
 
@@ -111,6 +110,7 @@ class InfiniGenPolicy(KVPolicy):
 
     def release_capacity(self, capacity: int) -> None:
         """Copies of the slots kept (a slice would hold on to the whole old cache)."""
+        self.step_keys.complete()
         cache = self._partial_all
         if cache is not None and cache.shape[3] > capacity:
             self._replace_cache(capacity, cache[..., :capacity])
@@ -136,7 +136,7 @@ class InfiniGenPolicy(KVPolicy):
         like one)."""
         pool = self.ctx.pool
         self.ensure_capacity(pool.capacity)
-        self._pending_keys = []
+        self.step_keys.forget()  # every slot is written below
         if not pool.size():
             return
         # the slots index the partial key cache, on the compute device (the pool may be in host memory)
@@ -170,6 +170,7 @@ class InfiniGenPolicy(KVPolicy):
         return dict(self._digests)
 
     def export_partial_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
+        self.step_keys.complete()
         cache = self.partial_keys_t[layer]
         if layer not in self._digests or cache is None:
             return None
@@ -178,11 +179,11 @@ class InfiniGenPolicy(KVPolicy):
     def on_write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         if not self.is_sparse(layer):
             return
+        self.step_keys.complete()  # before this step's keys (the pool's rows are read as they are now)
         if keys.shape[1] == 1 and self.ctx.pool.last_reserved_contiguous:
             # one token in the same slot of every layer: kept for finish_step, which writes them all at once
             # (nothing reads this token's partial key before the next step)
-            self._pending_keys.append(self._on_compute(keys))
-            self._pending_slots = slots
+            self.step_keys.keep(self._on_compute(keys), slots)
             return
         self._write_partial_keys(layer, slots, keys)
 
@@ -200,26 +201,7 @@ class InfiniGenPolicy(KVPolicy):
     def finish_step(self, completed: bool) -> None:
         # a captured step hands its RoPE factors back in the same buffer: never keep them past the step
         self._rope_source = self._rope_factors = None
-        pending, self._pending_keys = self._pending_keys, []
-        if not completed or not pending:
-            return
-        if len(pending) != len(self.sparse_layers):  # not a whole step's worth: cannot happen, but stay exact
-            raise RuntimeError("a decode step wrote the keys of only some sparse layers")
-        self.write_step_keys(torch.stack(pending), self._pending_slots)
-
-    def lane_key_buffer(self) -> torch.Tensor:
-        """[sparse layers, kv_heads, 1, head_dim]: where a decode lane (decode_lane.py) leaves a step's new keys."""
-        if self._lane_keys is None:
-            shape = (len(self.sparse_layers), self.ctx.adapter.num_kv_heads, 1, self.ctx.adapter.head_dim)
-            self._lane_keys = torch.empty(shape, dtype=self.partial_dtype, device=self.ctx.compute_device)
-        return self._lane_keys
-
-    def write_step_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
-        """One decode step's new keys of every sparse layer [sparse layers, kv_heads, 1, dim] through their
-        projections in one product, into the partial key cache at `slots`."""
-        layers, heads, _, dim = keys.shape
-        partial = self._stored(torch.bmm(keys.view(-1, 1, dim), self._stacked_key_projections))  # [layers * kv, 1, r]
-        self._partial_all.index_copy_(3, slots, partial.view(layers, heads, -1, 1))
+        self.step_keys.finish(completed)
 
     def _stored(self, partial: torch.Tensor) -> torch.Tensor:
         """Partial keys in the cache's dtype (float16's range bounds them: no key turns into an infinity)."""
@@ -231,10 +213,12 @@ class InfiniGenPolicy(KVPolicy):
 
     def partial_keys(self, layer: int) -> torch.Tensor:
         """[kv_heads, slots, r]: the layer's skewed partial keys, slot by slot (a view)."""
+        self.step_keys.complete()
         return self.partial_keys_t[layer][:, :, : self.ctx.pool.size()].transpose(1, 2)
 
     def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.partial_keys_t if t is not None)
+        cache = self._partial_all  # the sparse layers' caches are views into it, together all of it
+        return 0 if cache is None else cache.numel() * cache.element_size()
 
     # ---------------------------------------------------------------- speculation
     def _init_rotary_rehearsal(self, device) -> None:
@@ -299,6 +283,7 @@ class InfiniGenPolicy(KVPolicy):
 
     def _select_partial(self, target, partial_query, past_len, new_slots, started: float) -> Selection:
         """The top-k slots of `target` for a partial, skewed, scaled query [kv_heads, group, r]."""
+        self.step_keys.complete()
         kernels = self.ctx.kernels
         k = self.budget_for(target, past_len)
         if (kernels is not None and new_slots is None and self.ctx.adapter.softcap is None and k <= past_len
@@ -342,6 +327,75 @@ class InfiniGenPolicy(KVPolicy):
             self.ensure_capacity(k)
         valid = self._rank_thresholds[:, : k + 1] < alpha_total  # [1, k + 1]
         return Selection(slots, scores=scores, valid=valid, alpha_total=alpha_total)
+
+
+class StepPartialKeys:
+    """The partial keys of each decode step's new token, in every sparse layer of an InfiniGen policy.
+
+    On the Python path a step's keys are kept as its layers write them and projected at its end, all at once. Where
+    the CPU kernels are built that goes through the decode lane's own function (decode_lane.cpp, `project_key`),
+    so that a step on this path and one in the lane leave the same bits. A lane step that is dense (a short
+    chat's: nothing selects) leaves them out: read cold after the model's weights, the projections and the cache's
+    lines cost such a step ~0.2 ms, and no selection reads them before a step that selects. `complete` makes them,
+    from the pool's keys, before anything reads or writes the cache."""
+
+    def __init__(self, policy: InfiniGenPolicy) -> None:
+        self.policy = policy
+        ctx = policy.ctx
+        self.in_kernel = (ctx.kernels is not None and ctx.compute_device.type == "cpu"
+                          and policy.partial_dtype == torch.float32
+                          and hasattr(torch.ops.infinigen_cpu, "write_step_partial_keys"))
+        self.pending: list[torch.Tensor] = []  # this step's new keys [kv_heads, 1, dim], one per sparse layer
+        self.pending_slots: torch.Tensor | None = None
+        self.unprojected: tuple[int, int] | None = None  # slots [first, end) dense lane steps left out
+
+    def keep(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        self.pending.append(keys)
+        self.pending_slots = slots
+
+    def forget(self) -> None:
+        """Every slot's partial key is about to be written again (a rebuild)."""
+        self.pending, self.unprojected = [], None
+
+    def finish(self, completed: bool) -> None:
+        pending, self.pending = self.pending, []
+        if not completed or not pending:
+            return
+        if len(pending) != len(self.policy.sparse_layers):  # not a whole step's worth: cannot happen, but stay exact
+            raise RuntimeError("a decode step wrote the keys of only some sparse layers")
+        self.write(torch.stack(pending), self.pending_slots)
+
+    def write(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """One decode step's new keys of every sparse layer [sparse layers, kv_heads, 1, dim] through their
+        projections, into the partial key cache at `slots` (one slot, the same in every layer: the pool's last)."""
+        policy = self.policy
+        if self.in_kernel:
+            # the slot from the host's count, not from `slots` (on the compute device: reading it would wait there)
+            torch.ops.infinigen_cpu.write_step_partial_keys(keys, policy._stacked_key_projections, policy._partial_all,
+                                                            policy.ctx.pool.size() - 1)
+            return
+        layers, heads, _, dim = keys.shape
+        partial = policy._stored(torch.bmm(keys.view(-1, 1, dim), policy._stacked_key_projections))
+        policy._partial_all.index_copy_(3, slots, partial.view(layers, heads, -1, 1))
+
+    def defer(self, slot: int) -> None:
+        """A decode lane's dense step left out the partial keys of `slot` (of every sparse layer)."""
+        first, end = self.unprojected or (slot, slot + 1)
+        self.unprojected = (min(first, slot), max(end, slot + 1))
+
+    def complete(self) -> None:
+        """The partial keys dense lane steps left out, from the pool's keys through the lane's own function
+        (decode_lane.cpp, `project_slots`): the bits each step would have written. Slots past the pool's tokens
+        (after a truncate) hold nothing to keep."""
+        if self.unprojected is None:
+            return
+        first, end = self.unprojected
+        self.unprojected = None
+        policy, pool = self.policy, self.policy.ctx.pool
+        end = min(end, pool.size())
+        if first < end:
+            keys = [pool.keys(layer) for layer in policy.sparse_layers]
+            torch.ops.infinigen_cpu.project_slots(keys, policy._stacked_key_projections, policy._partial_all, first, end)
 
 
 def projection_digest(projection: torch.Tensor) -> str:
