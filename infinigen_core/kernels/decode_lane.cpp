@@ -136,8 +136,9 @@ void check_partial_keys(const at::Tensor& cache, const at::Tensor& projection, i
   TORCH_CHECK(0 <= slot && slot < cache.size(-1), "partial keys: slot ", slot, " outside the cache");
 }
 
-// The Python path's form (InfiniGenPolicy.write_step_keys): one decode step's new keys of every sparse layer
-// [layers, kv, 1, dim], through their projections [layers * kv, dim, r], into `cache` [layers, kv, r, capacity].
+// The Python path's form (StepPartialKeys.write in policies/infinigen.py): one decode step's new keys of every
+// sparse layer [layers, kv, 1, dim], through their projections [layers * kv, dim, r], into `cache`
+// [layers, kv, r, capacity].
 void write_step_partial_keys(const at::Tensor& keys, const at::Tensor& projections, const at::Tensor& cache,
                              int64_t slot) {
   TORCH_CHECK(keys.dim() == 4 && keys.size(2) == 1 && keys.scalar_type() == at::kFloat && keys.is_contiguous() &&
