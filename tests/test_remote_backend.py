@@ -230,7 +230,7 @@ def test_prompt_over_the_backends_window_is_refused_before_sending_and_nothing_s
 
 def test_client_going_away_cancels_the_upstream_request(front, backend):
     asked = [{"role": "user", "content": COUNTING + " Now."}]
-    response, events = stream_events(front.api, {"messages": asked, "max_tokens": 48})
+    response, events = stream_events(front.api, {"messages": asked, "max_tokens": 200})  # far past where it stops
     received = ""
     for event in events:
         received += content_of(event)
@@ -244,7 +244,8 @@ def test_client_going_away_cancels_the_upstream_request(front, backend):
     spans = rows(backend.data_dir, "SELECT m.token_end - m.token_start FROM messages m JOIN messages u "
                                    "ON u.session_id = m.session_id AND u.position = m.position - 1 "
                                    "WHERE m.role = 'assistant' AND u.content = ? ORDER BY m.id", asked[0]["content"])
-    assert len(spans) == 2 and 0 < spans[0][0] <= 24  # the cancelled one stopped early, upstream too
+    # the cancelled one stopped early, upstream too (half its limit: a stop takes a few decode steps to arrive)
+    assert len(spans) == 2 and 0 < spans[0][0] <= 100
 
 
 def test_drop_oldest_turns_counts_with_the_server_and_removes_only_stored_messages(backend, tmp_path):
@@ -305,7 +306,7 @@ def test_restarted_front_process_continues_the_stored_conversation(front):
 def test_the_pages_stop_cancels_the_upstream_request_and_the_local_engine_reads_what_was_kept(backend, tmp_path,
                                                                                             real_engine):
     service = remote_service(tmp_path, BackendConfig(f"{backend.url}v1", key=KEY))
-    service.settings.current.sampling = SamplingConfig(max_new_tokens=48)  # greedy: runs to 48 unless stopped
+    service.settings.current.sampling = SamplingConfig(max_new_tokens=200)  # greedy: runs to 200 unless stopped
     asked = COUNTING + " Stop me."
     try:
         for history in service.page_turns.send(asked):
@@ -324,7 +325,7 @@ def test_the_pages_stop_cancels_the_upstream_request_and_the_local_engine_reads_
     spans = rows(backend.data_dir, "SELECT m.token_end - m.token_start, m.content FROM messages m JOIN messages u "
                                    "ON u.session_id = m.session_id AND u.position = m.position - 1 "
                                    "WHERE m.role = 'assistant' AND u.content = ?", asked)
-    assert len(spans) == 1 and 0 < spans[0][0] <= 24  # of 48: the server stopped too
+    assert len(spans) == 1 and 0 < spans[0][0] <= 100  # of 200: the server stopped too (a stop takes a few steps)
     assert spans[0][1].startswith(kept)
     # the sidebar: the stopped conversation as the server's tokenizer counts it (no usage came), KV the server's
     counted = backend_tokens(backend, [{"role": "user", "content": asked}, {"role": "assistant", "content": kept}],
