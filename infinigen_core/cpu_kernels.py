@@ -64,7 +64,8 @@ class CpuKernels:
 
     @staticmethod
     def rehearse_select(partial_query: torch.Tensor, partial_keys: torch.Tensor, past: int, k: int, alpha: float):
-        """partial_query [kv, group, r], partial_keys [kv, r, >= past] (slots contiguous) ->
+        """partial_query [kv, group, r], partial_keys [kv, r, >= past] float32 or float16, or int8 codes with each
+        slot's exponent as one more row [kv, r + 1, >= past] (policies/partial_codes.py); slots contiguous ->
         (slots [kv, k] with each head's best `kept` first, their weights [kv, k], valid [1, k + 1] bool over the
         new token then the k slots, alpha_total: query heads x mean tokens within alpha, a 0-dim int64)."""
         return torch.ops.infinigen_cpu.rehearse_select(partial_query, partial_keys, past, k, alpha)

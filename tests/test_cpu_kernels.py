@@ -14,6 +14,7 @@ from infinigen_core import cpu_kernels
 from infinigen_core.config import EngineConfig
 from infinigen_core.cpu_kernels import pack_q4
 from infinigen_core.engine import InfiniGenEngine
+from infinigen_core.policies import partial_codes
 
 from conftest import greedy_logits, make_tiny_engine, random_tokens
 
@@ -43,14 +44,29 @@ def test_rehearse_select_keeps_what_the_eager_ops_keep(kernels, alpha):
     assert int(slots.max()) < past  # the new token's slot and the unwritten ones are never chosen
 
 
+def _as_stored(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channel-major partial keys [kv, r, slots] in a cache's dtype (int8: codes and exponent row, [kv, r + 1,
+    slots]), and the float32 values they stand for."""
+    if dtype == torch.int8:
+        codes = partial_codes.encode(values.transpose(1, 2)).transpose(1, 2).contiguous()
+        return codes, partial_codes.decode(codes, channel_dim=1)
+    stored = values.to(dtype)
+    return stored, stored.float()
+
+
+def _values_of_int8_codes(partial: torch.Tensor) -> torch.Tensor:
+    return partial_codes.decode(partial_codes.encode(partial))
+
+
 @pytest.mark.parametrize("group", [1, 4, 5, 8, 9])  # 1-8: sums held in registers per 32 slots; 9: the row loop
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
 def test_every_query_group_size_selects_what_the_eager_ops_select(kernels, group, dtype):
     torch.manual_seed(group)
-    partial_query, partial_keys = torch.randn(2, group, 40), torch.randn(2, 40, 620).to(dtype)
+    partial_query = torch.randn(2, group, 40)
+    partial_keys, values = _as_stored(torch.randn(2, 40, 620), dtype)
     for past, k in ((600, 90), (300, 30), (45, 9)):  # blocks of 256 slots: tails of 88, 44 and 45 slots
         slots, scores, valid, alpha_total = kernels.rehearse_select(partial_query, partial_keys, past, k, 4.0)
-        eager = _eager_selection(partial_query, partial_keys.float(), past, k, 4.0)
+        eager = _eager_selection(partial_query, values, past, k, 4.0)
         assert int(alpha_total) == int(eager.alpha_total) and torch.equal(valid, eager.valid)
         for head in range(2):
             assert set(slots[head].tolist()) == set(eager.slots[head].tolist())
@@ -77,17 +93,22 @@ def test_a_long_past_selects_the_eager_top_k_whichever_way_it_is_partitioned(ker
         assert set(slots[head, :kept].tolist()) == set(eager.slots[head, :kept].tolist())
 
 
-def test_float16_partial_keys_select_as_their_float32_values_do(kernels):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
+def test_float16_and_int8_partial_keys_select_as_their_float32_values_do(kernels, dtype):
+    """To the bit: float16 keys are widened exactly, and an int8 slot's products scaled by its power of two are
+    the products of its values (slots of every scale, from 2^-24 to 2^9)."""
     torch.manual_seed(2)
-    partial_query, half_keys = torch.randn(3, 3, 32), torch.randn(3, 32, 1100).half()  # 1,100: a 16-lane tail
+    partial_query = torch.randn(3, 3, 32)
+    magnitudes = torch.logspace(-6, 4, 1100)[torch.randperm(1100)]  # 1,100 slots: a 16-lane tail
+    stored, values = _as_stored(torch.randn(3, 32, 1100) * magnitudes, dtype)
     for past, k in ((1037, 151), (20, 7)):
-        from_half = kernels.rehearse_select(partial_query, half_keys, past, k, 12.0)
-        from_float = kernels.rehearse_select(partial_query, half_keys.float(), past, k, 12.0)
-        for got, expected in zip(from_half, from_float):
+        from_stored = kernels.rehearse_select(partial_query, stored, past, k, 12.0)
+        from_float = kernels.rehearse_select(partial_query, values, past, k, 12.0)
+        for got, expected in zip(from_stored, from_float):
             assert torch.equal(got, expected)
 
 
-def test_the_cache_is_float16_only_where_every_selection_takes_the_kernels(tiny_llama, kernels):
+def test_the_cache_is_int8_only_where_every_selection_takes_the_kernels(tiny_llama, kernels):
     model, skew = tiny_llama
     dtypes = {}
     for name, extra in (("kernels", {}), ("evicting", {"pool_limit_tokens": 500}), ("eager", None)):
@@ -95,7 +116,7 @@ def test_the_cache_is_float16_only_where_every_selection_takes_the_kernels(tiny_
                                  kernels=None if extra is None else kernels)
         dtypes[name] = engine.policy.partial_store_dtype
         engine.close()
-    assert dtypes == {"kernels": torch.float16, "evicting": torch.float32, "eager": torch.float32}
+    assert dtypes == {"kernels": torch.int8, "evicting": torch.float32, "eager": torch.float32}
 
 
 def test_partial_key_rows_never_lie_a_whole_number_of_pages_apart(tiny_llama, kernels):
@@ -193,6 +214,9 @@ def test_the_engine_decodes_the_same_with_the_kernels(tiny_llama, kernels, setti
         kernels = dataclasses.replace(kernels, max_group=1)  # the tiny Llama has 2 query heads per KV head
     fast = make_tiny_engine(tiny_llama, kernels, **config)
     assert fast.kernels is kernels and eager.kernels is None
+    assert fast.policy.coded == (not settings and not narrow)  # int8 only where every selection takes the kernels
+    if fast.policy.coded:
+        eager.policy._stored = _values_of_int8_codes  # the values of the int8 cache, as float32
     expected, got = greedy_logits(eager, prompt, 8), greedy_logits(fast, prompt, 8)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     fetched = [[(layer.sparse, layer.fetched) for layer in step.layers] for step in (eager.history[-1], fast.history[-1])]
@@ -230,7 +254,7 @@ def test_the_summary_and_the_options_say_whether_the_kernels_run(tiny_llama, ker
 
 @torch.inference_mode()
 def test_every_selection_of_a_real_compiled_reply_is_the_eager_ops_choice(real_engine, monkeypatch):
-    """The default engine (compiled step, kernels, float16 partial keys) at ~300 tokens: each rehearse_select
+    """The default engine (compiled step, kernels, int8 partial keys) at ~300 tokens: each rehearse_select
     keeps the rows, alpha count and mask that the eager ops compute from the same query and cache. Through the
     Python path, which calls the kernels through the policy (the decode lane's are the same calls, to the bit:
     tests/test_decode_lane.py)."""
@@ -251,7 +275,7 @@ def test_every_selection_of_a_real_compiled_reply_is_the_eager_ops_choice(real_e
             slots, scores, valid, alpha_total = kernels.rehearse_select(query, keys, past, k, alpha)
             chooser = _chooser(alpha=alpha, budget=1.0)
             chooser.ctx.adapter.num_heads = query.shape[0] * query.shape[1]
-            eager = chooser.choose(torch.bmm(query, keys[:, :, :past].float()), k)
+            eager = chooser.choose(torch.bmm(query, partial_codes.decode(keys[:, :, :past], channel_dim=1)), k)
             kept = int(valid[0, 1:].sum())
             seen.append(torch.equal(valid, eager.valid) and int(alpha_total) == int(eager.alpha_total) and all(
                 set(slots[h, :kept].tolist()) == set(eager.slots[h, :kept].tolist()) for h in range(query.shape[0])))
@@ -262,7 +286,7 @@ def test_every_selection_of_a_real_compiled_reply_is_the_eager_ops_choice(real_e
     real_engine.policy.ctx.kernels = Checked()
     real_engine.score(ids[300:306])
     assert len(seen) == 6 * len(real_engine.policy.sparse_layers) and all(seen)
-    assert real_engine.policy.partial_store_dtype == torch.float16
+    assert real_engine.policy.partial_store_dtype == torch.int8
 
 
 def test_a_build_killed_before_it_ended_does_not_stop_the_next_start(kernels):

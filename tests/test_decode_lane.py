@@ -14,6 +14,7 @@ from infinigen_core import decode_lane
 from infinigen_core.compiled import compile_decode
 from infinigen_core.config import EngineConfig
 from infinigen_core.decode_lane import DecodeLane, lane_refusal
+from infinigen_core.policies import partial_codes
 
 from conftest import greedy_logits, make_tiny_engine, random_tokens
 
@@ -48,14 +49,26 @@ def _without_lane(monkeypatch, model_and_skew, kernels, prompt, steps, **setting
 def _assert_decode_partial_keys_are_the_projections_products(engine, first_slot: int) -> None:
     """The partial keys the decode steps wrote (slots from `first_slot` on) against the policy's own products of the
     pool's keys (torch.bmm, as its prefill writes them), to the cache's rounding: a decode step sums in another
-    order, so the float32 sums may differ in their last bits, and a float16 cache by one float16 step."""
+    order, so the float32 sums may differ in their last bits, a float16 cache by one float16 step and int8 codes by
+    one code."""
     policy, size = engine.policy, engine.pool.size()
     assert size > first_slot
     for layer in policy.sparse_layers:
         keys = engine.pool.keys(layer)[:, first_slot:size]
         expected = policy._stored(torch.bmm(keys, policy.key_projections[layer])).transpose(1, 2)
         written = policy.partial_keys_t[layer][:, :, first_slot:size]
-        torch.testing.assert_close(written.float(), expected.float(), rtol=2e-3, atol=1e-4)
+        if policy.coded:
+            _assert_within_one_code(written, expected)
+        else:
+            torch.testing.assert_close(written.float(), expected.float(), rtol=2e-3, atol=1e-4)
+
+
+def _assert_within_one_code(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """int8 partial keys [..., r + 1, slots]: each value within one code of its slot's scale (a sum's last bits
+    can move a code across a rounding boundary, or a slot's largest channel across a power of two)."""
+    got_values, expected_values = (partial_codes.decode(codes, channel_dim=-2) for codes in (got, expected))
+    one_code = expected_values.abs().amax(dim=-2, keepdim=True) / 63
+    assert ((got_values - expected_values).abs() <= one_code + 1e-7).all()
 
 
 def _layer_record(step):
@@ -223,22 +236,26 @@ def test_a_lane_whose_layers_did_not_all_attend_is_refused_at_its_end(kernels):
     assert torch.ops.infinigen_cpu.lane_end()[3].numel() == 0  # closed all the same
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.int8])
 def test_a_decode_steps_partial_keys_are_the_projections_products_in_the_caches_dtype(kernels, dtype):
     """`write_step_partial_keys` (the Python path's call of the function the lane calls for each layer): every
     layer's new key through its own heads' projections, into its one slot, in the cache's dtype; float16's range
-    bounds a key past it (65504, never an infinity); no other slot is touched."""
+    bounds a key past it (65504, never an infinity), int8 codes' range too (127 x 2^9); no other slot is touched."""
     generator = torch.Generator().manual_seed(5)
     layers, heads, dim, r, capacity, slot = 3, 2, 16, 8, 10, 6
     keys = torch.randn(layers, heads, 1, dim, generator=generator)
     keys[1, 0] *= 1e6  # far past float16's range once projected
     projections = torch.randn(layers * heads, dim, r, generator=generator)
-    cache = torch.zeros(layers, heads, r, capacity, dtype=dtype)
+    cache = torch.zeros(layers, heads, r + (dtype == torch.int8), capacity, dtype=dtype)
     torch.ops.infinigen_cpu.write_step_partial_keys(keys, projections, cache, slot)
     expected = torch.bmm(keys.view(-1, 1, dim), projections).view(layers, heads, r)
-    if dtype == torch.float16:
+    if dtype == torch.int8:
+        _assert_within_one_code(cache[..., slot:slot + 1], partial_codes.encode(expected).unsqueeze(-1))
+        assert partial_codes.decode(cache[..., slot], channel_dim=-1)[1, 0].abs().amax() == partial_codes.MAX_MAGNITUDE
+    elif dtype == torch.float16:
         expected = expected.clamp(-65504.0, 65504.0).to(dtype)
         assert cache[1, 0, :, slot].abs().eq(65504.0).all()
-    torch.testing.assert_close(cache[..., slot], expected, rtol=2e-3 if dtype == torch.float16 else 1e-5, atol=1e-5)
+    if dtype != torch.int8:
+        torch.testing.assert_close(cache[..., slot], expected, rtol=2e-3 if dtype == torch.float16 else 1e-5, atol=1e-5)
     others = [column for column in range(capacity) if column != slot]
     assert not cache[..., others].any()

@@ -22,10 +22,12 @@
 #include <torch/library.h>
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -84,7 +86,30 @@ c10::Half stored_as<c10::Half>(float value) {
   return c10::Half(value < -kHalfMax ? -kHalfMax : (value > kHalfMax ? kHalfMax : value));  // round to nearest even
 }
 
-// Where one layer's new partial key goes: the slot's column of the layer's cache [kv, r, capacity].
+// int8 codes (policies/partial_codes.py, `encode`, step for step): the slot's channels clamped to 127 * 2^9, the
+// smallest exponent e >= -24 that puts its largest magnitude within 127 codes, codes rounded to nearest even
+constexpr float kMaxCoded = 127.0f * 512.0f;
+constexpr int kMinExponent = -24;
+
+void encode_slot(const float* sums, int64_t r, int8_t* out, int64_t channel_stride) {
+  float clamped[kMaxPartialChannels];
+  float magnitude = 0.0f;
+  for (int64_t j = 0; j < r; ++j) {
+    clamped[j] = std::min(std::max(sums[j], -kMaxCoded), kMaxCoded);
+    magnitude = std::max(magnitude, std::fabs(clamped[j]));
+  }
+  int exponent = 0;
+  const float mantissa = std::frexp(std::max(magnitude, 0x1p-30f), &exponent);
+  exponent = std::max(mantissa <= 127.0f / 128.0f ? exponent - 7 : exponent - 6, kMinExponent);
+  for (int64_t j = 0; j < r; ++j) {
+    const float code = std::nearbyint(std::ldexp(clamped[j], -exponent));
+    out[j * channel_stride] = static_cast<int8_t>(std::min(std::max(code, -127.0f), 127.0f));
+  }
+  out[r * channel_stride] = static_cast<int8_t>(exponent);
+}
+
+// Where one layer's new partial key goes: the slot's column of the layer's cache [kv, r, capacity] (int8: [kv, r + 1,
+// capacity], the exponent last).
 struct PartialKeyColumn {
   const at::Tensor& cache;  // [..., kv, r, capacity], slots contiguous
   int64_t offset;  // the element of (head 0, channel 0) in the slot's column
@@ -94,7 +119,8 @@ template <typename Stored>
 void project_key_as(const PartialKeyColumn& column, const float* key, int64_t key_head_stride,
                     const float* projection, int64_t kv, int64_t dim) {
   const at::Tensor& cache = column.cache;
-  const int64_t r = cache.size(-2), head_stride = cache.stride(-3), channel_stride = cache.stride(-2);
+  constexpr bool coded = std::is_same_v<Stored, int8_t>;
+  const int64_t r = cache.size(-2) - (coded ? 1 : 0), head_stride = cache.stride(-3), channel_stride = cache.stride(-2);
   Stored* out = cache.data_ptr<Stored>() + column.offset;
   for (int64_t h = 0; h < kv; ++h) {
     const float* head_key = key + h * key_head_stride;
@@ -106,7 +132,10 @@ void project_key_as(const PartialKeyColumn& column, const float* key, int64_t ke
       const float* __restrict row = head_projection + c * r;
       for (int64_t j = 0; j < r; ++j) sums[j] = std::fma(channel, row[j], sums[j]);
     }
-    for (int64_t j = 0; j < r; ++j) out[h * head_stride + j * channel_stride] = stored_as<Stored>(sums[j]);
+    if constexpr (coded)
+      encode_slot(sums, r, out + h * head_stride, channel_stride);
+    else
+      for (int64_t j = 0; j < r; ++j) out[h * head_stride + j * channel_stride] = stored_as<Stored>(sums[j]);
   }
 }
 
@@ -117,20 +146,28 @@ void project_key_as(const PartialKeyColumn& column, const float* key, int64_t ke
 // costs about a microsecond, and the lane stores 28 partial keys a step with the default model.
 void project_key(const PartialKeyColumn& column, const float* key, int64_t key_head_stride, const float* projection,
                  int64_t kv, int64_t dim) {
-  if (column.cache.scalar_type() == at::kHalf)
+  if (column.cache.scalar_type() == at::kChar)
+    project_key_as<int8_t>(column, key, key_head_stride, projection, kv, dim);
+  else if (column.cache.scalar_type() == at::kHalf)
     project_key_as<c10::Half>(column, key, key_head_stride, projection, kv, dim);
   else
     project_key_as<float>(column, key, key_head_stride, projection, kv, dim);
 }
 
-// What project_key reads and writes fits: a float16 or float32 cache [..., kv, r, capacity] with contiguous slots,
-// a contiguous float32 projection [..., kv, dim, r] with r <= kMaxPartialChannels, `slot` inside the cache.
+// The partial channels a cache [..., kv, rows, capacity] holds: int8 codes end with their exponents' row.
+int64_t partial_channels(const at::Tensor& cache) { return cache.size(-2) - (cache.scalar_type() == at::kChar ? 1 : 0); }
+
+// What project_key reads and writes fits: a float16 or float32 cache [..., kv, r, capacity] or an int8 one
+// [..., kv, r + 1, capacity] with contiguous slots, a contiguous float32 projection [..., kv, dim, r] with
+// r <= kMaxPartialChannels, `slot` inside the cache.
 void check_partial_keys(const at::Tensor& cache, const at::Tensor& projection, int64_t kv, int64_t dim, int64_t slot) {
   TORCH_CHECK(cache.dim() >= 3 && cache.size(-3) == kv && cache.stride(-1) == 1 &&
-                  (cache.scalar_type() == at::kHalf || cache.scalar_type() == at::kFloat),
-              "partial keys: a float16 or float32 cache [kv, r, capacity], slots contiguous");
+                  (cache.scalar_type() == at::kHalf || cache.scalar_type() == at::kFloat ||
+                   cache.scalar_type() == at::kChar),
+              "partial keys: a float16, float32 or int8 cache [kv, r (+1), capacity], slots contiguous");
   TORCH_CHECK(projection.dim() >= 3 && projection.scalar_type() == at::kFloat && projection.is_contiguous() &&
-                  projection.size(-3) == kv && projection.size(-2) == dim && projection.size(-1) == cache.size(-2) &&
+                  projection.size(-3) == kv && projection.size(-2) == dim &&
+                  projection.size(-1) == partial_channels(cache) &&
                   projection.size(-1) <= kMaxPartialChannels,
               "partial keys: a contiguous float32 projection [kv, dim, r <= 256] for the cache's r channels");
   TORCH_CHECK(0 <= slot && slot < cache.size(-1), "partial keys: slot ", slot, " outside the cache");

@@ -10,7 +10,8 @@
 // 4-bit codes two a byte with a float32 scale and minimum each (Q4_1), the row never rounded to bf16.
 //
 // Built at run time by infinigen_core/cpu_kernels.py (torch.utils.cpp_extension); float32 rows and queries
-// (partial keys float32 or float16), anything else keeps the eager path. Both parallelise with ATen's own thread pool, never a second one.
+// (partial keys float32, float16, or int8 codes with a power-of-two scale per slot: policies/partial_codes.py),
+// anything else keeps the eager path. Both parallelise with ATen's own thread pool, never a second one.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +28,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -105,9 +107,14 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return result;
 }
 
-// out[j] += q * row[j]: float32 keys, or float16 ones (half the bytes to read) widened as they are loaded
+// out[j] += q * row[j]: float32 keys, float16 ones (half the bytes to read) or int8 codes (a quarter) widened as they
+// are loaded
 inline void add_scaled(float* out, const float* row, int64_t n, float q) {
   for (int64_t j = 0; j < n; ++j) out[j] += q * row[j];
+}
+
+inline void add_scaled(float* out, const int8_t* row, int64_t n, float q) {
+  for (int64_t j = 0; j < n; ++j) out[j] += q * static_cast<float>(row[j]);
 }
 
 inline void add_scaled(float* out, const at::Half* row, int64_t n, float q) {
@@ -139,6 +146,9 @@ inline __m512 load_wide(const float* row) { return _mm512_loadu_ps(row); }
 inline __m512 load_wide(const at::Half* row) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
 }
+inline __m512 load_wide(const int8_t* row) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+}
 
 // V vectors of 16 slots per chunk: G x V sums in registers (at most 16 of the 32), each channel's V x 16 keys
 // read as one run: V = 4 for groups of up to 4 heads (two cache lines of float16 keys per channel and visit,
@@ -148,6 +158,7 @@ int64_t block_logits_in_registers(float* acc, const float* q, const Key* keys, i
                                   int64_t n) {
   constexpr int64_t width = 16 * V;
   constexpr int64_t line_floats = 64 / sizeof(Key);
+  constexpr int64_t lines = (width + line_floats - 1) / line_floats;
   int64_t j = 0;
   for (; j + width <= n; j += width) {
     __m512 sums[G][V];
@@ -156,7 +167,7 @@ int64_t block_logits_in_registers(float* acc, const float* q, const Key* keys, i
     for (int64_t c = 0; c < r; ++c) {
       const Key* row = keys + c * channel_stride + j;
       const char* ahead = reinterpret_cast<const char*>(row) + 512;
-      for (int64_t l = 0; l < width / line_floats; ++l) __builtin_prefetch(ahead + 64 * l);
+      for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(ahead + 64 * l);
       __m512 wide[V];
       for (int v = 0; v < V; ++v) wide[v] = load_wide(row + 16 * v);
       for (int g = 0; g < G; ++g) {
@@ -227,13 +238,24 @@ inline void largest_first(uint64_t* x, int64_t n, int64_t k, uint64_t* scratch) 
   std::nth_element(x, x + (k - 1), x + n, std::greater<uint64_t>());
 }
 
+// int8 codes: each slot's logits times its 2^e, from the exponent row after the r channels' rows (an exact product:
+// the logits of the float values the codes stand for, summed in the same order)
+
+inline void scale_by_exponents(float* acc, const int8_t* exponents, int64_t n, int64_t group, float* powers) {
+  for (int64_t j = 0; j < n; ++j) powers[j] = __builtin_bit_cast(float, (static_cast<int32_t>(exponents[j]) + 127) << 23);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t j = 0; j < n; ++j) acc[g * kSlotBlock + j] *= powers[j];
+}
+
 template <typename Key>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed(
     const at::Tensor& query, const at::Tensor& partial_keys, int64_t past, int64_t k, double alpha) {
   TORCH_CHECK(partial_keys.stride(2) == 1, "partial keys must be contiguous along slots");
   const at::Tensor q_contig = query.contiguous();
   const int64_t kv = q_contig.size(0), group = q_contig.size(1), r = q_contig.size(2);
-  TORCH_CHECK(partial_keys.size(0) == kv && partial_keys.size(1) == r, "query and partial keys disagree");
+  constexpr bool has_exponents = std::is_same_v<Key, int8_t>;
+  TORCH_CHECK(partial_keys.size(0) == kv && partial_keys.size(1) == r + (has_exponents ? 1 : 0),
+              "query and partial keys disagree");
   TORCH_CHECK(group <= kMaxGroup && 0 < k && k <= past && past <= partial_keys.size(2), "bad sizes");
 
   auto slots = at::empty({kv, k}, q_contig.options().dtype(at::kLong));
@@ -265,6 +287,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
           for (int64_t g = 0; g < group; ++g) add_scaled(&acc[g * kSlotBlock + done], row, n - done, q[g * r + c]);
         }
       }
+      if constexpr (has_exponents)
+        scale_by_exponents(acc.data(), reinterpret_cast<const int8_t*>(head_keys + r * channel_stride), n, group,
+                           powers.data());
       for (int64_t g = 0; g < group; ++g) {
         const float* block = &acc[g * kSlotBlock];
         const float peak = max_of(block, n);
@@ -351,7 +376,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select(
   TORCH_CHECK(query.dim() == 3 && partial_keys.dim() == 3, "query [kv, group, r] and partial keys [kv, r, slots]");
   TORCH_CHECK(query.scalar_type() == at::kFloat, "a float32 query");
   if (partial_keys.scalar_type() == at::kHalf) return rehearse_select_typed<at::Half>(query, partial_keys, past, k, alpha);
-  TORCH_CHECK(partial_keys.scalar_type() == at::kFloat, "float32 or float16 partial keys");
+  if (partial_keys.scalar_type() == at::kChar) return rehearse_select_typed<int8_t>(query, partial_keys, past, k, alpha);
+  TORCH_CHECK(partial_keys.scalar_type() == at::kFloat, "float32, float16 or int8 partial keys");
   return rehearse_select_typed<float>(query, partial_keys, past, k, alpha);
 }
 

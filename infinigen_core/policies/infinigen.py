@@ -13,7 +13,9 @@ head's top rehearsed logit) becomes a mask over the ranks that attention applies
 
 On the CPU with the kernels built (cpu_kernels.py), the score product, the alpha count, the group sum and
 the top-k are one `rehearse_select` call instead; its slots are partitioned rather than ranked (each head's
-best `kept` first, which is all the mask needs), and the partial key cache is float16, widened as it is read.
+best `kept` first, which is all the mask needs), and the partial key cache holds int8 codes with a power-of-two
+scale per slot (partial_codes.py), widened as they are read: a quarter of float32's bytes for the read that
+dominates a selection at long contexts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from ..budget_shares import spread_for
 from ..huge_pages import advise_huge_pages
+from . import partial_codes
 from .base import KVPolicy, Selection
 
 PARTIAL_ROW_PADDING_BYTES = 64  # one cache line between a channel's row of partial keys and the next
@@ -53,11 +56,13 @@ class InfiniGenPolicy(KVPolicy):
         device, adapter = ctx.compute_device, ctx.adapter
         # float32 where the CPU computes; the model's own dtype on a GPU (half the memory and bandwidth)
         self.partial_dtype = torch.float32 if device.type == "cpu" else ctx.pool.dtype
-        # what the partial key cache stores: float16 where every selection goes through the CPU kernels,
-        # which widen it as they read (half the memory, half the bytes a selection reads), else the above
+        # what the partial key cache stores: int8 codes where every selection goes through the CPU kernels,
+        # which widen them as they read (partial_codes.py: a quarter of the memory and of the bytes a selection
+        # reads; each slot's exponent is one more channel row), else the above
         kernels_always = (ctx.kernels is not None and device.type == "cpu" and adapter.softcap is None
                           and self.config.pool_limit_tokens is None and ctx.kernels.fit(adapter.group_size, 0))
-        self.partial_store_dtype = torch.float16 if kernels_always else self.partial_dtype
+        self.partial_store_dtype = torch.int8 if kernels_always else self.partial_dtype
+        self.coded = self.partial_store_dtype == torch.int8
         self.projections = [
             ctx.skew_set.partial_projection(layer, self.config.partial_ratio).to(device=device, dtype=torch.float32)
             for layer in range(adapter.num_layers)
@@ -120,7 +125,8 @@ class InfiniGenPolicy(KVPolicy):
     def _replace_cache(self, capacity: int, kept: torch.Tensor | None) -> None:
         """A new cache of `capacity` slots holding `kept`'s first slots, zeros after them."""
         heads, _, r = self.key_projections[self.sparse_layers[0]].shape
-        cache = padded_partial_key_cache((len(self.sparse_layers), heads, r), capacity, self.partial_store_dtype,
+        rows = r + 1 if self.coded else r  # int8 codes: each slot's exponent after its channels
+        cache = padded_partial_key_cache((len(self.sparse_layers), heads, rows), capacity, self.partial_store_dtype,
                                          self.ctx.compute_device).zero_()
         if kept is not None:
             cache[..., : kept.shape[3]] = kept
@@ -153,7 +159,7 @@ class InfiniGenPolicy(KVPolicy):
         """Write saved partial keys [kv_heads, n, r] of `positions` [n] into the slots holding those positions;
         returns the slots (pool device) they do not cover, or None where they do not fit this layer."""
         pool, cache = self.ctx.pool, self.partial_keys_t[layer]
-        heads, r = cache.shape[0], cache.shape[1]
+        heads, r = cache.shape[0], self.key_projections[layer].shape[2]
         if partial.dim() != 3 or partial.shape != (heads, positions.numel(), r) or not positions.numel():
             return None
         held = pool.positions(layer)
@@ -174,7 +180,10 @@ class InfiniGenPolicy(KVPolicy):
         cache = self.partial_keys_t[layer]
         if layer not in self._digests or cache is None:
             return None
-        return cache.index_select(2, slots.to(self.ctx.compute_device)).transpose(1, 2).cpu().contiguous()
+        chosen = cache.index_select(2, slots.to(self.ctx.compute_device))
+        if self.coded:  # their values exactly, in float16 (partial_codes.py): a restore encodes them back to the bit
+            chosen = partial_codes.decode(chosen, channel_dim=1).half()
+        return chosen.transpose(1, 2).cpu().contiguous()
 
     def on_write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         if not self.is_sparse(layer):
@@ -204,7 +213,10 @@ class InfiniGenPolicy(KVPolicy):
         self.step_keys.finish(completed)
 
     def _stored(self, partial: torch.Tensor) -> torch.Tensor:
-        """Partial keys in the cache's dtype (float16's range bounds them: no key turns into an infinity)."""
+        """Partial keys [..., r] as the cache stores them: int8 codes [..., r + 1] (partial_codes.py), else in the
+        cache's dtype (float16's range bounds them: no key turns into an infinity)."""
+        if self.coded:
+            return partial_codes.encode(partial)
         if partial.dtype == self.partial_store_dtype:
             return partial
         if self.partial_store_dtype == torch.float16:
@@ -212,9 +224,10 @@ class InfiniGenPolicy(KVPolicy):
         return partial.to(self.partial_store_dtype)
 
     def partial_keys(self, layer: int) -> torch.Tensor:
-        """[kv_heads, slots, r]: the layer's skewed partial keys, slot by slot (a view)."""
+        """[kv_heads, slots, r]: the layer's skewed partial keys, slot by slot (a view; decoded values for int8)."""
         self.step_keys.complete()
-        return self.partial_keys_t[layer][:, :, : self.ctx.pool.size()].transpose(1, 2)
+        held = self.partial_keys_t[layer][:, :, : self.ctx.pool.size()]
+        return (partial_codes.decode(held, channel_dim=1) if self.coded else held).transpose(1, 2)
 
     def device_bytes(self) -> int:
         cache = self._partial_all  # the sparse layers' caches are views into it, together all of it
@@ -295,7 +308,9 @@ class InfiniGenPolicy(KVPolicy):
             selection.speculate_ms = (time.perf_counter() - started) * 1e3
             return selection
         stored = self.partial_keys_t[target]
-        if stored.dtype != partial_query.dtype:  # a float16 cache outside the kernels' reach (a k past the slots)
+        if self.coded:  # int8 codes outside the kernels' reach (a k past the slots): their values
+            stored = partial_codes.decode(stored[:, :, : past_len + 1], channel_dim=1)
+        if stored.dtype != partial_query.dtype:
             stored = stored[:, :, : past_len + 1].to(partial_query.dtype)
         if new_slots is None:
             # the new token's slot is the last one: the past is the slots before it

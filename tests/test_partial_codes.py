@@ -1,0 +1,74 @@
+"""InfiniGen's int8 partial keys (policies/partial_codes.py): codes with a power-of-two scale per slot, made alike in
+Python and in the kernels' C++, exact in float16, and restored to the bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinigen_core.policies import partial_codes
+
+from conftest import make_tiny_engine, random_tokens
+
+
+def _slots_of_every_scale(seed: int = 0) -> torch.Tensor:
+    """[2, 600, 24] partial keys: slots from 1e-9 to 1e6 in magnitude, one of zeros, one at float16's largest."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(2, 600, 24, generator=generator) * torch.logspace(-9, 6, 600)[None, :, None]
+    values[0, 0] = 0.0
+    values[1, 1] = 65504.0
+    return values
+
+
+def test_codes_stand_for_their_slot_within_half_a_step_and_use_seven_bits():
+    values = _slots_of_every_scale()
+    codes = partial_codes.encode(values)
+    assert codes.dtype == torch.int8 and codes.shape == (2, 600, 25)
+    exponent = codes[..., -1].long()
+    assert int(exponent.min()) == partial_codes.MIN_EXPONENT and int(exponent.max()) == 9
+    clamped = values.clamp(-partial_codes.MAX_MAGNITUDE, partial_codes.MAX_MAGNITUDE)
+    error = (partial_codes.decode(codes) - clamped).abs()
+    half_step = torch.ldexp(torch.full(exponent.shape, 0.5), exponent).unsqueeze(-1)
+    assert (error <= half_step).all()  # rounded to the nearest code
+    # the smallest exponent that fits: a slot's largest code is 64-127 unless the slot is below 2^-18
+    largest = codes[..., :-1].abs().amax(dim=-1).long()
+    coded = clamped.abs().amax(dim=-1) >= 2.0**-18
+    assert ((largest >= 64) & (largest <= 127))[coded].all() and not coded.all()
+
+
+def test_decoded_codes_are_float16_values_that_encode_to_the_same_codes():
+    codes = partial_codes.encode(_slots_of_every_scale(1))
+    decoded = partial_codes.decode(codes)
+    assert torch.equal(decoded.half().float(), decoded) and decoded.half().isfinite().all()
+    assert torch.equal(partial_codes.encode(decoded.half()), codes)
+    channel_major = codes.transpose(1, 2)
+    assert torch.equal(partial_codes.decode(channel_major, channel_dim=1), decoded.transpose(1, 2))
+
+
+def test_the_kernels_encode_a_partial_key_as_python_does(kernels):
+    """`write_step_partial_keys` through identity projections: the C++ codes of the keys themselves, to the bit."""
+    values = _slots_of_every_scale(2)[:, :40]  # [2 layers, 40 "heads", 24]: one key per head, every scale
+    layers, heads, r = values.shape
+    keys = values.unsqueeze(2).contiguous()  # [layers, heads, 1, dim = r]
+    identity = torch.eye(r).expand(layers * heads, r, r).contiguous()
+    cache = torch.zeros(layers, heads, r + 1, 8, dtype=torch.int8)
+    torch.ops.infinigen_cpu.write_step_partial_keys(keys, identity, cache, 5)
+    assert torch.equal(cache[..., 5], partial_codes.encode(values))
+
+
+@pytest.mark.parametrize("settings", [{}, {"budget": 0.3, "budget_by_layer": False}])
+def test_int8_partial_keys_exported_and_imported_are_the_live_ones(tiny_llama, kernels, settings):
+    live = make_tiny_engine(tiny_llama, kernels, policy="infinigen", **settings)
+    live.prefill(random_tokens(180, seed=4))
+    for token in random_tokens(6, seed=5):
+        live.decode(token)
+    assert live.policy.coded
+    rows = live.export_rows(0, live.num_tokens, partial_keys=True)
+    layer = live.policy.sparse_layers[0]
+    assert rows[f"pk.{layer}"].dtype == torch.float16
+    restored = make_tiny_engine(tiny_llama, kernels, policy="infinigen", **settings)
+    restored.import_rows([rows])
+    size = live.num_tokens
+    assert torch.equal(restored.policy._partial_all[..., :size], live.policy._partial_all[..., :size])
+    follow = random_tokens(3, seed=6)
+    assert all(torch.equal(restored.decode(token), live.decode(token)) for token in follow)
