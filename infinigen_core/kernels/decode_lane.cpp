@@ -21,8 +21,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <chrono>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -103,7 +103,7 @@ void encode_slot(const float* sums, int64_t r, int8_t* out, int64_t channel_stri
   exponent = std::max(mantissa <= 127.0f / 128.0f ? exponent - 7 : exponent - 6, kMinExponent);
   for (int64_t j = 0; j < r; ++j) {
     const float code = std::nearbyint(std::ldexp(clamped[j], -exponent));
-    out[j * channel_stride] = static_cast<int8_t>(std::min(std::max(code, -127.0f), 127.0f));
+    out[j * channel_stride] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));  // a NaN: -127
   }
   out[r * channel_stride] = static_cast<int8_t>(exponent);
 }

@@ -240,7 +240,6 @@ inline void largest_first(uint64_t* x, int64_t n, int64_t k, uint64_t* scratch) 
 
 // int8 codes: each slot's logits times its 2^e, from the exponent row after the r channels' rows (an exact product:
 // the logits of the float values the codes stand for, summed in the same order)
-
 inline void scale_by_exponents(float* acc, const int8_t* exponents, int64_t n, int64_t group, float* powers) {
   for (int64_t j = 0; j < n; ++j) powers[j] = __builtin_bit_cast(float, (static_cast<int32_t>(exponents[j]) + 127) << 23);
   for (int64_t g = 0; g < group; ++g)
