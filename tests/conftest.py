@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 from infinigen_core.calibration import calibrate
 from infinigen_core.config import EngineConfig
 from infinigen_core.engine import InfiniGenEngine
+from infinigen_core.policies import partial_codes
 
 TINY_VOCAB = 128
 
@@ -70,6 +71,12 @@ def make_tiny_engine(model_and_skew, kernels=None, **settings) -> InfiniGenEngin
     settings.setdefault("min_fetch_tokens", 0)
     model, skew = model_and_skew
     return InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny", kernels=kernels)
+
+
+def hold_int8_partial_values(engine: InfiniGenEngine) -> None:
+    """Make an eager engine's InfiniGen policy store the values of the CPU kernels' int8 partial keys
+    (policies/partial_codes.py) in its float32 cache, so that it selects what an engine with the kernels selects."""
+    engine.policy._stored = lambda partial: partial_codes.decode(partial_codes.encode(partial))
 
 
 def greedy_logits(engine: InfiniGenEngine, prompt: list[int], steps: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from infinigen_core.config import EngineConfig
 from infinigen_core.engine import InfiniGenEngine
 from infinigen_core.skew import load_skew, save_skew
 
-from conftest import make_tiny_engine, random_tokens
+from conftest import hold_int8_partial_values, make_tiny_engine, random_tokens
 
 FRACTIONS = torch.tensor(CURVE_FRACTIONS, dtype=torch.float64)
 FLAT = FRACTIONS.clone()  # uniform attention: the best f of the past carries f of the mass
@@ -90,6 +90,8 @@ def test_each_sparse_layer_fetches_its_share_and_together_no_more_than_the_budge
     for name, with_kernels in (("eager", None), ("kernels", kernels)):
         engine = InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny",
                                  kernels=with_kernels)
+        if with_kernels is None:
+            hold_int8_partial_values(engine)  # the values of the kernels' int8 partial keys
         shares = engine.policy.budget_shares
         assert shares[flat_layer] > 1.0 > shares[5 - flat_layer]
         engine.prefill(random_tokens(200, seed=11))

@@ -16,7 +16,7 @@ from infinigen_core.cpu_kernels import pack_q4
 from infinigen_core.engine import InfiniGenEngine
 from infinigen_core.policies import partial_codes
 
-from conftest import greedy_logits, make_tiny_engine, random_tokens
+from conftest import greedy_logits, hold_int8_partial_values, make_tiny_engine, random_tokens
 
 
 def _eager_selection(partial_query, partial_keys, past, k, alpha):
@@ -52,10 +52,6 @@ def _as_stored(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
         return codes, partial_codes.decode(codes, channel_dim=1)
     stored = values.to(dtype)
     return stored, stored.float()
-
-
-def _values_of_int8_codes(partial: torch.Tensor) -> torch.Tensor:
-    return partial_codes.decode(partial_codes.encode(partial))
 
 
 @pytest.mark.parametrize("group", [1, 4, 5, 8, 9])  # 1-8: sums held in registers per 32 slots; 9: the row loop
@@ -216,7 +212,7 @@ def test_the_engine_decodes_the_same_with_the_kernels(tiny_llama, kernels, setti
     assert fast.kernels is kernels and eager.kernels is None
     assert fast.policy.coded == (not settings and not narrow)  # int8 only where every selection takes the kernels
     if fast.policy.coded:
-        eager.policy._stored = _values_of_int8_codes  # the values of the int8 cache, as float32
+        hold_int8_partial_values(eager)
     expected, got = greedy_logits(eager, prompt, 8), greedy_logits(fast, prompt, 8)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     fetched = [[(layer.sparse, layer.fetched) for layer in step.layers] for step in (eager.history[-1], fast.history[-1])]
