@@ -56,6 +56,7 @@ def test_the_kernels_encode_a_partial_key_as_python_does(kernels):
     assert torch.equal(cache[..., 5], partial_codes.encode(values))
 
 
+@pytest.mark.one_device  # the int8 cache is the CPU kernels', where pool and compute share the CPU
 @pytest.mark.parametrize("settings", [{}, {"budget": 0.3, "budget_by_layer": False}])
 def test_int8_partial_keys_exported_and_imported_are_the_live_ones(tiny_llama, kernels, settings):
     live = make_tiny_engine(tiny_llama, kernels, policy="infinigen", **settings)
