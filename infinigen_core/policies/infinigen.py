@@ -307,11 +307,11 @@ class InfiniGenPolicy(KVPolicy):
             selection = Selection(slots, scores=scores, valid=valid, alpha_total=alpha_total)
             selection.speculate_ms = (time.perf_counter() - started) * 1e3
             return selection
-        stored = self.partial_keys_t[target]
+        stored = self.partial_keys_t[target][:, :, : past_len + 1]  # the past and the new token's slot
         if self.coded:  # int8 codes outside the kernels' reach (a k past the slots): their values
-            stored = partial_codes.decode(stored[:, :, : past_len + 1], channel_dim=1)
-        if stored.dtype != partial_query.dtype:
-            stored = stored[:, :, : past_len + 1].to(partial_query.dtype)
+            stored = partial_codes.decode(stored, channel_dim=1)
+        elif stored.dtype != partial_query.dtype:
+            stored = stored.to(partial_query.dtype)
         if new_slots is None:
             # the new token's slot is the last one: the past is the slots before it
             logits = torch.bmm(partial_query, stored[:, :, :past_len])
