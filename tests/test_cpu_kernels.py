@@ -159,7 +159,9 @@ def test_attend_rows_is_attention_over_the_gathered_rows(kernels):
         kernels.attend_rows(query, keys[:, :100], values[:, :100], rows, None, 0.2)
 
 
-@pytest.mark.parametrize("kv,group,dim", [(1, 4, 256), (3, 3, 64)])  # Gemma 3 270M's and SmolLM2's heads
+# Gemma 3 270M's and SmolLM2's heads (sums in registers, 64 channels at a time), a group of 5 over 96 channels
+# (32 at a time), and a group of 9 over 40 channels (the plain loop)
+@pytest.mark.parametrize("kv,group,dim", [(1, 4, 256), (3, 3, 64), (2, 5, 96), (1, 9, 40)])
 @pytest.mark.parametrize("repeated", [False, True])
 def test_attend_rows_visits_in_slot_order_what_the_rows_name(kernels, kv, group, dim, repeated):
     """The kernel reads the rows in slot order, not in the order named: masked rows must stay out wherever they

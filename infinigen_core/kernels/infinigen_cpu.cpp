@@ -384,10 +384,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select(
 
 constexpr int64_t kPrefetchRows = 8;  // rows are picked by slot: ask for a row's cache lines this far ahead
 
-inline void prefetch_row(const float* row, int64_t dim) {
-  for (int64_t j = 0; j < dim; j += 16) __builtin_prefetch(row + j);
-}
-
 // Rows of at least this many bytes are read in slot order (below: in the order named). Measured at one thread
 // (docs/BENCHMARKS.md): 1 KB rows (Gemma 3 270M, 256 channels) took 0.88-0.92x the time in slot order, 256-byte
 // rows (SmolLM2, 64 channels) 1.00-1.09x, the hardware prefetcher fetching the gaps between short rows.
@@ -474,6 +470,155 @@ at::Tensor attend_span(const at::Tensor& query, const at::Tensor& keys, const at
   return attend_in_order(query, keys, values, order, used, scale);
 }
 
+// One chunk of rows in one KV head, for its query group: each row's logits (max in `peak`), the chunk's softmax
+// numerators' sums per query head (`sums`), and the weighted sum of its values per query head (`acc`, [group, dim]).
+// Rows are picked by slot and read where they lie in the pool, a few rows ahead of the one computed: its key
+// rows for the logits, and its value rows (into L2) for the pass that follows, which then misses no row.
+struct RowChunk {
+  const float* q;          // [group, dim]
+  const int64_t* slot;     // n slots
+  int64_t n;
+  const float* keys;       // the head's rows: slot * row_stride
+  const float* values;
+  int64_t row_stride, group, dim;
+  float scale;
+};
+
+// GCC (12, -O3) deletes a loop whose body is only __builtin_prefetch as code without effect: an asm statement it
+// must keep
+inline void prefetch_line(const float* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+inline void prefetch_line_l2(const float* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+inline void prefetch_rows_ahead(const RowChunk& c, int64_t i) {
+  if (i + kPrefetchRows >= c.n) return;
+  const int64_t ahead = c.slot[i + kPrefetchRows] * c.row_stride;
+  for (int64_t j = 0; j < c.dim; j += 16) {
+    prefetch_line(c.keys + ahead + j);
+    prefetch_line_l2(c.values + ahead + j);
+  }
+}
+
+// e^(logit - peak) in place, and their sum per query head: a row whose logit is -inf weighs 0, as does every row of
+// a chunk whose peak is -inf
+inline void softmax_numerators(const RowChunk& c, float (*weights)[kRowChunk], const float* peak, float* sums) {
+  for (int64_t g = 0; g < c.group; ++g) {
+    const float top = peak[g];
+    for (int64_t i = 0; i < c.n; ++i)
+      weights[g][i] = top == kNegInf || weights[g][i] == kNegInf ? 0.0f : exp_nonpositive(weights[g][i] - top);
+    sums[g] = sum_of(weights[g], c.n);
+  }
+}
+
+void attend_chunk(const RowChunk& c, float (*weights)[kRowChunk], float* peak, float* sums, float* acc) {
+  std::fill(peak, peak + c.group, kNegInf);
+  for (int64_t i = 0; i < c.n; ++i) {
+    prefetch_rows_ahead(c, i);
+    const float* key = c.keys + c.slot[i] * c.row_stride;
+    for (int64_t g = 0; g < c.group; ++g) {
+      weights[g][i] = dot(c.q + g * c.dim, key, c.dim) * c.scale;
+      peak[g] = std::max(peak[g], weights[g][i]);
+    }
+  }
+  softmax_numerators(c, weights, peak, sums);
+  std::fill(acc, acc + c.group * c.dim, 0.0f);
+  for (int64_t i = 0; i < c.n; ++i) {
+    const float* value = c.values + c.slot[i] * c.row_stride;
+    for (int64_t g = 0; g < c.group; ++g) {
+      const float w = weights[g][i];
+      float* out = acc + g * c.dim;
+      for (int64_t j = 0; j < c.dim; ++j) out[j] += w * value[j];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// The same chunk for a group of G heads and a head dimension a multiple of 16 x V, the sums in registers: a key
+// row's 16-channel vectors are loaded once for the whole group (its G dot products summed across the lanes at
+// the row's end), and the values are summed V vectors (16 x V channels) at a time, the G x V sums held over
+// every row of the chunk, where the loop above reads and writes them in memory at every row.
+template <int G, int V>
+void attend_chunk_in_registers(const RowChunk& c, float (*weights)[kRowChunk], float* peak, float* sums, float* acc) {
+  std::fill(peak, peak + G, kNegInf);
+  const int64_t vectors = c.dim / 16;
+  for (int64_t i = 0; i < c.n; ++i) {
+    prefetch_rows_ahead(c, i);
+    const float* key = c.keys + c.slot[i] * c.row_stride;
+    __m512 dots[G];
+    for (int g = 0; g < G; ++g) dots[g] = _mm512_setzero_ps();
+    for (int64_t v = 0; v < vectors; ++v) {
+      const __m512 k = _mm512_loadu_ps(key + 16 * v);
+      for (int g = 0; g < G; ++g) dots[g] = _mm512_fmadd_ps(_mm512_loadu_ps(c.q + g * c.dim + 16 * v), k, dots[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      weights[g][i] = _mm512_reduce_add_ps(dots[g]) * c.scale;
+      peak[g] = std::max(peak[g], weights[g][i]);
+    }
+  }
+  softmax_numerators(c, weights, peak, sums);
+  for (int64_t d0 = 0; d0 < c.dim; d0 += 16 * V) {
+    __m512 out[G][V];
+    for (int g = 0; g < G; ++g)
+      for (int b = 0; b < V; ++b) out[g][b] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < c.n; ++i) {
+      if (i + kPrefetchRows < c.n)
+        for (int b = 0; b < V; ++b) prefetch_line(c.values + c.slot[i + kPrefetchRows] * c.row_stride + d0 + 16 * b);
+      const float* value = c.values + c.slot[i] * c.row_stride + d0;
+      __m512 row[V];
+      for (int b = 0; b < V; ++b) row[b] = _mm512_loadu_ps(value + 16 * b);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(weights[g][i]);
+        for (int b = 0; b < V; ++b) out[g][b] = _mm512_fmadd_ps(w, row[b], out[g][b]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int b = 0; b < V; ++b) _mm512_storeu_ps(acc + g * c.dim + d0 + 16 * b, out[g][b]);
+  }
+}
+#endif
+
+using ChunkKernel = void (*)(const RowChunk&, float (*)[kRowChunk], float*, float*, float*);
+
+// The registers' variant where the shapes have one (at most 16 sums held: G x V <= 16), else the plain loop
+ChunkKernel chunk_kernel(int64_t group, int64_t dim) {
+#if defined(__AVX512F__)
+  if (dim % 64 == 0) {
+    switch (group) {
+      case 1: return &attend_chunk_in_registers<1, 4>;
+      case 2: return &attend_chunk_in_registers<2, 4>;
+      case 3: return &attend_chunk_in_registers<3, 4>;
+      case 4: return &attend_chunk_in_registers<4, 4>;
+      default: break;
+    }
+  }
+  if (dim % 32 == 0) {
+    switch (group) {
+      case 1: return &attend_chunk_in_registers<1, 2>;
+      case 2: return &attend_chunk_in_registers<2, 2>;
+      case 3: return &attend_chunk_in_registers<3, 2>;
+      case 4: return &attend_chunk_in_registers<4, 2>;
+      case 5: return &attend_chunk_in_registers<5, 2>;
+      case 6: return &attend_chunk_in_registers<6, 2>;
+      case 7: return &attend_chunk_in_registers<7, 2>;
+      case 8: return &attend_chunk_in_registers<8, 2>;
+      default: break;
+    }
+  }
+#endif
+  return &attend_chunk;
+}
+
 // One token's attention in each KV head over the `used` slots order[h * used, (h + 1) * used)
 at::Tensor attend_in_order(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                            const std::vector<int64_t>& order, int64_t used, double scale) {
@@ -485,42 +630,15 @@ at::Tensor attend_in_order(const at::Tensor& query, const at::Tensor& keys, cons
   const float* q_all = q_contig.data_ptr<float>();
   const float* k_all = keys.data_ptr<float>();
   const float* v_all = values.data_ptr<float>();
-  const float s = static_cast<float>(scale);
+  const ChunkKernel attend_one = chunk_kernel(group, dim);
   at::parallel_for(0, kv * chunks, 1, [&](int64_t begin, int64_t end) {
     float weights[kMaxGroup][kRowChunk];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / chunks, r0 = (task % chunks) * kRowChunk, n = std::min(kRowChunk, used - r0);
-      const float* q = q_all + h * group * dim;
-      const int64_t* slot = &order[h * used + r0];
-      const float* head_keys = k_all + h * head_stride;
-      const float* head_values = v_all + h * head_stride;
-      float* peak = &peaks[task * group];
-      float* acc = &partial[task * group * dim];
-      std::fill(peak, peak + group, kNegInf);
-      for (int64_t i = 0; i < n; ++i) {
-        if (i + kPrefetchRows < n) prefetch_row(head_keys + slot[i + kPrefetchRows] * row_stride, dim);
-        const float* key = head_keys + slot[i] * row_stride;
-        for (int64_t g = 0; g < group; ++g) {
-          weights[g][i] = dot(q + g * dim, key, dim) * s;
-          peak[g] = std::max(peak[g], weights[g][i]);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const float top = peak[g];
-        for (int64_t i = 0; i < n; ++i)  // a row whose logit is -inf weighs 0, as does every row of such a chunk
-          weights[g][i] = top == kNegInf || weights[g][i] == kNegInf ? 0.0f : exp_nonpositive(weights[g][i] - top);
-        sums[task * group + g] = sum_of(weights[g], n);
-      }
-      std::fill(acc, acc + group * dim, 0.0f);
-      for (int64_t i = 0; i < n; ++i) {
-        if (i + kPrefetchRows < n) prefetch_row(head_values + slot[i + kPrefetchRows] * row_stride, dim);
-        const float* value = head_values + slot[i] * row_stride;
-        for (int64_t g = 0; g < group; ++g) {
-          const float w = weights[g][i];
-          float* out = acc + g * dim;
-          for (int64_t j = 0; j < dim; ++j) out[j] += w * value[j];
-        }
-      }
+      const int64_t h = task / chunks, r0 = (task % chunks) * kRowChunk;
+      const RowChunk chunk{q_all + h * group * dim, &order[h * used + r0], std::min(kRowChunk, used - r0),
+                           k_all + h * head_stride, v_all + h * head_stride, row_stride, group, dim,
+                           static_cast<float>(scale)};
+      attend_one(chunk, weights, &peaks[task * group], &sums[task * group], &partial[task * group * dim]);
     }
   });
 
