@@ -89,6 +89,17 @@ def test_a_long_past_selects_the_eager_top_k_whichever_way_it_is_partitioned(ker
         assert set(slots[head, :kept].tolist()) == set(eager.slots[head, :kept].tolist())
 
 
+@pytest.mark.parametrize("past, k", [(5000, 750), (600, 599), (3000, 2)])
+def test_equal_weights_choose_the_lowest_slots(kernels, past, k):
+    """Every slot weighs the same (keys of zeros): the k chosen are the k lowest slots, whatever the counts per
+    digit of the radix passes (one digit holds them all until the slot's bits), and all are kept."""
+    partial_query, partial_keys = torch.randn(2, 3, 16), torch.zeros(2, 16, past + 10)
+    slots, _, valid, _ = kernels.rehearse_select(partial_query, partial_keys, past, k, 4.0)
+    assert bool(valid.all())
+    for head in range(2):
+        assert sorted(slots[head].tolist()) == list(range(k))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
 def test_float16_and_int8_partial_keys_select_as_their_float32_values_do(kernels, dtype):
     """To the bit: float16 keys are widened exactly, and an int8 slot's products scaled by its power of two are

@@ -203,15 +203,81 @@ int64_t block_logits(float*, const float*, const Key*, int64_t, int64_t, int64_t
 
 // ---------------------------------------------------------------------------------------------- selection
 
-// Puts the k largest of x[0, n) (distinct values) first, in no particular order. Partitioning all n values
-// around the k-th costs most of a selection at long contexts; instead a sample of every 16th value gives a
-// floor that, with a margin, about k values and a few more lie above: those are copied out in one pass with no
-// branch (which value passes is a coin toss to the branch predictor: a branch per value cost twice the pass)
-// and only they are partitioned. The result is exactly the k largest: where fewer than k lie above the floor
-// (the margin was not enough), all n are partitioned as before.
+// Puts the m largest of a[0, n) (distinct values) first and the others after them, in no particular order, as
+// std::nth_element would, by a radix selection of the m-th largest: 11 bits at a time from the highest bit where
+// the values differ, each pass counts the values per digit and passes on only those at the digit where the m-th
+// largest lies (those above it are among the m, those below are not); after a pass or two a few dozen are left,
+// which std::nth_element partitions. A last pass puts the values from the m-th largest up first. The passes only
+// count and copy, where std::nth_element branches on every comparison, and near the boundary which way is a coin
+// toss to the branch predictor (its partitions were most of the top-k's time at 8k). `scratch` holds 2n values.
+constexpr int kDigitBits = 11;
+constexpr int64_t kSmallPartition = 64;
+
+inline void put_largest_first(uint64_t* a, int64_t n, int64_t m, uint64_t* scratch) {
+  if (m <= 0 || m >= n) return;
+  if (n <= kSmallPartition) {
+    std::nth_element(a, a + (m - 1), a + n, std::greater<uint64_t>());
+    return;
+  }
+  constexpr uint64_t mask = (uint64_t{1} << kDigitBits) - 1;
+  uint64_t* buffers[2] = {scratch, scratch + n};
+  int next = 0;
+  const uint64_t* values = a;  // those the m-th largest may still be: `count` of them, it the `need`-th largest
+  int64_t count = n, need = m;
+  while (need < count && count > kSmallPartition) {
+    uint64_t low = values[0], high = values[0];
+    for (int64_t i = 1; i < count; ++i) {
+      low = std::min(low, values[i]);
+      high = std::max(high, values[i]);
+    }
+    const int shift = std::max(0, 63 - __builtin_clzll(low ^ high) - (kDigitBits - 1));  // distinct: low != high
+    uint32_t counts[mask + 1] = {};
+    for (int64_t i = 0; i < count; ++i) ++counts[(values[i] >> shift) & mask];
+    uint64_t digit = mask;
+    int64_t above = 0;
+    while (above + counts[digit] < need) above += counts[digit--];
+    uint64_t* out = buffers[next];
+    int64_t passed = 0;
+    for (int64_t i = 0; i < count; ++i) {  // written every time, kept where the digit matches: no branch
+      out[passed] = values[i];
+      passed += ((values[i] >> shift) & mask) == digit;
+    }
+    values = out;
+    next ^= 1;
+    count = passed;
+    need -= above;
+  }
+  uint64_t nth;  // the m-th largest of all
+  if (need < count) {
+    uint64_t* left = const_cast<uint64_t*>(values);  // a scratch buffer: the loop ran at least once
+    std::nth_element(left, left + (need - 1), left + count, std::greater<uint64_t>());
+    nth = left[need - 1];
+  } else {
+    nth = *std::min_element(values, values + count);
+  }
+  uint64_t* first = scratch;
+  uint64_t* rest = scratch + n;
+  int64_t firsts = 0, others = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t value = a[i];
+    first[firsts] = value;
+    firsts += value >= nth;
+    rest[others] = value;
+    others += value < nth;
+  }
+  std::copy(first, first + firsts, a);
+  std::copy(rest, rest + others, a + firsts);
+}
+
+// Puts the k largest of x[0, n) (distinct values) first, in no particular order. Choosing among all n values
+// costs most of a selection at long contexts; instead a sample of every 16th value gives a floor that, with a
+// margin, about k values and a few more lie above: those are copied out in one pass with no branch (which value
+// passes is a coin toss to the branch predictor: a branch per value cost twice the pass) and only they are
+// chosen from. The result is exactly the k largest: where fewer than k lie above the floor (the margin was not
+// enough), all n are chosen from as before.
 // `scratch` holds at least largest_first_scratch(n) values.
 constexpr int64_t kSampleStride = 16;
-inline int64_t largest_first_scratch(int64_t n) { return n / kSampleStride + n; }
+inline int64_t largest_first_scratch(int64_t n) { return n / kSampleStride + 3 * n; }
 
 inline void largest_first(uint64_t* x, int64_t n, int64_t k, uint64_t* scratch) {
   constexpr int64_t kMinSample = 64;
@@ -230,12 +296,12 @@ inline void largest_first(uint64_t* x, int64_t n, int64_t k, uint64_t* scratch) 
       above += x[j] >= floor;
     }
     if (above >= k) {
-      if (above > k) std::nth_element(picked, picked + (k - 1), picked + above, std::greater<uint64_t>());
+      put_largest_first(picked, above, k, picked + above);
       std::copy(picked, picked + k, x);
       return;
     }
   }
-  std::nth_element(x, x + (k - 1), x + n, std::greater<uint64_t>());
+  put_largest_first(x, n, k, scratch);
 }
 
 // int8 codes: each slot's logits times its 2^e, from the exponent row after the r channels' rows (an exact product:
@@ -358,7 +424,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
     for (int64_t h = begin; h < end; ++h) {
       uint64_t* head = &ranked[h * past];
       if (k < past) largest_first(head, past, k, scratch.get());
-      if (0 < kept && kept < k) std::nth_element(head, head + (kept - 1), head + k, std::greater<uint64_t>());
+      if (0 < kept && kept < k) put_largest_first(head, k, kept, scratch.get());
       float* score_out = scores.data_ptr<float>() + h * k;
       int64_t* slot_out = slots.data_ptr<int64_t>() + h * k;
       for (int64_t i = 0; i < k; ++i) {
@@ -472,8 +538,10 @@ at::Tensor attend_span(const at::Tensor& query, const at::Tensor& keys, const at
 
 // One chunk of rows in one KV head, for its query group: each row's logits (max in `peak`), the chunk's softmax
 // numerators' sums per query head (`sums`), and the weighted sum of its values per query head (`acc`, [group, dim]).
-// Rows are picked by slot and read where they lie in the pool, a few rows ahead of the one computed: its key
-// rows for the logits, and its value rows (into L2) for the pass that follows, which then misses no row.
+// Rows are picked by slot and read where they lie in the pool. While the logits are computed, each row's key and
+// value are asked for a few rows ahead (the value into L2, for the pass over the values that follows): at SmolLM2's
+// 8k shapes this took a sparse layer's attention from 7.0 to 4.4 ms per token with the sums held in registers
+// (28 layers, 15% of the rows, 2 threads; docs/BENCHMARKS.md).
 struct RowChunk {
   const float* q;          // [group, dim]
   const int64_t* slot;     // n slots
