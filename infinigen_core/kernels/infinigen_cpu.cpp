@@ -222,7 +222,8 @@ inline void put_largest_first(uint64_t* a, int64_t n, int64_t m, uint64_t* scrat
   constexpr uint64_t mask = (uint64_t{1} << kDigitBits) - 1;
   uint64_t* buffers[2] = {scratch, scratch + n};
   int next = 0;
-  const uint64_t* values = a;  // those the m-th largest may still be: `count` of them, it the `need`-th largest
+  // the `count` values the m-th largest of all is still among, as the `need`-th largest of them
+  const uint64_t* values = a;
   int64_t count = n, need = m;
   while (need < count && count > kSmallPartition) {
     uint64_t low = values[0], high = values[0];
