@@ -540,9 +540,9 @@ at::Tensor attend_span(const at::Tensor& query, const at::Tensor& keys, const at
 // One chunk of rows in one KV head, for its query group: each row's logits (max in `peak`), the chunk's softmax
 // numerators' sums per query head (`sums`), and the weighted sum of its values per query head (`acc`, [group, dim]).
 // Rows are picked by slot and read where they lie in the pool. While the logits are computed, each row's key and
-// value are asked for a few rows ahead (the value into L2, for the pass over the values that follows): at SmolLM2's
-// 8k shapes this took a sparse layer's attention from 7.0 to 4.4 ms per token with the sums held in registers
-// (28 layers, 15% of the rows, 2 threads; docs/BENCHMARKS.md).
+// value are asked for a few rows ahead (the value into L2, for the pass over the values that follows): with the sums
+// held in registers this took SmolLM2's 28 sparse layers at 8k (15% of the rows, 2 threads) from 6.4-6.6 to
+// 4.5-4.7 ms per step (scripts/kernel_timing.py, docs/BENCHMARKS.md).
 struct RowChunk {
   const float* q;          // [group, dim]
   const int64_t* slot;     // n slots
