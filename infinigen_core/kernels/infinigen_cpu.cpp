@@ -29,7 +29,6 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 namespace {
@@ -58,25 +57,6 @@ inline float exp_nonpositive(float x) {
   p = p * t + 1.0f;
   const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
   return underflow ? 0.0f : p * scale;
-}
-
-// Asks for the cache line at p (prefetch_line_l2: into L2 only). An asm statement, not a builtin prefetch: GCC 12
-// at -O3 deleted a loop whose body was only such prefetches as code without effect (docs/BENCHMARKS.md, "Sparse
-// attention's rows asked for ahead"); an asm statement it must keep.
-inline void prefetch_line(const void* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-  __builtin_prefetch(p);
-#endif
-}
-
-inline void prefetch_line_l2(const void* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
 }
 
 // Reductions written over 16 lanes, so that the compiler vectorises them without reassociating on its own.
@@ -187,7 +167,7 @@ int64_t block_logits_in_registers(float* acc, const float* q, const Key* keys, i
     for (int64_t c = 0; c < r; ++c) {
       const Key* row = keys + c * channel_stride + j;
       const char* ahead = reinterpret_cast<const char*>(row) + 512;
-      for (int64_t l = 0; l < lines; ++l) prefetch_line(ahead + 64 * l);
+      for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(ahead + 64 * l);
       __m512 wide[V];
       for (int v = 0; v < V; ++v) wide[v] = load_wide(row + 16 * v);
       for (int g = 0; g < G; ++g) {
@@ -243,7 +223,7 @@ inline void put_largest_first(uint64_t* a, int64_t n, int64_t m, uint64_t* scrat
   uint64_t* buffers[2] = {scratch, scratch + n};
   int next = 0;
   // the `count` values the m-th largest of all is still among, as the `need`-th largest of them
-  uint64_t* values = a;
+  const uint64_t* values = a;
   int64_t count = n, need = m;
   while (need < count && count > kSmallPartition) {
     uint64_t low = values[0], high = values[0];
@@ -270,9 +250,9 @@ inline void put_largest_first(uint64_t* a, int64_t n, int64_t m, uint64_t* scrat
   }
   uint64_t nth;  // the m-th largest of all
   if (need < count) {
-    // a scratch buffer by now (the loop ran at least once): a is still whole for the last pass
-    std::nth_element(values, values + (need - 1), values + count, std::greater<uint64_t>());
-    nth = values[need - 1];
+    uint64_t* left = const_cast<uint64_t*>(values);  // a scratch buffer: the loop ran at least once
+    std::nth_element(left, left + (need - 1), left + count, std::greater<uint64_t>());
+    nth = left[need - 1];
   } else {
     nth = *std::min_element(values, values + count);
   }
@@ -573,6 +553,23 @@ struct RowChunk {
   float scale;
 };
 
+// GCC (12, -O3) deletes a loop whose body is only __builtin_prefetch as code without effect: an asm statement it
+// must keep
+inline void prefetch_line(const float* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+inline void prefetch_line_l2(const float* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 inline void prefetch_rows_ahead(const RowChunk& c, int64_t i) {
   if (i + kPrefetchRows >= c.n) return;
   const int64_t ahead = c.slot[i + kPrefetchRows] * c.row_stride;
@@ -662,23 +659,33 @@ void attend_chunk_in_registers(const RowChunk& c, float (*weights)[kRowChunk], f
 
 using ChunkKernel = void (*)(const RowChunk&, float (*)[kRowChunk], float*, float*, float*);
 
-#if defined(__AVX512F__)
-// attend_chunk_in_registers<G, V> for G = 1 .. the sequence's length, picked by the group's size
-template <int V, int... G>
-ChunkKernel registers_variant(int64_t group, std::integer_sequence<int, G...>) {
-  constexpr ChunkKernel variants[] = {&attend_chunk_in_registers<G + 1, V>...};
-  return group <= static_cast<int64_t>(sizeof...(G)) ? variants[group - 1] : nullptr;
-}
-#endif
-
 // The registers' variant where the shapes have one (at most 16 sums held: G x V <= 16), else the plain loop
 ChunkKernel chunk_kernel(int64_t group, int64_t dim) {
-  ChunkKernel kernel = nullptr;
 #if defined(__AVX512F__)
-  if (dim % 64 == 0) kernel = registers_variant<4>(group, std::make_integer_sequence<int, 4>{});
-  if (kernel == nullptr && dim % 32 == 0) kernel = registers_variant<2>(group, std::make_integer_sequence<int, 8>{});
+  if (dim % 64 == 0) {
+    switch (group) {
+      case 1: return &attend_chunk_in_registers<1, 4>;
+      case 2: return &attend_chunk_in_registers<2, 4>;
+      case 3: return &attend_chunk_in_registers<3, 4>;
+      case 4: return &attend_chunk_in_registers<4, 4>;
+      default: break;
+    }
+  }
+  if (dim % 32 == 0) {
+    switch (group) {
+      case 1: return &attend_chunk_in_registers<1, 2>;
+      case 2: return &attend_chunk_in_registers<2, 2>;
+      case 3: return &attend_chunk_in_registers<3, 2>;
+      case 4: return &attend_chunk_in_registers<4, 2>;
+      case 5: return &attend_chunk_in_registers<5, 2>;
+      case 6: return &attend_chunk_in_registers<6, 2>;
+      case 7: return &attend_chunk_in_registers<7, 2>;
+      case 8: return &attend_chunk_in_registers<8, 2>;
+      default: break;
+    }
+  }
 #endif
-  return kernel != nullptr ? kernel : &attend_chunk;
+  return &attend_chunk;
 }
 
 // One token's attention in each KV head over the `used` slots order[h * used, (h + 1) * used)
@@ -742,7 +749,7 @@ constexpr int64_t kRowsAhead = 8;
 
 inline void prefetch(const void* start, int64_t bytes) {
   const char* at = static_cast<const char*>(start);
-  for (int64_t offset = 0; offset < bytes; offset += 64) prefetch_line(at + offset);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(at + offset, 0, 3);
 }
 
 // sum over one output row's groups of scale[g] * (codes[g] . x[g]); x and the codes of a row are contiguous
