@@ -268,8 +268,8 @@ def load_or_calibrate_skew(model, tokenizer, cache_dir: Path, fingerprint: str, 
 def resolve_weights(weights: str | None, device: torch.device) -> str:
     """The decode weights for `weights` (None: auto on the CPU, the model's own dtype on a GPU).
 
-    auto: int4 where a layer's weights are exact 4-bit groups (a Q4_0/Q4_1 GGUF), int8 elsewhere, the head
-    bf16 (weights.py); measured on SmolLM2-135M in docs/BENCHMARKS.md ("Decode weights").
+    auto: int4 where a layer's weights are exact 4-bit groups (a Q4_0/Q4_1 GGUF), 8 bits elsewhere, the head
+    at its Q8_0 codes or bf16 (weights.py); measured in docs/BENCHMARKS.md ("Decode weights").
     """
     if weights is None:
         return "auto" if device.type == "cpu" else "fp32"

@@ -1,7 +1,8 @@
 """Compact weights for decoding on the CPU: one-row calls read int4/int8/bf16 copies, more rows the fp32 weight.
 
     kinds = use_decode_weights(model, "auto", kernels)   # {"int4": 210, "q8_0": 1}: what each swapped layer runs
-    weights_label(model)                                 # "int4 weights (head q8_0)" or "fp32 weights"
+    weights_label(model)                                 # "int4 weights (head q8_0)", "q8_0 weights (head q8_0)",
+                                                         # "fp32 weights"
     restore_fp32_weights(model)                          # the plain Linear layers back (nothing was dropped)
 
 A decode step reads every weight once for one token: on the CPU it is bound by memory bandwidth, so the
@@ -18,12 +19,17 @@ they serve the row is rounded to bf16 (8-bit mantissa, fp32's range) and so is t
   K/V differ by anything at all (a resume from int8 or float16 rows) re-round their activations apart and
   decode apart by the bf16 step rather than by their difference (issue 31: a resumed conversation's
   perplexity over 128 tokens moved by +-0.3%, as much with float16 rows as with int8 ones; docs/BENCHMARKS.md).
-- int8: one scale per output channel (ATen's product, bf16 row).
-- bf16: the weight rounded to bf16 (the output head under int4/int8: its input has outlier channels).
-- q8_0: the output head at a Q8_0 file's own codes (groups of 32, a scale each; the default model's head is
-  Q8_0), exact to the file, with a float32 row, through the CPU kernels' `q8_matvec` (cpu_kernels.py); where
-  the kernels are not built or the head is not Q8_0, bf16.
-"auto", the CPU default, picks int4 per layer where its codes are exact and int8 where they are not, so it
+- q8_0: 8-bit codes in groups of 32 inputs, a float32 scale each (GGUF's Q8_0 layout), with a float32 row,
+  through the CPU kernels' `q8_matvec` (cpu_kernels.py). A Q8_0 file's weights give back their own codes
+  (exact to the file; the default model's head is Q8_0); other weights are rounded to 8 bits per group of 32,
+  finer than one scale per output channel. What int8 means wherever the kernels are built: on Gemma 3 270M
+  (Q5_0/Q4_K/Q6_K/Q8_0 layers, none exact in int4) the step at one thread went from ~27 to ~21 ms, ATen's
+  int8 product with its bf16 row having read ~6 GB/s against the kernel's ~15 (docs/BENCHMARKS.md).
+- int8 without the kernels (or inputs not a multiple of 32): one scale per output channel, ATen's product
+  with a bf16 row.
+- bf16: the weight rounded to bf16 (the output head where it is not Q8_0 or the kernels are not built: its
+  input has outlier channels).
+"auto", the CPU default, picks int4 per layer where its codes are exact and 8 bits where they are not, so it
 never rounds a weight more than int8 does.
 
 A prefill chunk (more than one row) keeps the fp32 weight: the K/V that sessions save stay exactly the fp32
@@ -45,7 +51,8 @@ from .cpu_kernels import CpuKernels, pack_q4
 
 WEIGHT_CHOICES = ("auto", "fp32", "int8", "int4")
 WEIGHTS_HELP = ("what decode steps read on the CPU: auto (the default: int4 where the file was 4-bit, int8 elsewhere, "
-                "the output head at the file's Q8_0 codes where it has them, else bf16), int4, int8 or fp32; prefill "
+                "in groups of 32 where the CPU kernels are built; the output head at the file's Q8_0 codes where it "
+                "has them, else bf16), int4, int8 or fp32; prefill "
                 "always reads fp32")
 GROUP = 32  # input channels per int4 scale (GGUF's Q4_0/Q4_1 block)
 # Below this many weights fp32 is as fast at one row (a [192, 576] K/V projection is in cache either way)
@@ -159,8 +166,9 @@ def q8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
 
 
 class Q8DecodeLinear(DecodeLinear):
-    """The output head of a Q8_0 file at its own codes, one byte per weight (the CPU kernels' q8_matvec):
-    exact to the file, where bf16 rounds each weight, and half of bf16's bytes."""
+    """8-bit codes in groups of 32 inputs, a float32 scale each, one byte per weight and a float32 row (the CPU
+    kernels' q8_matvec): a Q8_0 file's own codes (its output head: exact to the file, where bf16 rounds each
+    weight, and half of bf16's bytes), or any body layer's weights rounded to that grid."""
 
     kind = "q8_0"
     row_dtype = torch.float32
@@ -200,13 +208,16 @@ def compact_unavailable_reason(model: nn.Module) -> str | None:
 
 
 def _compact_layer(linear: nn.Linear, choice: str, kernels: CpuKernels | None = None) -> DecodeLinear:
-    """The compact form `choice` (int8 | int4 | auto) gives one body layer (int4 through `kernels` where given)."""
-    if choice == "int8" or linear.in_features % GROUP:
+    """The compact form `choice` (int8 | int4 | auto) gives one body layer: int4 (through `kernels` where given);
+    8 bits in groups of 32 where `kernels` are given, else ATen's int8 with one scale per output channel."""
+    if linear.in_features % GROUP:
         return Int8DecodeLinear(linear)
-    codes = int4_codes(linear.weight)
-    if choice == "auto" and not codes[3]:
-        return Int8DecodeLinear(linear)
-    return Int4DecodeLinear(linear, codes, kernels)
+    if choice == "int4":
+        return Int4DecodeLinear(linear, kernels=kernels)
+    codes = int4_codes(linear.weight) if choice == "auto" else None
+    if codes is not None and codes[3]:
+        return Int4DecodeLinear(linear, codes, kernels)
+    return Q8DecodeLinear(linear) if kernels is not None else Int8DecodeLinear(linear)
 
 
 def _head_layer(head: nn.Linear, kernels: CpuKernels | None) -> DecodeLinear:
@@ -288,7 +299,8 @@ _SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat
 
 
 def weights_label(model: nn.Module) -> str:
-    """What decode steps read: 'int4 weights (head q8_0)', 'int4/int8 weights (head bf16)', 'fp32 weights'."""
+    """What decode steps read: 'int4 weights (head q8_0)', 'q8_0 weights (head q8_0)', 'int4/int8 weights (head
+    bf16)', 'fp32 weights'."""
     head = _output_head(model)
     body = Counter(m.kind for m in model.modules() if isinstance(m, DecodeLinear) and m is not head)
     if body:

@@ -221,6 +221,41 @@ def test_a_q8_0_head_runs_at_its_own_codes_with_the_cpu_kernels(kernels, monkeyp
     assert use_decode_weights(model, "auto", kernels) == {"int4": 1, "bf16": 1}
 
 
+def test_with_the_cpu_kernels_the_layers_off_the_4_bit_grid_read_8_bit_groups_and_a_float32_row(kernels, monkeypatch):
+    """Where int4 would round a weight (a Q5_0/Q6_K/Q8_0 file's layers, or any float checkpoint), the kernels' 8-bit
+    codes in groups of 32 serve it, not ATen's int8 with one scale per output channel and a bf16 row: a Q8_0
+    layer is the file's weights again, and any other layer is rounded less than per-channel int8 rounds it."""
+    monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)
+    torch.manual_seed(0)
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.four_bit, self.eight_bit = _four_bit_linear(), _q8_linear(seed=1)
+            self.plain, self.odd = nn.Linear(128, 96), nn.Linear(100, 96)
+            with torch.no_grad():  # inputs of unequal sizes, as a model's are: one scale per row fits only the largest
+                self.plain.weight[:, :32] *= 20
+
+    model = Tiny()
+    plain, eight_bit = model.plain, model.eight_bit
+    assert use_decode_weights(model, "auto", kernels) == {"int4": 1, "q8_0": 2, "int8": 1}
+    assert (type(model.four_bit), type(model.eight_bit), type(model.plain), type(model.odd)) == (
+        Int4DecodeLinear, Q8DecodeLinear, Q8DecodeLinear, Int8DecodeLinear)  # 100 inputs: no groups of 32
+    assert model.plain.row_dtype == torch.float32
+    row = torch.randn(1, 1, 96)
+    torch.testing.assert_close(model.eight_bit(row), eight_bit(row), rtol=1e-5, atol=1e-6)  # the file's codes
+    row = torch.randn(1, 1, 128)
+    exact = plain(row)
+    grouped = (model.plain(row) - exact).norm() / exact.norm()
+    per_channel = (Int8DecodeLinear(plain)(row) - exact).norm() / exact.norm()
+    assert grouped < 0.005 and grouped < per_channel / 1.5  # here 0.34% against 0.70%
+    restore_fp32_weights(model)
+    assert use_decode_weights(model, "int8", kernels) == {"q8_0": 3, "int8": 1}  # int8 asked for: the same grid
+    assert weights_label(model) == "q8_0/int8 weights"
+    restore_fp32_weights(model)
+    assert use_decode_weights(model, "auto") == {"int4": 1, "int8": 3}  # no kernels: ATen's int8, as before
+
+
 def test_int4_layers_with_the_cpu_kernels_read_a_float32_row(kernels, monkeypatch):
     """With the kernels, a 4-bit layer's one-row product is the file's weights times the row as it is (float32
     scales, minima and sums): the fp32 product to float rounding, where ATen's int4 product rounds the row and
