@@ -90,5 +90,7 @@ def compare_weights(engine, windows: Sequence[Sequence[int]], prefill: int, kind
         results[kind] = {"ppl": ppl, "ppl_vs_fp32": ppl / reference_ppl - 1.0,
                          "agreement": statistics.fmean(totals["agree"]), "max_logit_diff": totals["diff"],
                          "match_prefix": statistics.fmean(totals["prefix"]), "new_tokens": new_tokens,
-                         "ms_per_token": statistics.fmean(totals["ms"]), "scored_tokens": totals["count"]}
+                         # the median: a kind's first step after a switch recompiles the compiled step (a minute
+                         # or more), which the mean spread over every step (SmolLM2's int8 read 401 ms a token)
+                         "ms_per_token": statistics.median(totals["ms"]), "scored_tokens": totals["count"]}
     return results
