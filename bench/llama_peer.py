@@ -3,14 +3,16 @@
     /path/to/venv/bin/python bench/llama_peer.py --gguf model.gguf --threads 2 < request.json
 
 The request (stdin, JSON): {"contexts": [{"context": N, "ids": [prefix ids..., next ids...]}], "decode_tokens": 24,
-"rounds": 3}. Per context and round, once with flash attention on and once off (llama.cpp's tools default to
+"rounds": 3}. Per context, once with flash attention on and once off (llama.cpp's tools default to
 `-fa auto`, on where the backend has it, as the CPU backend does; on this CPU it speeds up prefill and short
 contexts but slows decode at 8k, so a demanding user picks per case, and so do we; a context's optional
 "flash_attn": ["on"] runs that setting alone, as a 32k prefill with it off takes most of an hour at one thread):
-the prefix is evaluated from
-an empty cache (timed: prompt tokens/s), then `decode_tokens // rounds` decode steps each evaluate one token of
-the text (the same tokens our rows decode) and take the greedy argmax of its logits (timed: ms/token; the first
-step after the prefix is a warm-up). A row gives the faster setting's figures, each named: `ms_per_token` and
+the prefix is evaluated once from an empty cache (timed: prompt tokens/s), as our rows prefill once per context;
+then per round `decode_tokens // rounds` decode steps each evaluate one token of the text (the same tokens our
+rows decode) and take the greedy argmax of its logits (timed: ms/token; the first step after the prefix is a
+warm-up), and the cache drops what the round decoded, back to the prefix, as llama-cpp-python reuses a prompt's
+prefix (where the cache cannot drop a part, the prefix is evaluated again, untimed). The settings alternate round
+by round. A row gives the faster setting's figures, each named: `ms_per_token` and
 `flash_attn` (the decode's), `prompt_tokens_per_s` and `prefill_flash_attn`, and both settings' medians.
 Prints one JSON object: {"llama_cpp": version, "threads": T, "rows": [{"context", "ms_per_token", "mean_ms",
 "decode_steps", "prompt_tokens_per_s", "prefill_s", "flash_attn", "prefill_flash_attn", "ms_per_token_by_fa",
@@ -38,6 +40,18 @@ def flash_attn_settings(names: list[str]) -> tuple[bool, ...]:
     return tuple(dict.fromkeys(name == "on" for name in names))
 
 
+def back_to_prefix(llm, ids: list[int], context: int) -> None:
+    """The cache as it was after the prefix: what a round decoded is dropped (llama-cpp-python's own prompt-prefix
+    reuse, the cells from position `context` on); a cache that cannot drop a part evaluates the prefix again."""
+    if llm.n_tokens == context:
+        return
+    if llm._ctx.kv_cache_seq_rm(-1, context, -1):
+        llm.n_tokens = context
+    else:
+        llm.reset()
+        llm.eval(ids[:context])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gguf", required=True)
@@ -60,14 +74,17 @@ def main() -> int:
     for entry, settings in zip(contexts, per_context):
         context, ids = entry["context"], [int(t) for t in entry["ids"]]
         step_ms: dict[bool, list[float]] = {fa: [] for fa in settings}
-        prefill: dict[bool, list[float]] = {fa: [] for fa in settings}
+        prefill_s: dict[bool, float] = {}
+        for fa in settings:
+            llm = models[fa]
+            llm.reset()
+            started = time.perf_counter()
+            llm.eval(ids[:context])
+            prefill_s[fa] = time.perf_counter() - started
         for _ in range(request["rounds"]):
             for fa in settings:  # the settings interleaved, round by round
                 llm = models[fa]
-                llm.reset()
-                started = time.perf_counter()
-                llm.eval(ids[:context])
-                prefill[fa].append(time.perf_counter() - started)
+                back_to_prefix(llm, ids, context)
                 timings = []
                 for token in ids[context : context + per_round + 1]:
                     started = time.perf_counter()
@@ -77,7 +94,6 @@ def main() -> int:
                     timings.append((time.perf_counter() - started) * 1e3)
                 step_ms[fa] += timings[1:]
         median_ms = {fa: statistics.median(step_ms[fa]) for fa in settings}
-        prefill_s = {fa: statistics.median(prefill[fa]) for fa in settings}
         decode_fa = min(settings, key=median_ms.__getitem__)
         prefill_fa = min(settings, key=prefill_s.__getitem__)
         rows.append({"context": context, "ms_per_token": median_ms[decode_fa],
