@@ -2,6 +2,7 @@
 real subprocess path (bench/llama_peer.py) with a stand-in llama_cpp module that records what it was made to do."""
 
 import json
+import resource
 import sys
 
 import pytest
@@ -89,6 +90,9 @@ def test_each_context_runs_the_flash_attention_settings_it_names(fake_interprete
     assert long["flash_attn"] is True and long["prefill_flash_attn"] is True
     assert long["decode_steps"] == 2 * 2  # per round: 2 steps timed, the first after the prefix a warm-up
     assert all(row["peak_rss_bytes"] > 1_000_000 and row["policy"] == "llama.cpp" for row in rows)
+    # the peer's own memory, not what Linux carries over from the larger process that started it (this one)
+    ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert ours > 300_000_000 and all(row["peak_rss_bytes"] < 150_000_000 for row in rows)
 
 
 def test_a_cache_that_cannot_drop_a_part_evaluates_the_prefix_again(fake_interpreter, monkeypatch):
