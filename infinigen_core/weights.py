@@ -20,9 +20,9 @@ they serve the row is rounded to bf16 (8-bit mantissa, fp32's range) and so is t
   decode apart by the bf16 step rather than by their difference (issue 31: a resumed conversation's
   perplexity over 128 tokens moved by +-0.3%, as much with float16 rows as with int8 ones; docs/BENCHMARKS.md).
 - q8_0: 8-bit codes in groups of 32 inputs, a float32 scale each (GGUF's Q8_0 layout), with a float32 row,
-  through the CPU kernels' `q8_matvec` (cpu_kernels.py). A Q8_0 file's weights give back their own codes
-  (exact to the file; the default model's head is Q8_0); other weights are rounded to 8 bits per group of 32,
-  finer than one scale per output channel. What int8 means wherever the kernels are built: on Gemma 3 270M
+  through the CPU kernels' `q8_matvec` (cpu_kernels.py). A Q8_0, Q5_0 or Q4_0 file's weights give back their
+  own codes (exact to the file; the default model's head is Q8_0, most of Gemma 3's layers Q5_0: `q8_codes`);
+  other weights are rounded to 8 bits per group of 32, finer than one scale per output channel. What int8 means wherever the kernels are built: on Gemma 3 270M
   (Q5_0/Q4_K/Q6_K/Q8_0 layers, none exact in int4) the step at one thread went from ~27 to ~21 ms, ATen's
   int8 product with its bf16 row having read ~6 GB/s against the kernel's ~15 (docs/BENCHMARKS.md).
 - int8 without the kernels (or inputs not a multiple of 32): one scale per output channel, ATen's product
@@ -149,19 +149,36 @@ class Int8DecodeLinear(DecodeLinear):
         return torch._weight_int8pack_mm(row, self._codes, self._scales)
 
 
+# Where a GGUF format puts a group's largest magnitude, in steps of its grid: Q8_0 at code +-127; Q5_0 and Q4_0,
+# whose codes are q - 16 and q - 8 times one scale per 32 weights, at -16 and -8 (their quantisers choose the scale
+# so). Each fits in int8, so such a file's weights give back their own codes; other layers are rounded to 127.
+Q8_GRIDS = (127, 16, 8)
+
+
 def q8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Symmetric 8-bit codes per group of 32 inputs: (codes [out, in] int8, scales [out, in/32] float32, exact).
 
-    Each group's scale is its largest magnitude / 127, as GGUF's Q8_0 chose it, so a Q8_0 file's weights,
-    dequantised to fp32 on load, give back their codes and scales; `exact`: every weight equals code * scale
-    to within EXACT_STEPS of a step.
+    Each group's scale is its largest magnitude over the first of Q8_GRIDS on which every weight lies, so a Q8_0,
+    Q5_0 or Q4_0 file's weights, dequantised to fp32 on load, give back their codes and scales; where none fits,
+    the largest magnitude / 127 (Q8_0's choice). `exact`: every weight equals code * scale to within EXACT_STEPS
+    of a step. A grid is tried on the whole weight only where it fits the first rows.
     """
     out_features, in_features = weight.shape
     groups = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
-    scales = groups.abs().amax(dim=-1) / 127
-    steps = groups / scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    codes = steps.round().clamp(-127, 127)
-    exact = bool((steps - codes).abs().max() <= EXACT_STEPS)
+    largest = groups.abs().amax(dim=-1)
+
+    def on_grid(levels: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        scales = largest[rows] / levels
+        steps = groups[rows] / scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+        codes = steps.round().clamp(-127, 127)
+        return codes, scales, bool((steps - codes).abs().max() <= EXACT_STEPS)
+
+    found = on_grid(Q8_GRIDS[0], slice(None))
+    for levels in Q8_GRIDS[1:]:
+        if not found[2] and on_grid(levels, slice(0, 16))[2]:
+            candidate = on_grid(levels, slice(None))
+            found = candidate if candidate[2] else found
+    codes, scales, exact = found
     return codes.to(torch.int8).reshape(out_features, in_features), scales.contiguous(), exact
 
 

@@ -196,6 +196,27 @@ def test_q8_codes_give_back_a_q8_0_files_codes():
     assert not q8_codes(nn.Linear(96, 80).weight)[2]  # plain float weights are off the 8-bit grid
 
 
+@pytest.mark.parametrize("levels", [16, 8])  # GGUF's Q5_0 and Q4_0: codes q - 16 and q - 8 times one scale
+def test_q8_codes_give_back_a_q5_0_or_q4_0_files_codes(levels, kernels, monkeypatch):
+    generator = torch.Generator().manual_seed(levels)
+    codes = torch.randint(-levels, levels, (80, 3, GROUP), generator=generator).float()
+    codes[..., 5] = -levels  # the quantiser puts each group's largest magnitude at -levels
+    scales = (torch.rand(80, 3, 1, generator=generator) * 0.01 + 1e-4) * torch.where(torch.rand(80, 3, 1) < 0.5, -1, 1)
+    linear = nn.Linear(96, 80, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_((codes * scales.half().float()).reshape(80, 96))
+    got, got_scales, exact = q8_codes(linear.weight)
+    rebuilt = (got.float().view(80, 3, GROUP) * got_scales.unsqueeze(-1)).view(80, 96)
+    assert exact and torch.equal(rebuilt, linear.weight)  # the file's weights, not a rounding to 127 levels
+    assert int(got.abs().amax()) <= 16  # a 5- or 4-bit grid (a Q4_0 file fits Q5_0's too)
+    assert not q8_codes(linear.weight * 1.001 + 1e-6)[2]  # off every grid: rounded, and said so
+    monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)
+    model = nn.Sequential(linear)
+    assert use_decode_weights(model, "auto", kernels) == {"q8_0": 1}
+    row = torch.randn(1, 1, 96)
+    torch.testing.assert_close(model[0](row), linear(row), rtol=1e-5, atol=1e-6)
+
+
 def test_a_q8_0_head_runs_at_its_own_codes_with_the_cpu_kernels(kernels, monkeypatch):
     monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)  # small layers, compacted all the same
 
