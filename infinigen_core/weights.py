@@ -22,9 +22,10 @@ they serve the row is rounded to bf16 (8-bit mantissa, fp32's range) and so is t
 - q8_0: 8-bit codes in groups of 32 inputs, a float32 scale each (GGUF's Q8_0 layout), with a float32 row,
   through the CPU kernels' `q8_matvec` (cpu_kernels.py). A Q8_0, Q5_0 or Q4_0 file's weights give back their
   own codes (exact to the file; the default model's head is Q8_0, most of Gemma 3's layers Q5_0: `q8_codes`);
-  other weights are rounded to 8 bits per group of 32, finer than one scale per output channel. What int8 means wherever the kernels are built: on Gemma 3 270M
-  (Q5_0/Q4_K/Q6_K/Q8_0 layers, none exact in int4) the step at one thread went from ~27 to ~21 ms, ATen's
-  int8 product with its bf16 row having read ~6 GB/s against the kernel's ~15 (docs/BENCHMARKS.md).
+  other weights are rounded to 8 bits per group of 32, finer than one scale per output channel. What int8
+  means wherever the kernels are built: on Gemma 3 270M (Q5_0/Q4_K/Q6_K/Q8_0 layers, none exact in int4) the
+  step at one thread went from ~27 to ~21 ms, ATen's int8 product with its bf16 row having read ~6 GB/s against
+  the kernel's ~15 (docs/BENCHMARKS.md).
 - int8 without the kernels (or inputs not a multiple of 32): one scale per output channel, ATen's product
   with a bf16 row.
 - bf16: the weight rounded to bf16 (the output head where it is not Q8_0 or the kernels are not built: its

@@ -201,7 +201,8 @@ def test_q8_codes_give_back_a_q5_0_or_q4_0_files_codes(levels, kernels, monkeypa
     generator = torch.Generator().manual_seed(levels)
     codes = torch.randint(-levels, levels, (80, 3, GROUP), generator=generator).float()
     codes[..., 5] = -levels  # the quantiser puts each group's largest magnitude at -levels
-    scales = (torch.rand(80, 3, 1, generator=generator) * 0.01 + 1e-4) * torch.where(torch.rand(80, 3, 1) < 0.5, -1, 1)
+    signs = torch.where(torch.rand(80, 3, 1, generator=generator) < 0.5, -1.0, 1.0)  # a scale may be negative
+    scales = (torch.rand(80, 3, 1, generator=generator) * 0.01 + 1e-4) * signs
     linear = nn.Linear(96, 80, bias=False)
     with torch.no_grad():
         linear.weight.copy_((codes * scales.half().float()).reshape(80, 96))
