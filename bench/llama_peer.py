@@ -41,9 +41,10 @@ def flash_attn_settings(names: list[str]) -> tuple[bool, ...]:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory: the high-water mark of its own memory map (Linux's VmHWM). Not
-    getrusage's ru_maxrss, which Linux carries over fork and exec from the process that started this one: run
-    by `bench speed`, llama.cpp's figure was ours (4.15 GB for Gemma 3 at 32k)."""
+    """This process's peak resident memory so far: the high-water mark of its own memory map (Linux's VmHWM), for
+    our rows (bench/speed.py) and the peer's alike. Not getrusage's ru_maxrss, which Linux carries over fork and
+    exec from the process that started this one: run by `bench speed`, llama.cpp's figure was ours (4.15 GB for
+    Gemma 3 at 32k)."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             for line in status:

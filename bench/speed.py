@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import time
@@ -37,6 +36,7 @@ import torch
 
 from infinigen_core import EngineConfig
 from .common import EvalError, decode_tokens, load_prefix, synchronize
+from .llama_peer import peak_rss_bytes  # standard library only: the peer and we measure alike
 from .opcount import OpCounter
 from .weights import DecodeWeights
 
@@ -179,11 +179,6 @@ def flash_attn_per_context(names: Sequence[str] | None, n_contexts: int) -> list
         raise EvalError(f"--llama-flash-attn: one of {', '.join(FLASH_ATTN_CHOICES)} for every context, or one per "
                         f"context ({n_contexts}), got {','.join(names)}")
     return [FLASH_ATTN_CHOICES[name] for name in names]
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (Linux reports kilobytes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def count_decode_step(engine, token: int) -> dict:

@@ -232,9 +232,10 @@ def _compact_layer(linear: nn.Linear, choice: str, kernels: CpuKernels | None = 
         return Int8DecodeLinear(linear)
     if choice == "int4":
         return Int4DecodeLinear(linear, kernels=kernels)
-    codes = int4_codes(linear.weight) if choice == "auto" else None
-    if codes is not None and codes[3]:
-        return Int4DecodeLinear(linear, codes, kernels)
+    if choice == "auto":
+        codes = int4_codes(linear.weight)
+        if codes[3]:
+            return Int4DecodeLinear(linear, codes, kernels)
     return Q8DecodeLinear(linear) if kernels is not None else Int8DecodeLinear(linear)
 
 

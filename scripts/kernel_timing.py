@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from infinigen_core import cpu_kernels  # noqa: E402
 from infinigen_core.huge_pages import advise_huge_pages  # noqa: E402
 from infinigen_core.loading import default_cache_dir  # noqa: E402
+from infinigen_core.policies import partial_codes  # noqa: E402
 
 # layers, KV heads, query group, head channels, partial channels, past tokens, budget
 SHAPES = {"smollm2-8k": (28, 3, 3, 64, 32, 8100, 0.15), "gemma3-32k": (3, 1, 4, 256, 256, 32700, 0.1)}
@@ -62,11 +63,8 @@ def main() -> None:
     keys = [pool_layer(kv, slots, dim) for _ in range(layers)]
     values = [pool_layer(kv, slots, dim) for _ in range(layers)]
     query, partial_query = torch.randn(kv, group, dim), torch.randn(kv, group, r)
-    partial_keys = []
-    for _ in range(layers):
-        codes = torch.randint(-127, 128, (kv, r + 1, slots), dtype=torch.int8)
-        codes[:, r] = -20  # each slot's exponent row
-        partial_keys.append(codes)
+    # the cache as the policy holds it: int8 codes and each slot's exponent row, channel-major [kv, r + 1, slots]
+    partial_keys = [partial_codes.encode(torch.randn(kv, slots, r)).transpose(1, 2).contiguous() for _ in range(layers)]
     new_slot = torch.full((kv, 1), past)
     chosen = [torch.cat([new_slot, torch.stack([torch.randperm(past)[:k] for _ in range(kv)])], 1) for _ in keys]
     side_by_side = torch.cat([new_slot, torch.arange(k).expand(kv, -1)], 1)
