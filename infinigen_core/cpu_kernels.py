@@ -46,6 +46,28 @@ _ARCH_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 
+# AVX-512's 16-bit multiply-add into int32 in one instruction (`vpdpwssd`, the int8 partial keys' selection), where
+# the CPU has it: torch's capability names do not say, the kernel's digest carries the flag
+_VNNI_FLAG = "-mavx512vnni"
+
+
+def _arch_flags(capability: str) -> list[str]:
+    flags = list(_ARCH_FLAGS.get(capability, []))
+    if capability == "AVX512" and "avx512_vnni" in _cpu_flags():
+        flags.append(_VNNI_FLAG)
+    return flags
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere: the kernels then build without them)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
 _built: tuple["CpuKernels | None", str | None] | None = None  # a process registers the ops once
 loaded_from: Path | None = None  # the folder of the library loaded (one built elsewhere would register twice)
 
@@ -150,7 +172,7 @@ def _build(directory: Path, progress: Callable[[str], None] | None) -> tuple[Cpu
     source = b"".join(path.read_bytes() for path in sources)
     # -fopenmp: at::parallel_for runs on ATen's own OpenMP pool (torch's libgomp, loaded once per process);
     # -fno-trapping-math lets the exponential's floor and selects vectorise (nothing here reads FP traps)
-    flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math", *_ARCH_FLAGS.get(capability, [])]
+    flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math", *_arch_flags(capability)]
     digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
     name = f"infinigen_cpu_{digest}"
     started = time.perf_counter()

@@ -17,7 +17,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 from infinigen_core.calibration import calibrate
 from infinigen_core.config import EngineConfig
 from infinigen_core.engine import InfiniGenEngine
-from infinigen_core.policies import partial_codes
 
 TINY_VOCAB = 128
 
@@ -73,10 +72,14 @@ def make_tiny_engine(model_and_skew, kernels=None, **settings) -> InfiniGenEngin
     return InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny", kernels=kernels)
 
 
-def hold_int8_partial_values(engine: InfiniGenEngine) -> None:
-    """Make an eager engine's InfiniGen policy store the values of the CPU kernels' int8 partial keys
-    (policies/partial_codes.py) in its float32 cache, so that it selects what an engine with the kernels selects."""
-    engine.policy._stored = lambda partial: partial_codes.decode(partial_codes.encode(partial))
+def hold_int8_partial_codes(engine: InfiniGenEngine) -> None:
+    """Make an eager engine's InfiniGen policy (built, nothing prefilled) hold the CPU kernels' int8 partial keys
+    and score them as the kernel does (policies/partial_codes.py, `logits`), so that it selects what an engine with
+    the kernels selects."""
+    policy = engine.policy
+    capacity = policy._partial_all.shape[3]
+    policy.partial_store_dtype, policy.coded, policy._partial_all = torch.int8, True, None
+    policy.ensure_capacity(capacity)
 
 
 def greedy_logits(engine: InfiniGenEngine, prompt: list[int], steps: int) -> torch.Tensor:

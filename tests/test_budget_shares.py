@@ -14,7 +14,7 @@ from infinigen_core.config import EngineConfig
 from infinigen_core.engine import InfiniGenEngine
 from infinigen_core.skew import load_skew, save_skew
 
-from conftest import hold_int8_partial_values, make_tiny_engine, random_tokens
+from conftest import hold_int8_partial_codes, make_tiny_engine, random_tokens
 
 FRACTIONS = torch.tensor(CURVE_FRACTIONS, dtype=torch.float64)
 FLAT = FRACTIONS.clone()  # uniform attention: the best f of the past carries f of the mass
@@ -92,7 +92,7 @@ def test_each_sparse_layer_fetches_its_share_and_together_no_more_than_the_budge
                                  kernels=with_kernels)
         coded = coded or engine.policy.coded
         if with_kernels is None and coded:
-            hold_int8_partial_values(engine)  # the values of the kernels' int8 partial keys
+            hold_int8_partial_codes(engine)  # the kernels' int8 partial keys, scored as they score them
         shares = engine.policy.budget_shares
         assert shares[flat_layer] > 1.0 > shares[5 - flat_layer]
         engine.prefill(random_tokens(200, seed=11))

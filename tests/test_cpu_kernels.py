@@ -16,13 +16,16 @@ from infinigen_core.cpu_kernels import pack_q4
 from infinigen_core.engine import InfiniGenEngine
 from infinigen_core.policies import partial_codes
 
-from conftest import greedy_logits, hold_int8_partial_values, make_tiny_engine, random_tokens
+from conftest import greedy_logits, hold_int8_partial_codes, make_tiny_engine, random_tokens
 
 
 def _eager_selection(partial_query, partial_keys, past, k, alpha):
+    """What the eager ops choose from the same query and cache (int8 codes: scored as partial_codes.logits does)."""
     chooser = _chooser(alpha=alpha, budget=1.0)
     chooser.ctx.adapter.num_heads = partial_query.shape[0] * partial_query.shape[1]
-    return chooser.choose(torch.bmm(partial_query, partial_keys[:, :, :past]), k)
+    keys = partial_keys[:, :, :past]
+    logits = partial_codes.logits(partial_query, keys) if keys.dtype == torch.int8 else torch.bmm(partial_query, keys.float())
+    return chooser.choose(logits, k)
 
 
 @pytest.mark.parametrize("alpha", [3.0, 1e6])  # the alpha mask cuts inside the k rows / keeps all of them
@@ -54,15 +57,16 @@ def _as_stored(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
     return stored, stored.float()
 
 
-@pytest.mark.parametrize("group", [1, 4, 5, 8, 9])  # 1-8: sums held in registers per 32 slots; 9: the row loop
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
-def test_every_query_group_size_selects_what_the_eager_ops_select(kernels, group, dtype):
+@pytest.mark.parametrize("group", [1, 4, 5, 8, 9])  # 1-8: sums held in registers per 32 or 64 slots; 9: the row loop
+@pytest.mark.parametrize("dtype, channels", [(torch.float32, 40), (torch.float16, 40), (torch.int8, 40),
+                                             (torch.int8, 33)])  # int8 in channel pairs: an odd one meets the exponents
+def test_every_query_group_size_selects_what_the_eager_ops_select(kernels, group, dtype, channels):
     torch.manual_seed(group)
-    partial_query = torch.randn(2, group, 40)
-    partial_keys, values = _as_stored(torch.randn(2, 40, 620), dtype)
+    partial_query = torch.randn(2, group, channels)
+    partial_keys, _ = _as_stored(torch.randn(2, channels, 620), dtype)
     for past, k in ((600, 90), (300, 30), (45, 9)):  # blocks of 256 slots: tails of 88, 44 and 45 slots
         slots, scores, valid, alpha_total = kernels.rehearse_select(partial_query, partial_keys, past, k, 4.0)
-        eager = _eager_selection(partial_query, values, past, k, 4.0)
+        eager = _eager_selection(partial_query, partial_keys, past, k, 4.0)
         assert int(alpha_total) == int(eager.alpha_total) and torch.equal(valid, eager.valid)
         for head in range(2):
             assert set(slots[head].tolist()) == set(eager.slots[head].tolist())
@@ -100,19 +104,36 @@ def test_equal_weights_choose_the_lowest_slots(kernels, past, k):
         assert sorted(slots[head].tolist()) == list(range(k))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
-def test_float16_and_int8_partial_keys_select_as_their_float32_values_do(kernels, dtype):
-    """To the bit: float16 keys are widened exactly, and an int8 slot's products scaled by its power of two are
-    the products of its values (slots of every scale, from 2^-24 to 2^9)."""
+def test_float16_partial_keys_select_as_their_float32_values_do(kernels):
+    """To the bit: float16 keys are widened exactly (slots of every scale)."""
     torch.manual_seed(2)
     partial_query = torch.randn(3, 3, 32)
     magnitudes = torch.logspace(-6, 4, 1100)[torch.randperm(1100)]  # 1,100 slots: a 16-lane tail
-    stored, values = _as_stored(torch.randn(3, 32, 1100) * magnitudes, dtype)
+    stored, values = _as_stored(torch.randn(3, 32, 1100) * magnitudes, torch.float16)
     for past, k in ((1037, 151), (20, 7)):
         from_stored = kernels.rehearse_select(partial_query, stored, past, k, 12.0)
         from_float = kernels.rehearse_select(partial_query, values, past, k, 12.0)
         for got, expected in zip(from_stored, from_float):
             assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("channels", [256, 32])  # Gemma 3's global layers (every channel), SmolLM2's partial keys
+def test_int8_partial_keys_of_every_scale_select_what_their_exact_logits_select(kernels, channels):
+    """int8 codes against the query's 16-bit codes, two channels at a time (slots of exponents from 2^-22 and below
+    to 2^2, query heads whose largest channels differ 1,000-fold): the kernel keeps what partial_codes.logits ranks."""
+    torch.manual_seed(4)
+    partial_query = torch.randn(2, 4, channels) * torch.tensor([0.01, 0.1, 1.0, 10.0]).view(1, 4, 1) / channels ** 0.5
+    magnitudes = torch.logspace(-5, 2.5, 1100)[torch.randperm(1100)]
+    stored, values = _as_stored(torch.randn(2, channels, 1100) * magnitudes, torch.int8)
+    assert int(stored[:, -1].min()) < -15 and int(stored[:, -1].max()) >= 2  # exponents from 2^-22 and below to 2^2
+    for past, k in ((1037, 151), (1100, 1099), (20, 7)):
+        slots, _, valid, alpha_total = kernels.rehearse_select(partial_query, stored, past, k, 12.0)
+        eager = _eager_selection(partial_query, stored, past, k, 12.0)
+        assert int(alpha_total) == int(eager.alpha_total) and torch.equal(valid, eager.valid)
+        for head in range(2):
+            assert set(slots[head].tolist()) == set(eager.slots[head].tolist())
+    exact = partial_codes.logits(partial_query, stored[:, :, :1037])
+    assert not torch.equal(exact, torch.bmm(partial_query, values[:, :, :1037]))  # the query's codes are not its values
 
 
 def test_the_cache_is_int8_only_where_every_selection_takes_the_kernels(tiny_llama, kernels):
@@ -225,7 +246,7 @@ def test_the_engine_decodes_the_same_with_the_kernels(tiny_llama, kernels, setti
     assert fast.kernels is kernels and eager.kernels is None
     assert fast.policy.coded == (not settings and not narrow)  # int8 only where every selection takes the kernels
     if fast.policy.coded:
-        hold_int8_partial_values(eager)
+        hold_int8_partial_codes(eager)
     expected, got = greedy_logits(eager, prompt, 8), greedy_logits(fast, prompt, 8)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     fetched = [[(layer.sparse, layer.fetched) for layer in step.layers] for step in (eager.history[-1], fast.history[-1])]
@@ -284,7 +305,7 @@ def test_every_selection_of_a_real_compiled_reply_is_the_eager_ops_choice(real_e
             slots, scores, valid, alpha_total = kernels.rehearse_select(query, keys, past, k, alpha)
             chooser = _chooser(alpha=alpha, budget=1.0)
             chooser.ctx.adapter.num_heads = query.shape[0] * query.shape[1]
-            eager = chooser.choose(torch.bmm(query, partial_codes.decode(keys[:, :, :past], channel_dim=1)), k)
+            eager = chooser.choose(partial_codes.logits(query, keys[:, :, :past]), k)
             kept = int(valid[0, 1:].sum())
             seen.append(torch.equal(valid, eager.valid) and int(alpha_total) == int(eager.alpha_total) and all(
                 set(slots[h, :kept].tolist()) == set(eager.slots[h, :kept].tolist()) for h in range(query.shape[0])))

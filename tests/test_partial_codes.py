@@ -45,6 +45,31 @@ def test_decoded_codes_are_float16_values_that_encode_to_the_same_codes():
     assert torch.equal(partial_codes.decode(channel_major, channel_dim=1), decoded.transpose(1, 2))
 
 
+def test_a_query_is_coded_in_16_bits_per_head_and_its_logits_are_exact_sums():
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(2, 4, 33, generator=generator) * torch.tensor([1e-30, 1e-3, 1.0, 1e4]).view(1, 4, 1)
+    query[1, 0] = 0.0  # a head of zeros
+    query[1, 1, 0] = (1 - 2.0**-17) * 2.0**3  # a peak whose code rounds up to 32,768: one power of two more
+    codes, powers = partial_codes.query_codes(query)
+    assert torch.equal(codes, codes.round()) and int(codes.abs().max()) <= partial_codes.QUERY_CODE_LIMIT
+    assert torch.equal(powers, torch.ldexp(torch.ones(1), torch.frexp(powers).exponent - 1))  # powers of two
+    peak_codes = codes.abs().amax(dim=-1)
+    assert (peak_codes[:, 1:][query[:, 1:].abs().amax(dim=-1) > 0] >= 16384).all() and int(peak_codes[1, 0]) == 0
+    # a head below 2^-85 keeps the smallest power, 2^-100: fewer bits for it, never a power float32 cannot hold
+    assert float(powers[0, 0]) == 2.0**-partial_codes.QUERY_EXPONENT_LIMIT and int(peak_codes[0, 0]) < 16384
+    assert int(peak_codes[1, 1]) == 16384 and float(powers[1, 1]) == 2.0**-11
+    assert ((codes * powers - query).abs() <= powers / 2).all()  # each channel within half a step
+    keys = partial_codes.encode(torch.randn(2, 500, 33, generator=generator) * 3).transpose(1, 2)
+    logits = partial_codes.logits(query, keys)
+    values = partial_codes.decode(keys, channel_dim=1)
+    # the integer sums, exact in float64, rounded to float32 once, then times the two powers of two
+    exact = (codes.double() @ keys[:, :-1].double()).float() * powers * torch.ldexp(torch.ones(1), keys[:, -1:].float())
+    assert torch.equal(logits, exact)
+    # within the query's rounding of the float logits: half a step of each channel against the slot's values
+    bound = powers / 2 * values.abs().sum(dim=1, keepdim=True) + 1e-5 * (query.abs() @ values.abs())
+    assert ((logits - query @ values).abs() <= bound).all()
+
+
 def test_the_kernels_encode_a_partial_key_as_python_does(kernels):
     """`write_step_partial_keys` through identity projections: the C++ codes of the keys themselves, to the bit."""
     values = _slots_of_every_scale(2)[:, :40]  # [2 layers, 40 "heads", 24]: one key per head, every scale

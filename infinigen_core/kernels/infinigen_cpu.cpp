@@ -107,14 +107,9 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return result;
 }
 
-// out[j] += q * row[j]: float32 keys, float16 ones (half the bytes to read) or int8 codes (a quarter) widened as they
-// are loaded
+// out[j] += q * row[j]: float32 keys, or float16 ones (half the bytes to read) widened as they are loaded
 inline void add_scaled(float* out, const float* row, int64_t n, float q) {
   for (int64_t j = 0; j < n; ++j) out[j] += q * row[j];
-}
-
-inline void add_scaled(float* out, const int8_t* row, int64_t n, float q) {
-  for (int64_t j = 0; j < n; ++j) out[j] += q * static_cast<float>(row[j]);
 }
 
 inline void add_scaled(float* out, const at::Half* row, int64_t n, float q) {
@@ -145,9 +140,6 @@ inline void add_scaled(float* out, const at::Half* row, int64_t n, float q) {
 inline __m512 load_wide(const float* row) { return _mm512_loadu_ps(row); }
 inline __m512 load_wide(const at::Half* row) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
-}
-inline __m512 load_wide(const int8_t* row) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
 }
 
 // V vectors of 16 slots per chunk: G x V sums in registers (at most 16 of the 32), each channel's V x 16 keys
@@ -199,6 +191,153 @@ int64_t block_logits(float* acc, const float* q, const Key* keys, int64_t channe
 #else
 template <typename Key>
 int64_t block_logits(float*, const float*, const Key*, int64_t, int64_t, int64_t, int64_t) { return 0; }
+#endif
+
+// ------------------------------------------------------------------------------ int8 keys, an int16 query
+// int8 partial keys (codes with a power of two per slot, policies/partial_codes.py) are scored against the query
+// rounded to 16-bit codes, each query head with its own power of two (`code_query`, partial_codes.query_codes in
+// Python): a logit is the exact integer sum of the code products, converted to float32 once, times the head's
+// power of two, times the slot's. Exact sums do not depend on the order of the additions, so the eager path
+// (partial_codes.logits) gives the same logits to the bit, and the products can be taken two channels at a time
+// by AVX-512's 16-bit multiply-adds (VNNI: 32 products an instruction, twice a float32 FMA's 16).
+
+constexpr int32_t kQueryCodeLimit = 32767;  // with r <= kMaxDim channels of codes <= 127: sums well within int32
+constexpr int kQueryExponentLimit = 100;     // powers of two far inside float32's normal range
+
+// A query [heads, r] as codes, two channels to an int32 (channel 2p in the low half; an odd r's last pair has a
+// zero for the exponent row it meets), and each head's power of two.
+struct QueryCodes {
+  std::vector<int16_t> codes;  // [heads, r]
+  std::vector<int32_t> pairs;  // [heads, (r + 1) / 2]
+  std::vector<float> powers;   // [heads]
+  int64_t r, pairs_per_head;
+};
+
+QueryCodes code_query(const float* q, int64_t heads, int64_t r) {
+  QueryCodes out{std::vector<int16_t>(heads * r), {}, std::vector<float>(heads), r, (r + 1) / 2};
+  out.pairs.assign(heads * out.pairs_per_head, 0);
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* row = q + h * r;
+    float peak = 0.0f;
+    for (int64_t c = 0; c < r; ++c) peak = std::max(peak, std::fabs(row[c]));
+    int top = 0;  // peak = m * 2^top, m in [0.5, 1): the smallest power that keeps the peak's code <= 32767
+    const float mantissa = std::frexp(peak, &top);
+    int exponent = top - 15 + (std::nearbyint(std::ldexp(mantissa, 15)) > kQueryCodeLimit ? 1 : 0);
+    exponent = std::clamp(exponent, -kQueryExponentLimit, kQueryExponentLimit);
+    out.powers[h] = std::ldexp(1.0f, exponent);
+    for (int64_t c = 0; c < r; ++c) {
+      const float code = std::nearbyint(std::ldexp(row[c], -exponent));
+      out.codes[h * r + c] = static_cast<int16_t>(std::clamp(code, -32767.0f, 32767.0f));
+    }
+    for (int64_t c = 0; c < r; ++c) {
+      const uint32_t half = static_cast<uint16_t>(out.codes[h * r + c]);
+      out.pairs[h * out.pairs_per_head + c / 2] |= static_cast<int32_t>(c % 2 == 0 ? half : half << 16);
+    }
+  }
+  return out;
+}
+
+// Slots [j0, n) of a block one channel at a time, in plain int32 sums: the tail of a block, or all of it without
+// AVX-512 (the same exact sums as the vector loop's)
+void coded_logits_rows(float* acc, const int16_t* q_codes, const float* powers, const int8_t* keys,
+                       int64_t channel_stride, int64_t r, int64_t j0, int64_t n, int64_t group) {
+  std::vector<int32_t> sums(n - j0);
+  for (int64_t g = 0; g < group; ++g) {
+    std::fill(sums.begin(), sums.end(), 0);
+    for (int64_t c = 0; c < r; ++c) {
+      const int32_t code = q_codes[g * r + c];
+      const int8_t* row = keys + c * channel_stride;
+      for (int64_t j = j0; j < n; ++j) sums[j - j0] += code * static_cast<int32_t>(row[j]);
+    }
+    for (int64_t j = j0; j < n; ++j) acc[g * kSlotBlock + j] = static_cast<float>(sums[j - j0]) * powers[g];
+  }
+}
+
+#if defined(__AVX512BW__)
+inline __m512i add_pair_products(__m512i sums, __m512i query_pair, __m512i key_pairs) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(sums, query_pair, key_pairs);
+#else
+  return _mm512_add_epi32(sums, _mm512_madd_epi16(query_pair, key_pairs));
+#endif
+}
+
+// Two channel rows' 16 * V slots as V vectors of 16 (channel c, channel c + 1) int16 pairs. Interleaving works
+// within 128-bit lanes, so vectors 2u and 2u + 1 hold slots 32u + {0-7, 16-23} and 32u + {8-15, 24-31}.
+template <int V>
+inline void widen_channel_pair(const int8_t* first, const int8_t* second, __m512i* out) {
+  if constexpr (V == 4) {
+    const __m512i a = _mm512_loadu_si512(first), b = _mm512_loadu_si512(second);
+    const __m512i low = _mm512_unpacklo_epi8(a, b), high = _mm512_unpackhi_epi8(a, b);
+    out[0] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(low));
+    out[1] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(high));
+    out[2] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(low, 1));
+    out[3] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(high, 1));
+  } else {
+    static_assert(V == 2, "16 x 2 or 16 x 4 slots");
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second));
+    out[0] = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(a, b));
+    out[1] = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(a, b));
+  }
+}
+
+// The int8 twin of block_logits_in_registers: G x V int32 sums over 16 * V slots held over every channel pair,
+// each pair's rows read and widened once for the group; back in slot order, as floats times the head's power.
+template <int G, int V>
+int64_t coded_block_logits_in_registers(float* acc, const QueryCodes& query, int64_t first_head,
+                                        const int8_t* keys, int64_t channel_stride, int64_t n) {
+  constexpr int64_t width = 16 * V;
+  const int64_t pairs = query.pairs_per_head;
+  const int32_t* q_pairs = query.pairs.data() + first_head * pairs;
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  int64_t j = 0;
+  for (; j + width <= n; j += width) {
+    __m512i sums[G][V];
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < V; ++v) sums[g][v] = _mm512_setzero_si512();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int8_t* row = keys + 2 * p * channel_stride + j;
+      __builtin_prefetch(row + 512);
+      __builtin_prefetch(row + channel_stride + 512);
+      __m512i wide[V];
+      widen_channel_pair<V>(row, row + channel_stride, wide);
+      for (int g = 0; g < G; ++g) {
+        const __m512i query_pair = _mm512_set1_epi32(q_pairs[g * pairs + p]);
+        for (int v = 0; v < V; ++v) sums[g][v] = add_pair_products(sums[g][v], query_pair, wide[v]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 power = _mm512_set1_ps(query.powers[first_head + g]);
+      float* out = acc + g * kSlotBlock + j;
+      for (int u = 0; u < V / 2; ++u) {
+        const __m512i low = _mm512_permutex2var_epi32(sums[g][2 * u], first_half, sums[g][2 * u + 1]);
+        const __m512i high = _mm512_permutex2var_epi32(sums[g][2 * u], second_half, sums[g][2 * u + 1]);
+        _mm512_storeu_ps(out + 32 * u, _mm512_mul_ps(_mm512_cvtepi32_ps(low), power));
+        _mm512_storeu_ps(out + 32 * u + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(high), power));
+      }
+    }
+  }
+  return j;
+}
+
+int64_t coded_block_logits(float* acc, const QueryCodes& query, int64_t first_head, const int8_t* keys,
+                           int64_t channel_stride, int64_t n, int64_t group) {
+  switch (group) {
+    case 1: return coded_block_logits_in_registers<1, 4>(acc, query, first_head, keys, channel_stride, n);
+    case 2: return coded_block_logits_in_registers<2, 4>(acc, query, first_head, keys, channel_stride, n);
+    case 3: return coded_block_logits_in_registers<3, 4>(acc, query, first_head, keys, channel_stride, n);
+    case 4: return coded_block_logits_in_registers<4, 4>(acc, query, first_head, keys, channel_stride, n);
+    case 5: return coded_block_logits_in_registers<5, 2>(acc, query, first_head, keys, channel_stride, n);
+    case 6: return coded_block_logits_in_registers<6, 2>(acc, query, first_head, keys, channel_stride, n);
+    case 7: return coded_block_logits_in_registers<7, 2>(acc, query, first_head, keys, channel_stride, n);
+    case 8: return coded_block_logits_in_registers<8, 2>(acc, query, first_head, keys, channel_stride, n);
+    default: return 0;
+  }
+}
+#else
+int64_t coded_block_logits(float*, const QueryCodes&, int64_t, const int8_t*, int64_t, int64_t, int64_t) { return 0; }
 #endif
 
 // ---------------------------------------------------------------------------------------------- selection
@@ -323,6 +462,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
   TORCH_CHECK(partial_keys.size(0) == kv && partial_keys.size(1) == r + (has_exponents ? 1 : 0),
               "query and partial keys disagree");
   TORCH_CHECK(group <= kMaxGroup && 0 < k && k <= past && past <= partial_keys.size(2), "bad sizes");
+  TORCH_CHECK(!has_exponents || r <= kMaxDim, "int8 partial keys of at most ", kMaxDim, " channels");
 
   auto slots = at::empty({kv, k}, q_contig.options().dtype(at::kLong));
   auto scores = at::empty({kv, k}, q_contig.options());
@@ -332,6 +472,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
   const int64_t head_stride = partial_keys.stride(0), channel_stride = partial_keys.stride(1);
   const float floor_gap = static_cast<float>(alpha);
   const int64_t blocks = (past + kSlotBlock - 1) / kSlotBlock;
+  const QueryCodes query_codes = has_exponents ? code_query(q_all, kv * group, r) : QueryCodes{};
 
   // 1. per (head, block of slots): logits, each channel's row of keys read once for the whole group, and
   //    per query head the block's maximum and its sum of e^(logit - that maximum)
@@ -343,19 +484,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
     std::vector<float> acc(kMaxGroup * kSlotBlock), powers(kSlotBlock);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / blocks, j0 = (task % blocks) * kSlotBlock, n = std::min(kSlotBlock, past - j0);
-      const float* q = q_all + h * group * r;
       const Key* head_keys = keys_all + h * head_stride + j0;
-      const int64_t done = block_logits(acc.data(), q, head_keys, channel_stride, r, n, group);
-      if (done < n) {  // the rest of the block, one channel's row at a time
-        for (int64_t g = 0; g < group; ++g) std::fill_n(&acc[g * kSlotBlock + done], n - done, 0.0f);
-        for (int64_t c = 0; c < r; ++c) {
-          const Key* row = head_keys + c * channel_stride + done;
-          for (int64_t g = 0; g < group; ++g) add_scaled(&acc[g * kSlotBlock + done], row, n - done, q[g * r + c]);
+      if constexpr (has_exponents) {  // int8 codes: exact integer sums against the query's codes
+        const int64_t done = coded_block_logits(acc.data(), query_codes, h * group, head_keys, channel_stride, n, group);
+        if (done < n)
+          coded_logits_rows(acc.data(), &query_codes.codes[h * group * r], &query_codes.powers[h * group], head_keys,
+                            channel_stride, r, done, n, group);
+        scale_by_exponents(acc.data(), head_keys + r * channel_stride, n, group, powers.data());
+      } else {
+        const float* q = q_all + h * group * r;
+        const int64_t done = block_logits(acc.data(), q, head_keys, channel_stride, r, n, group);
+        if (done < n) {  // the rest of the block, one channel's row at a time
+          for (int64_t g = 0; g < group; ++g) std::fill_n(&acc[g * kSlotBlock + done], n - done, 0.0f);
+          for (int64_t c = 0; c < r; ++c) {
+            const Key* row = head_keys + c * channel_stride + done;
+            for (int64_t g = 0; g < group; ++g) add_scaled(&acc[g * kSlotBlock + done], row, n - done, q[g * r + c]);
+          }
         }
       }
-      if constexpr (has_exponents)
-        scale_by_exponents(acc.data(), reinterpret_cast<const int8_t*>(head_keys + r * channel_stride), n, group,
-                           powers.data());
       for (int64_t g = 0; g < group; ++g) {
         const float* block = &acc[g * kSlotBlock];
         const float peak = max_of(block, n);

@@ -56,17 +56,19 @@ class InfiniGenPolicy(KVPolicy):
         device, adapter = ctx.compute_device, ctx.adapter
         # float32 where the CPU computes; the model's own dtype on a GPU (half the memory and bandwidth)
         self.partial_dtype = torch.float32 if device.type == "cpu" else ctx.pool.dtype
-        # what the partial key cache stores: int8 codes where every selection goes through the CPU kernels,
-        # which widen them as they read (partial_codes.py: a quarter of the memory and of the bytes a selection
-        # reads; each slot's exponent is one more channel row), else the above
-        kernels_always = (ctx.kernels is not None and device.type == "cpu" and adapter.softcap is None
-                          and self.config.pool_limit_tokens is None and ctx.kernels.fit(adapter.group_size, 0))
-        self.partial_store_dtype = torch.int8 if kernels_always else self.partial_dtype
-        self.coded = self.partial_store_dtype == torch.int8
         self.projections = [
             ctx.skew_set.partial_projection(layer, self.config.partial_ratio).to(device=device, dtype=torch.float32)
             for layer in range(adapter.num_layers)
         ]
+        # what the partial key cache stores: int8 codes where every selection goes through the CPU kernels,
+        # which read them as they lie (partial_codes.py: a quarter of the memory and of the bytes a selection
+        # reads; each slot's exponent is one more channel row), else the above
+        partial_channels = self.projections[0].shape[-1]
+        kernels_always = (ctx.kernels is not None and device.type == "cpu" and adapter.softcap is None
+                          and self.config.pool_limit_tokens is None
+                          and ctx.kernels.fit(adapter.group_size, partial_channels))
+        self.partial_store_dtype = torch.int8 if kernels_always else self.partial_dtype
+        self.coded = self.partial_store_dtype == torch.int8
         # the query side also carries the attention scale, so rehearsed logits come out of one product
         self.query_projections = [(p * adapter.logit_scale).to(self.partial_dtype) for p in self.projections]
         self.key_projections = [p.to(self.partial_dtype) for p in self.projections]
@@ -307,16 +309,14 @@ class InfiniGenPolicy(KVPolicy):
             selection = Selection(slots, scores=scores, valid=valid, alpha_total=alpha_total)
             selection.speculate_ms = (time.perf_counter() - started) * 1e3
             return selection
-        stored = self.partial_keys_t[target][:, :, : past_len + 1]  # the past and the new token's slot
-        if self.coded:  # int8 codes outside the kernels' reach (a k past the slots): their values
-            stored = partial_codes.decode(stored, channel_dim=1)
-        elif stored.dtype != partial_query.dtype:
-            stored = stored.to(partial_query.dtype)
-        if new_slots is None:
-            # the new token's slot is the last one: the past is the slots before it
-            logits = torch.bmm(partial_query, stored[:, :, :past_len])
-        else:  # after eviction the new token took a victim's slot, still holding the victim's partial key
-            logits = torch.bmm(partial_query, stored[:, :, : past_len + 1])
+        # the new token's slot is the last one: the past is the slots before it; after eviction the new token
+        # took a victim's slot, still holding the victim's partial key
+        stored = self.partial_keys_t[target][:, :, : past_len + (0 if new_slots is None else 1)]
+        if self.coded:  # int8 codes outside the kernels' reach (a k past the slots): the kernel's logits
+            logits = partial_codes.logits(partial_query, stored)
+        else:
+            logits = torch.bmm(partial_query, stored if stored.dtype == partial_query.dtype else stored.to(partial_query.dtype))
+        if new_slots is not None:
             logits.index_fill_(2, new_slots, float("-inf"))
         if logits.dtype != torch.float32:
             logits = logits.float()
