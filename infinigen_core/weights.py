@@ -96,16 +96,42 @@ class DecodeLinear(nn.Module):
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """Asymmetric 4-bit codes per group of 32 inputs: (codes [out, in] int32, scale, low [out, in/32], exact).
 
-    `exact`: every weight equals code * scale + low to within EXACT_STEPS of a step (a Q4_0/Q4_1 source).
+    Each group's step is its range / 15 (Q4_0 and Q4_1 groups use all 16 codes); where that leaves weights off
+    the grid and every group of the first rows lies on a grid of fewer steps (a Q4_K group's step is its
+    sub-block's scale, and it may use only some of its codes), each group takes the longest such span instead.
+    `exact`: every weight equals code * scale + low to within EXACT_STEPS of a step (a Q4_0/Q4_1/Q4_K source).
     """
     out_features, in_features = weight.shape
     groups = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-    steps = (groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)
-    codes = steps.round().clamp(0, 15)
-    exact = bool((steps - codes).abs().max() <= EXACT_STEPS)
+    low = groups.amin(dim=-1)
+    offsets, width = groups - low.unsqueeze(-1), groups.amax(dim=-1) - low
+
+    def on_grid(spans: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        scale = (width / spans).clamp_min(torch.finfo(torch.float32).tiny)
+        steps = offsets / scale.unsqueeze(-1)
+        codes = steps.round().clamp(0, 15)
+        return codes, scale, bool((steps - codes).abs().max() <= EXACT_STEPS)
+
+    codes, scale, exact = on_grid(15.0)
+    if not exact and bool(_longest_spans(offsets[:16], width[:16]).all()):
+        spans = _longest_spans(offsets, width)
+        if bool(spans.all()):
+            codes, scale, exact = on_grid(spans)
     return codes.to(torch.int32).reshape(out_features, in_features), scale, low, exact
+
+
+def _longest_spans(offsets: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """Per group (offsets [..., 32] from its smallest weight, width its range), the most steps, 15 down to 1, of
+    a grid from its smallest to its largest weight on which every weight lies; 0 where none is."""
+    spans = torch.zeros_like(width)
+    for span in range(15, 0, -1):
+        open_groups = (spans == 0).nonzero(as_tuple=True)
+        if not open_groups[0].numel():
+            break
+        steps = offsets[open_groups] / (width[open_groups] / span).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+        fits = (steps - steps.round()).abs().amax(dim=-1) <= EXACT_STEPS
+        spans[open_groups] = torch.where(fits, float(span), 0.0)
+    return spans
 
 
 class Int4DecodeLinear(DecodeLinear):

@@ -79,6 +79,35 @@ def test_four_bit_weights_give_back_their_codes_and_only_bf16_rounding():
     assert not int4_codes(noisy)[3]
 
 
+def test_int4_codes_give_back_a_q4_k_files_groups_that_use_only_some_codes(kernels, monkeypatch):
+    """A Q4_K group is its sub-block's scale times codes 0..15 minus an offset, and most groups use fewer than all
+    16 codes: their range / 15 is not their step. The longest span their weights lie on gives them back."""
+    generator = torch.Generator().manual_seed(7)
+    out_features, groups = 80, 4
+    spans = torch.randint(1, 16, (out_features, groups, 1), generator=generator)  # 1 to 15 of the codes' steps
+    codes = (torch.rand(out_features, groups, GROUP, generator=generator) * (spans + 1)).floor().clamp(max=spans)
+    codes[..., 0], codes[..., 1] = 0, spans[..., 0]  # each group's lowest and highest code
+    scale = (torch.rand(out_features, groups, 1, generator=generator) * 0.01 + 1e-4).half().float()
+    offset = (torch.rand(out_features, groups, 1, generator=generator) * 0.05).half().float()
+    linear = nn.Linear(groups * GROUP, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_((codes * scale - offset).reshape(out_features, -1))
+    got, got_scale, low, exact = int4_codes(linear.weight)
+    assert exact and int(got.max()) <= 15
+    rebuilt = got.view(out_features, groups, GROUP).float() * got_scale.unsqueeze(-1) + low.unsqueeze(-1)
+    torch.testing.assert_close(rebuilt.view(out_features, -1), linear.weight, atol=1e-6, rtol=0)
+    # the file's step or a whole fraction of it (a group of span 5 lies on a grid of 15 too), not the range / 15
+    ratio = scale.squeeze(-1) / got_scale
+    torch.testing.assert_close(ratio, ratio.round(), atol=1e-4, rtol=0)
+    assert bool((ratio.round() == 1).any())
+    assert not int4_codes(linear.weight + torch.randn_like(linear.weight) * 1e-4)[3]  # off the grid: said so
+    monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)
+    model = nn.Sequential(linear)
+    assert use_decode_weights(model, "auto", kernels) == {"int4": 1}  # not 8-bit groups rounded to 127 levels
+    row = torch.randn(1, 1, groups * GROUP)
+    torch.testing.assert_close(model[0](row), linear(row), rtol=1e-5, atol=1e-6)
+
+
 def test_auto_keeps_four_bit_layers_int4_puts_the_rest_in_int8_and_the_head_in_bf16(monkeypatch):
     monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)
     torch.manual_seed(0)
@@ -213,7 +242,8 @@ def test_q8_codes_give_back_a_q5_0_or_q4_0_files_codes(levels, kernels, monkeypa
     assert not q8_codes(linear.weight * 1.001 + 1e-6)[2]  # off every grid: rounded, and said so
     monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)
     model = nn.Sequential(linear)
-    assert use_decode_weights(model, "auto", kernels) == {"q8_0": 1}
+    # a Q4_0 layer is on a 4-bit grid too (auto's first choice: half the bytes), a Q5_0 one is not
+    assert use_decode_weights(model, "auto", kernels) == {"int4" if levels == 8 else "q8_0": 1}
     row = torch.randn(1, 1, 96)
     torch.testing.assert_close(model[0](row), linear(row), rtol=1e-5, atol=1e-6)
 
