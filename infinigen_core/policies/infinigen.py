@@ -315,7 +315,7 @@ class InfiniGenPolicy(KVPolicy):
         if self.coded:  # int8 codes outside the kernels' reach (a k past the slots): the kernel's logits
             logits = partial_codes.logits(partial_query, stored)
         else:
-            logits = torch.bmm(partial_query, stored if stored.dtype == partial_query.dtype else stored.to(partial_query.dtype))
+            logits = torch.bmm(partial_query, stored.to(partial_query.dtype))
         if new_slots is not None:
             logits.index_fill_(2, new_slots, float("-inf"))
         if logits.dtype != torch.float32:

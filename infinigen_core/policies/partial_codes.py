@@ -12,9 +12,9 @@ the logits in) keep 7 bits. The exponent is stored as the slot's last "channel" 
 
 A selection scores these codes against the query rounded to 16-bit codes, each query head with its own power of
 two (`query_codes`): a logit is the exact integer sum of code products, converted to float32 once and scaled by
-the two powers. The rounding moves a logit by at most r * 127 * 2^-16 of the head's largest query channel times
-the slot's step (a 32,768th of the query's own range, against the keys' 128th); in exchange the sums do not depend
-on the order of the additions, so the kernel (infinigen_cpu.cpp, `code_query`) adds two channels at a time with
+the two powers. Each query channel lies within 1/32,768 of its head's largest (each key channel within 1/128 of
+its slot's largest), so a logit moves by at most r * 127 * 2^-16 of the head's largest channel times the slot's
+step; in exchange the sums do not depend on the order of the additions, so the kernel (infinigen_cpu.cpp, `code_query`) adds two channels at a time with
 AVX-512's 16-bit multiply-adds and `logits` below still gives its logits to the bit.
 
 Why powers of two: a code times 2^e (e >= -24, |code| <= 127) is exactly a float16, so `decode` gives the values a
