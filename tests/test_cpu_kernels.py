@@ -367,3 +367,14 @@ def test_q4_product_equals_the_dequantised_weights(kernels):
     torch.testing.assert_close(product.double(), row.double() @ weight.T, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="one value per input channel"):
         kernels.q4_matvec(row[:, :64], pack_q4(codes), scales, lows)
+
+
+def test_the_build_asks_for_vnni_only_where_the_cpu_has_it(monkeypatch):
+    """`vpdpwssd` (the int8 partial keys' selection) on an AVX-512 CPU that lists avx512_vnni; other AVX-512 CPUs
+    build the same source without it (16-bit multiply-adds then an add), AVX2 ones never ask for it."""
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx512f", "avx512_vnni"})
+    assert cpu_kernels._VNNI_FLAG in cpu_kernels._arch_flags("AVX512")
+    assert cpu_kernels._VNNI_FLAG not in cpu_kernels._arch_flags("AVX2")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx512f"})
+    assert cpu_kernels._VNNI_FLAG not in cpu_kernels._arch_flags("AVX512")
+    assert cpu_kernels._arch_flags("AVX512") == cpu_kernels._ARCH_FLAGS["AVX512"]
