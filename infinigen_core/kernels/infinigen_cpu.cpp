@@ -130,6 +130,24 @@ inline void add_scaled(float* out, const at::Half* row, int64_t n, float q) {
   for (; j < n; ++j) out[j] += q * static_cast<float>(row[j]);
 }
 
+// `kernel(std::integral_constant<int, G>{})` for a query group of G = 1..8 heads, the sizes whose logits the
+// register kernels below hold (G x V sums: V = 4 vectors of 16 slots up to 4 heads, 2 above); 0 (nothing done)
+// for larger groups
+template <typename Kernel>
+int64_t with_group_in_registers(int64_t group, Kernel&& kernel) {
+  switch (group) {
+    case 1: return kernel(std::integral_constant<int, 1>{});
+    case 2: return kernel(std::integral_constant<int, 2>{});
+    case 3: return kernel(std::integral_constant<int, 3>{});
+    case 4: return kernel(std::integral_constant<int, 4>{});
+    case 5: return kernel(std::integral_constant<int, 5>{});
+    case 6: return kernel(std::integral_constant<int, 6>{});
+    case 7: return kernel(std::integral_constant<int, 7>{});
+    case 8: return kernel(std::integral_constant<int, 8>{});
+    default: return 0;
+  }
+}
+
 // The logits of a block's slots for a query group of G <= 8 heads, 32 or 64 slots at a time: the chunk's sums
 // stay in registers over every channel, and each channel's 32 or 64 keys (one or two cache lines) are read
 // and widened once for the whole group, where `add_scaled` reads and writes the sums in memory once per
@@ -176,17 +194,10 @@ int64_t block_logits_in_registers(float* acc, const float* q, const Key* keys, i
 template <typename Key>
 int64_t block_logits(float* acc, const float* q, const Key* keys, int64_t channel_stride, int64_t r, int64_t n,
                      int64_t group) {
-  switch (group) {
-    case 1: return block_logits_in_registers<1, 4>(acc, q, keys, channel_stride, r, n);
-    case 2: return block_logits_in_registers<2, 4>(acc, q, keys, channel_stride, r, n);
-    case 3: return block_logits_in_registers<3, 4>(acc, q, keys, channel_stride, r, n);
-    case 4: return block_logits_in_registers<4, 4>(acc, q, keys, channel_stride, r, n);
-    case 5: return block_logits_in_registers<5, 2>(acc, q, keys, channel_stride, r, n);
-    case 6: return block_logits_in_registers<6, 2>(acc, q, keys, channel_stride, r, n);
-    case 7: return block_logits_in_registers<7, 2>(acc, q, keys, channel_stride, r, n);
-    case 8: return block_logits_in_registers<8, 2>(acc, q, keys, channel_stride, r, n);
-    default: return 0;
-  }
+  return with_group_in_registers(group, [&](auto size) {
+    constexpr int G = decltype(size)::value;
+    return block_logits_in_registers<G, G <= 4 ? 4 : 2>(acc, q, keys, channel_stride, r, n);
+  });
 }
 #else
 template <typename Key>
@@ -324,17 +335,10 @@ int64_t coded_block_logits_in_registers(float* acc, const QueryCodes& query, int
 
 int64_t coded_block_logits(float* acc, const QueryCodes& query, int64_t first_head, const int8_t* keys,
                            int64_t channel_stride, int64_t n, int64_t group) {
-  switch (group) {
-    case 1: return coded_block_logits_in_registers<1, 4>(acc, query, first_head, keys, channel_stride, n);
-    case 2: return coded_block_logits_in_registers<2, 4>(acc, query, first_head, keys, channel_stride, n);
-    case 3: return coded_block_logits_in_registers<3, 4>(acc, query, first_head, keys, channel_stride, n);
-    case 4: return coded_block_logits_in_registers<4, 4>(acc, query, first_head, keys, channel_stride, n);
-    case 5: return coded_block_logits_in_registers<5, 2>(acc, query, first_head, keys, channel_stride, n);
-    case 6: return coded_block_logits_in_registers<6, 2>(acc, query, first_head, keys, channel_stride, n);
-    case 7: return coded_block_logits_in_registers<7, 2>(acc, query, first_head, keys, channel_stride, n);
-    case 8: return coded_block_logits_in_registers<8, 2>(acc, query, first_head, keys, channel_stride, n);
-    default: return 0;
-  }
+  return with_group_in_registers(group, [&](auto size) {
+    constexpr int G = decltype(size)::value;
+    return coded_block_logits_in_registers<G, G <= 4 ? 4 : 2>(acc, query, first_head, keys, channel_stride, n);
+  });
 }
 #else
 int64_t coded_block_logits(float*, const QueryCodes&, int64_t, const int8_t*, int64_t, int64_t, int64_t) { return 0; }
