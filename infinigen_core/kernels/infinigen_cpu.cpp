@@ -221,11 +221,11 @@ struct QueryCodes {
   std::vector<int16_t> codes;  // [heads, r]
   std::vector<int32_t> pairs;  // [heads, (r + 1) / 2]
   std::vector<float> powers;   // [heads]
-  int64_t r, pairs_per_head;
+  int64_t pairs_per_head;
 };
 
 QueryCodes code_query(const float* q, int64_t heads, int64_t r) {
-  QueryCodes out{std::vector<int16_t>(heads * r), {}, std::vector<float>(heads), r, (r + 1) / 2};
+  QueryCodes out{std::vector<int16_t>(heads * r), {}, std::vector<float>(heads), (r + 1) / 2};
   out.pairs.assign(heads * out.pairs_per_head, 0);
   for (int64_t h = 0; h < heads; ++h) {
     const float* row = q + h * r;
