@@ -81,6 +81,24 @@ def test_the_kernels_encode_a_partial_key_as_python_does(kernels):
     assert torch.equal(cache[..., 5], partial_codes.encode(values))
 
 
+def test_the_kernels_encode_a_batch_of_partial_keys_into_the_cache_as_python_does(kernels):
+    """`encode_partial_keys` (a prefill's or a restore's batch): each row's codes written at its slot, the cache's
+    other slots untouched, to the bit what partial_codes.encode and an index copy leave."""
+    values = _slots_of_every_scale(3)  # [2 heads, 600 rows, 24]
+    generator = torch.Generator().manual_seed(7)
+    for r in (24, 7):  # an odd count too
+        partial = values[..., :r].contiguous()
+        slots = torch.randperm(900, generator=generator)[:600]  # scattered, out of order
+        cache = torch.randint(-127, 128, (2, r + 1, 900), generator=generator, dtype=torch.int8)
+        expected = cache.clone().index_copy_(2, slots, partial_codes.encode(partial).transpose(1, 2))
+        torch.ops.infinigen_cpu.encode_partial_keys(partial, cache, slots)
+        assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.infinigen_cpu.encode_partial_keys(partial, cache, torch.full((600,), 900))
+    with pytest.raises(RuntimeError, match="an int8 cache"):
+        torch.ops.infinigen_cpu.encode_partial_keys(partial, cache[:, 1:], slots)
+
+
 @pytest.mark.one_device  # the int8 cache is the CPU kernels', where pool and compute share the CPU
 @pytest.mark.parametrize("settings", [{}, {"budget": 0.3, "budget_by_layer": False}])
 def test_int8_partial_keys_exported_and_imported_are_the_live_ones(tiny_llama, kernels, settings):

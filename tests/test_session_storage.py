@@ -10,6 +10,7 @@ import zipfile
 
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from infinigen_core.config import SamplingConfig
@@ -355,6 +356,37 @@ def test_malformed_partial_keys_are_a_chunk_error(decoded, tmp_path):
         forged_record = ChunkRecord(name, 0, record.end, hashlib.sha256(data).hexdigest(), len(data))
         with pytest.raises(ChunkError, match=message):
             read_chunk(tmp_path, forged_record, signature, digests)
+
+
+def _forged(tmp_path, record, signature, name, changes):
+    """`record`'s chunk with some tensors replaced, under a checksum of its own (as a foreign file would be)."""
+    original = (tmp_path / record.file).read_bytes()
+    data = save_safetensors({**load_safetensors(original), **changes}, metadata=chunk_metadata(original))
+    (tmp_path / name).write_bytes(data)
+    return ChunkRecord(name, 0, record.end, hashlib.sha256(data).hexdigest(), len(data))
+
+
+def test_a_nan_or_an_infinity_in_a_chunks_keys_or_values_is_a_chunk_error(tiny, tmp_path):
+    """The float K/V of a chunk (format /5's float16 keys, an exact chunk's rows) are checked for NaN and
+    infinities, wherever in the layer one lies; int8 codes cannot hold one, their scales are checked."""
+    signature = tiny.kv_signature()
+    rows = tiny.export_rows(0, tiny.num_tokens)
+    for kv_format, kinds in (("int8", ("k",)), ("exact", ("k", "v"))):
+        record = write_chunk(tmp_path, kv_format, rows, signature, 0, kv_format)
+        read_chunk(tmp_path, record, signature)  # the chunk as written reads
+        for kind in kinds:
+            for index, bad in enumerate((float("nan"), float("inf"), float("-inf"))):
+                tensor = load_safetensors((tmp_path / record.file).read_bytes())[f"{kind}.1"]
+                tensor[-1, (37 * index) % tensor.shape[1], -1 - index] = bad
+                forged = _forged(tmp_path, record, signature, f"{kv_format}-{kind}-{index}.safetensors",
+                                 {f"{kind}.1": tensor})
+                with pytest.raises(ChunkError, match="K/V of layer 1 hold a NaN or an infinity"):
+                    read_chunk(tmp_path, forged, signature)
+    record = write_chunk(tmp_path, "scales", rows, signature, 0, "int8")
+    scale = load_safetensors((tmp_path / record.file).read_bytes())["v_scale.2"]
+    scale[0, 3] = float("inf")
+    with pytest.raises(ChunkError, match="V scales of layer 2 are malformed"):
+        read_chunk(tmp_path, _forged(tmp_path, record, signature, "scales.safetensors", {"v_scale.2": scale}), signature)
 
 
 def test_session_chunks_are_int8_with_float16_keys_and_stand_ins_exact(tiny_llama, tmp_path):

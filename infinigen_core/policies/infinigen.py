@@ -171,7 +171,7 @@ class InfiniGenPolicy(KVPolicy):
         slots = hit.nonzero().squeeze(1)
         device = self.ctx.compute_device
         keys = partial.to(device).index_select(1, order[found[slots]].to(device))
-        cache.index_copy_(2, slots.to(device), self._stored(keys).transpose(1, 2))
+        self._store_partial(layer, slots.to(device), keys)
         return (~hit).nonzero().squeeze(1)
 
     def partial_key_digests(self) -> dict[int, str]:
@@ -206,8 +206,15 @@ class InfiniGenPolicy(KVPolicy):
 
     def _write_partial_keys(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """keys [kv_heads, n, dim] (any device) of `slots` (compute device) into the layer's partial keys."""
-        partial = self._stored(torch.bmm(self._on_compute(keys), self.key_projections[layer]))
-        self.partial_keys_t[layer].index_copy_(2, slots, partial.transpose(1, 2))
+        self._store_partial(layer, slots, torch.bmm(self._on_compute(keys), self.key_projections[layer]))
+
+    def _store_partial(self, layer: int, slots: torch.Tensor, partial: torch.Tensor) -> None:
+        """Partial keys [kv_heads, n, r] of `slots` (compute device) into the layer's cache, as `_stored` keeps
+        them: int8 codes straight into the cache by the kernels' op (the same codes as partial_codes.encode)."""
+        if self.coded:
+            torch.ops.infinigen_cpu.encode_partial_keys(partial.float().contiguous(), self.partial_keys_t[layer], slots)
+            return
+        self.partial_keys_t[layer].index_copy_(2, slots, self._stored(partial).transpose(1, 2))
 
     def finish_step(self, completed: bool) -> None:
         # a captured step hands its RoPE factors back in the same buffer: never keep them past the step
