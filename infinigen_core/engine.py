@@ -135,6 +135,10 @@ class InfiniGenEngine(SessionRows):
             limit_tokens=config.pool_limit_tokens,
             sink_tokens=config.sink_tokens,
             recent_window=config.recent_window,
+            # a sliding layer reads its last window, rows side by side: off huge pages, whose first write into a
+            # fresh pool (a restore) can wait on the kernel's compaction (huge_pages.py)
+            huge_page_layers=tuple(layer for layer in range(self.adapter.num_layers)
+                                   if self.adapter.sliding_window(layer) is None),
         )
         old_pool = self.pool
         if self.fetcher is not None:

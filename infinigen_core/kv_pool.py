@@ -55,6 +55,7 @@ class KVPool(RowRestore):
         recent_window: int = 64,
         initial_capacity: int = 256,
         growth_tokens: int = 1024,
+        huge_page_layers: tuple[int, ...] | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -66,6 +67,8 @@ class KVPool(RowRestore):
         self.sink_tokens = sink_tokens
         self.recent_window = recent_window
         self.growth_tokens = growth_tokens
+        # the layers whose rows attention reads by slot, asked onto huge pages (huge_pages.py); None: every layer
+        self.huge_page_layers = huge_page_layers
         self.total_tokens = 0  # positions handed out so far: the next token gets this position
         self.evicted_tokens = 0
         self.last_reserved: list[torch.Tensor] = []  # per layer, the slots of the newest reserve() call
@@ -104,7 +107,8 @@ class KVPool(RowRestore):
     def _allocate(self, capacity: int) -> None:
         """(Re)allocate every layer for `capacity` slots, keeping the rows in use."""
         self._storage = PoolStorage.allocate(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype,
-                                             self.device, self.pin_memory, self._storage, self._size)
+                                             self.device, self.pin_memory, self._storage, self._size,
+                                             self.huge_page_layers)
         storage = self._storage
         self._layers, self._positions, self._fetch_counts = storage.layers, storage.positions, storage.fetch_counts
         self._head_offsets = storage.head_offsets

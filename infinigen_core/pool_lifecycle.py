@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -90,14 +91,16 @@ class PoolStorage:
     @staticmethod
     def allocate(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device, pin_memory: bool, keep_from: PoolStorage | None = None,
-                 keep: int = 0) -> PoolStorage:
-        """New storage for `capacity` slots per layer, the first `keep` slots copied from `keep_from`."""
+                 keep: int = 0, huge_page_layers: Collection[int] | None = None) -> PoolStorage:
+        """New storage for `capacity` slots per layer, the first `keep` slots copied from `keep_from`; the layers
+        `huge_page_layers` (None: all) asked onto huge pages (KVPool's `huge_page_layers`)."""
         shape = (num_kv_heads, capacity, head_dim)
         layers = []
         for layer in range(num_layers):
             keys = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
             values = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-            if not pin_memory:  # rows read by slot: on huge pages where the system has them (before any write)
+            # rows read by slot: on huge pages where the system has them (before any write)
+            if not pin_memory and (huge_page_layers is None or layer in huge_page_layers):
                 advise_huge_pages(keys)
                 advise_huge_pages(values)
             if keep:

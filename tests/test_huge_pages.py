@@ -74,3 +74,55 @@ def test_infinigens_partial_keys_are_advised_and_kept_when_they_grow(tiny_llama)
     assert "hg" in _vm_flags(_first_whole_huge_page(policy._partial_all))
     assert torch.equal(policy.partial_keys_t[layer][..., :40], before) and before.abs().sum() > 0
     assert not policy.partial_keys_t[layer][..., 40:].any()
+
+
+def _advised_during(monkeypatch) -> list[int]:
+    """The addresses of the tensors the pool asks onto huge pages from now on (the advice itself still runs)."""
+    from infinigen_core import pool_lifecycle
+
+    advised: list[int] = []
+
+    def advise(tensor: torch.Tensor) -> int:
+        advised.append(tensor.data_ptr())
+        return advise_huge_pages(tensor)
+
+    monkeypatch.setattr(pool_lifecycle, "advise_huge_pages", advise)
+    return advised
+
+
+def _advised_layers(pool: KVPool, advised: list[int]) -> list[int]:
+    stores = pool.storage.layers
+    return [layer for layer, store in enumerate(stores)
+            if store.keys.data_ptr() in advised and store.values.data_ptr() in advised]
+
+
+@linux_only
+def test_only_the_layers_read_by_slot_are_advised_and_stay_so_when_the_pool_grows(monkeypatch):
+    """`huge_page_layers`: a sliding layer reads its last window, rows side by side, so it stays on small pages,
+    whose first write does not wait for the kernel to assemble 2 MB pages (a fresh pool's restore). (Memory that
+    the allocator hands out again may still carry an earlier tensor's advice: only what the pool asks is checked.)"""
+    advised = _advised_during(monkeypatch)
+    pool = KVPool(num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.float32, initial_capacity=8192,
+                  huge_page_layers=(1,))
+    for capacity in (8192, 3 * 8192):
+        pool.ensure_capacity(capacity)
+        assert _advised_layers(pool, advised) == [1] and len(advised) == 2 * (1 + (capacity > 8192))
+        assert "hg" in _vm_flags(_first_whole_huge_page(pool.storage.layers[1].keys))
+    assert _advised_layers(KVPool(num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                                  initial_capacity=8192), advised) == [0, 1, 2]  # None: every layer, as before
+
+
+@linux_only
+def test_a_sliding_window_models_pool_puts_only_its_global_layers_on_huge_pages(monkeypatch):
+    from test_gemma_decode import tiny_gemma
+
+    from infinigen_core.config import EngineConfig
+    from infinigen_core.engine import InfiniGenEngine
+
+    model, skew = tiny_gemma()  # layers 2 and 5 global, the others sliding
+    engine = InfiniGenEngine(model, None, EngineConfig(policy="infinigen"), skew_set=skew)
+    assert engine.pool.huge_page_layers == (2, 5)
+    advised = _advised_during(monkeypatch)
+    engine.pool.ensure_capacity(1 << 15)  # layers of 4 MB: whole huge pages inside each
+    assert _advised_layers(engine.pool, advised) == [2, 5] and len(advised) == 4
+    assert "hg" in _vm_flags(_first_whole_huge_page(engine.pool.storage.layers[5].values))
