@@ -14,7 +14,7 @@ system, THP off) the advice does nothing and nothing else changes. Only the laye
 (KVPool's `huge_page_layers`): a sliding-window layer reads its last window, rows side by side, and with the
 kernel's usual `defrag` setting (`madvise`) the first write of advised memory can wait while the kernel
 assembles 2 MB pages: a fresh process's first restore of a 32k Gemma 3 chat took 2.2-3.2 s with every layer
-advised, 1.0-1.4 s with its 3 global layers only (docs/BENCHMARKS.md, "Resume at 32k on a quiet machine").
+advised, 1.0-1.5 s with its 3 global layers only (docs/BENCHMARKS.md, "Resume at 32k on a quiet machine").
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ from infinigen_core.prefix import common_prefix_length
 from .chunk_writer import SessionChunks
 from .errors import ContextWindowError, SessionError
 from .lock import SessionLock, session_lock
-from .restore import ChunkChoice, missing_cache, read_chunks, which_chunks
-from .snapshots import ChunkError, ChunkRecord, read_chunk
+from .restore import ChunkChecksums, ChunkChoice, missing_cache, read_chunks, which_chunks
+from .snapshots import ChunkError, ChunkRecord, damaged, read_chunk
 from .store import Message, SessionStore
 from .stored_conversation import StoredConversation, conversation  # noqa: F401  (callers import it from here)
 
@@ -182,12 +182,17 @@ class ChatSession(StoredConversation):
         engine.reset()
         self.store.remove_leftovers(self.id)
         choice = which_chunks(self.store, self.id, engine)
+        checksums = ChunkChecksums()
         tensors, read_up_to, problem = read_chunks(self.store, choice, signature, progress,
-                                                   engine.partial_key_digests())
-        if problem:
-            self.store.drop_chunks_from(self.id, read_up_to if tensors else -1)
+                                                   engine.partial_key_digests(), checksums)
         restored = engine.import_rows(tensors) if tensors else 0
-        del tensors  # views of the mapped files: let the mappings go
+        del tensors  # views of the mapped files: let the mappings go (the checksums' thread holds its own)
+        damaged_chunk = checksums.first_damaged()
+        if damaged_chunk is not None:  # its rows and those after it go again: read anew below
+            engine.truncate(damaged_chunk.start)
+            restored, read_up_to, problem = damaged_chunk.start, damaged_chunk.start, damaged(damaged_chunk)
+        if problem:
+            self.store.drop_chunks_from(self.id, read_up_to if restored else -1)
         self._chunks.saved_ids = list(engine.token_ids)
         problem = problem or missing_cache(self.store, self.id, restored, choice)
         prefilled = self._reread(problem, choice, progress)

@@ -212,8 +212,13 @@ def read_chunk(data_dir: Path, record: ChunkRecord, signature: dict[str, str],
     return parse_chunk(map_chunk(data_dir, record), signature, record.start, record.end, partial_keys)
 
 
-def map_chunk(data_dir: Path, record: ChunkRecord) -> memoryview:
-    """The chunk file mapped read-only, checked against the size and checksum on record."""
+def _chunk_name(record: ChunkRecord) -> str:
+    return f"chunk {record.start}-{record.end}"
+
+
+def map_chunk(data_dir: Path, record: ChunkRecord, checksum: bool = True) -> memoryview:
+    """The chunk file mapped read-only, checked against the size and (unless told not to) the checksum on
+    record."""
     path = data_dir / record.file
     try:
         with open(path, "rb") as handle:
@@ -226,7 +231,10 @@ def map_chunk(data_dir: Path, record: ChunkRecord) -> memoryview:
     if hasattr(mapping, "madvise"):  # a cold file: ask for all of it at once rather than page by page
         mapping.madvise(mmap.MADV_WILLNEED)
     data = memoryview(mapping)
-    check_integrity(data, record.size, record.sha256, f"chunk {record.start}-{record.end}")
+    if len(data) != record.size:
+        raise ChunkError(f"{_chunk_name(record)} has {len(data)} bytes, expected {record.size}")
+    if checksum and not checksum_matches(data, record):
+        raise ChunkError(damaged(record))
     return data
 
 
@@ -235,11 +243,14 @@ def read_chunk_bytes(data_dir: Path, record: ChunkRecord) -> bytes:
     return bytes(map_chunk(data_dir, record))
 
 
-def check_integrity(data: bytes | memoryview, size: int, sha256: str, what: str) -> None:
-    if len(data) != size:
-        raise ChunkError(f"{what} has {len(data)} bytes, expected {size}")
-    if hashlib.sha256(data).hexdigest() != sha256:
-        raise ChunkError(f"{what} is damaged (checksum mismatch)")
+def checksum_matches(data: bytes | memoryview, record: ChunkRecord) -> bool:
+    """Whether a chunk's bytes have the SHA-256 on record (hashlib lets go of the interpreter while it reads)."""
+    return hashlib.sha256(data).hexdigest() == record.sha256
+
+
+def damaged(record: ChunkRecord) -> str:
+    """What a chunk whose checksum does not match is called (a restore's reason to read the rest again)."""
+    return f"{_chunk_name(record)} is damaged (checksum mismatch)"
 
 
 def _header(data: bytes | memoryview) -> tuple[dict, int]:

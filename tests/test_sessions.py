@@ -118,6 +118,33 @@ def test_damaged_or_foreign_snapshots_are_detected_and_rebuilt(store, real_engin
         assert not chat.restore.rebuilt and chat.restore.tokens_restored == store.get(session_id).token_count
 
 
+def test_a_chunk_damaged_inside_its_rows_is_cut_away_after_they_went_in(store, real_engine, two_turn_session):
+    """A restore puts the rows in while their checksums are computed (sessions/restore.py, ChunkChecksums): a
+    chunk whose header still parses but whose rows were damaged goes in, and is cut away with every chunk after
+    it before anything uses them; what follows it is read again, as when the damage was found first."""
+    session_id, tokens = two_turn_session
+    chunks = store.chunks(session_id)  # two per turn: a prompt's, a reply's
+    path = store.data_dir / chunks[2].file  # the second turn's prompt
+    data = bytearray(path.read_bytes())
+    header_bytes = int.from_bytes(data[:8], "little")
+    first, last = json.loads(data[8 : 8 + header_bytes])["k.0"]["data_offsets"]
+    data[8 + header_bytes + (first + last) // 2 + 1] ^= 0x7C  # a float16 key's high byte: the file still parses
+    path.write_bytes(bytes(data))
+    with ChatSession.open(store, real_engine, session_id) as chat:
+        assert chat.restore.rebuilt and f"chunk {chunks[2].start}-{chunks[2].end} is damaged" in chat.restore.reason
+        assert chat.restore.tokens_restored == chunks[2].start  # the first turn's rows only
+        assert chat.restore.tokens_prefilled == real_engine.num_tokens - chunks[2].start > 0
+        conversation = list(real_engine.token_ids)
+        assert conversation[: chunks[2].end] == tokens[: chunks[2].end]
+        keys = real_engine.pool.keys(0)[:, chunks[2].start :].clone()
+    real_engine.reset()
+    real_engine.prefill(conversation)
+    # layer 0's keys depend on the tokens and positions alone: read again they are a fresh prefill's (a row
+    # left from the chunk would be float16-rounded, and one of them damaged)
+    torch.testing.assert_close(keys, real_engine.pool.keys(0)[:, chunks[2].start :], rtol=0, atol=1e-6)
+    real_engine.reset()
+
+
 def test_a_session_saved_under_the_models_older_fingerprint_is_taken_over_not_re_read(store, real_engine):
     """Versions before 2026-11-23 fingerprinted the model with its path and transformers version; their
     sessions of the same model restore (their chunks rewritten under the new signature), no re-read."""

@@ -226,8 +226,8 @@ void project_slots(const std::vector<at::Tensor>& keys, const at::Tensor& projec
 // Partial keys made in a batch (a prefill's, a restore's) into an int8 cache: `partial` [kv, n, r] float32 (channels
 // contiguous), the slot of each of its n rows, `cache` [kv, r + 1, capacity] int8 (slots contiguous). Each row is
 // coded by encode_slot, so the codes are partial_codes.encode's to the bit, written where they lie: no [kv, n, r + 1]
-// temporary, no transpose and no index copy (at 32k tokens of Gemma 3's 256 channels, ~0.13 s of a restore's
-// ~0.18 s of partial keys went to those eager passes).
+// temporary, no transpose and no index copy (a 32k-token restore of Gemma 3, 256 channels in 3 layers: 0.15 s in
+// those eager passes, 0.09 s here; docs/BENCHMARKS.md, "Resume at 32k on a quiet machine").
 void encode_partial_keys(const at::Tensor& partial, const at::Tensor& cache, const at::Tensor& slots) {
   TORCH_CHECK(partial.dim() == 3 && partial.scalar_type() == at::kFloat && partial.stride(2) == 1,
               "encode_partial_keys: float32 partial keys [kv, n, r], channels contiguous");
