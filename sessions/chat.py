@@ -35,7 +35,7 @@ from .chunk_writer import SessionChunks
 from .errors import ContextWindowError, SessionError
 from .lock import SessionLock, session_lock
 from .restore import ChunkChecksums, ChunkChoice, missing_cache, read_chunks, which_chunks
-from .snapshots import ChunkError, ChunkRecord, damaged, read_chunk
+from .snapshots import ChunkError, ChunkRecord, damage_reason, read_chunk
 from .store import Message, SessionStore
 from .stored_conversation import StoredConversation, conversation  # noqa: F401  (callers import it from here)
 
@@ -190,7 +190,7 @@ class ChatSession(StoredConversation):
         damaged_chunk = checksums.first_damaged()
         if damaged_chunk is not None:  # its rows and those after it go again: read anew below
             engine.truncate(damaged_chunk.start)
-            restored, read_up_to, problem = damaged_chunk.start, damaged_chunk.start, damaged(damaged_chunk)
+            restored, read_up_to, problem = damaged_chunk.start, damaged_chunk.start, damage_reason(damaged_chunk)
         if problem:
             self.store.drop_chunks_from(self.id, read_up_to if restored else -1)
         self._chunks.saved_ids = list(engine.token_ids)

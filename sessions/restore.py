@@ -21,7 +21,7 @@ from .snapshots import (
     ChunkError,
     ChunkRecord,
     checksum_matches,
-    damaged,
+    damage_reason,
     map_chunk,
     parse_chunk,
     read_chunk,
@@ -117,7 +117,7 @@ def _read_checked_later(store: SessionStore, record: ChunkRecord, signature: dic
         rows = parse_chunk(data, signature, record.start, record.end, partial_keys)
     except ChunkError:
         if not checksum_matches(data, record):
-            raise ChunkError(damaged(record)) from None
+            raise ChunkError(damage_reason(record)) from None
         raise
     checksums.add(record, data)
     return rows

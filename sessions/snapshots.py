@@ -234,7 +234,7 @@ def map_chunk(data_dir: Path, record: ChunkRecord, checksum: bool = True) -> mem
     if len(data) != record.size:
         raise ChunkError(f"{_chunk_name(record)} has {len(data)} bytes, expected {record.size}")
     if checksum and not checksum_matches(data, record):
-        raise ChunkError(damaged(record))
+        raise ChunkError(damage_reason(record))
     return data
 
 
@@ -248,7 +248,7 @@ def checksum_matches(data: bytes | memoryview, record: ChunkRecord) -> bool:
     return hashlib.sha256(data).hexdigest() == record.sha256
 
 
-def damaged(record: ChunkRecord) -> str:
+def damage_reason(record: ChunkRecord) -> str:
     """What a chunk whose checksum does not match is called (a restore's reason to read the rest again)."""
     return f"{_chunk_name(record)} is damaged (checksum mismatch)"
 
