@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     service.host.weights = args.weights
     service.host.compile_decode = args.compile_decode
     service.host.cpu_kernels = args.cpu_kernels
+    service.host.settles_heap = True  # this process is the app's: its heap is frozen after each model load
     page = ChatPage(service)
     demo = page.build()
     from starlette.middleware import Middleware
