@@ -143,6 +143,7 @@ def test_the_apps_host_sets_the_loaded_heap_aside_and_takes_it_back_to_let_an_ol
     import weakref
 
     from chat_service.model_host import ModelHost
+
     from conftest import make_tiny_engine
 
     made = []
