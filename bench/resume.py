@@ -39,7 +39,7 @@ RESUME_COLUMNS = ["format", "cold", "tokens", "disk_bytes_per_token", "open_s", 
                   "resumed_ppl_delta"]
 
 
-def _first_token_seconds(chat: ChatSession, question: str) -> float:
+def first_token_seconds(chat: ChatSession, question: str) -> float:
     started = time.perf_counter()
     events = chat.send(question, SamplingConfig(max_new_tokens=1))
     next(events)
@@ -47,6 +47,14 @@ def _first_token_seconds(chat: ChatSession, question: str) -> float:
     for _ in events:  # finish the turn so it is stored
         pass
     return elapsed
+
+
+def forget_question(store: SessionStore, session_id: str, tokens: int) -> None:
+    """Drop the question's turn (its messages and KV after `tokens`), so the next reopen finds the conversation
+    as it was built."""
+    store.drop_chunks_from(session_id, tokens)
+    store.delete_messages_from(session_id, 2)
+    store.update(session_id, token_count=tokens)
 
 
 def _mean_nll(engine, tokens: list[int]) -> float:
@@ -132,15 +140,12 @@ def measure_resume(engine, context_tokens: int, data_dir: Path | str | None = No
                     open_s = time.perf_counter() - started
                     if chat.restore.tokens_restored != tokens or chat.restore.rebuilt:
                         raise RuntimeError(f"the {kv_format} session did not restore: {chat.restore}")
-                    resume_s = open_s + _first_token_seconds(chat, QUESTION)
+                    resume_s = open_s + first_token_seconds(chat, QUESTION)
                     if cold:
                         say(f"{kv_format}: scoring the following text after the resume")
                         engine.truncate(tokens)
                         delta = math.exp(_mean_nll(engine, following) - uninterrupted_nll) - 1.0
-                # forget the question's turn, so the next reopen finds the conversation as it was built
-                store.drop_chunks_from(session_id, tokens)
-                store.delete_messages_from(session_id, 2)
-                store.update(session_id, token_count=tokens)
+                forget_question(store, session_id, tokens)
                 results.append({
                     "format": kv_format, "cold": cold, "tokens": tokens, "disk_bytes_per_token": chunk.size / tokens,
                     "open_s": open_s, "resume_s": resume_s, "reprefill_s": reprefill_s,

@@ -24,7 +24,6 @@ from .snapshots import (
     damage_reason,
     map_chunk,
     parse_chunk,
-    read_chunk,
     resign_chunk,
 )
 from .store import SessionStore
@@ -85,22 +84,19 @@ class ChunkChecksums:
 
 
 def read_chunks(store: SessionStore, choice: ChunkChoice, signature: dict[str, str],
-                progress: Progress | None, partial_keys: dict[int, str] | None = None,
-                checksums: ChunkChecksums | None = None) -> tuple[list, int, str]:
+                progress: Progress | None, partial_keys: dict[int, str] | None,
+                checksums: ChunkChecksums) -> tuple[list, int, str]:
     """The chosen chunks' rows in order, up to the first missing or unusable one: (rows, the token where they
     end, why the rest could not be read or else the choice's own problem). `partial_keys`: the engine's
-    partial_key_digests, whose saved partial keys the rows keep (snapshots.read_chunk). With `checksums`, each
-    chunk's checksum is left to it (the caller asks `first_damaged` before it uses the rows); a chunk that
-    does not parse is still called damaged where its checksum does not match."""
+    partial_key_digests, whose saved partial keys the rows keep (snapshots.parse_chunk). Each chunk's checksum is
+    left to `checksums` (the caller asks `first_damaged` before it uses the rows); a chunk that does not parse is
+    still called damaged where its checksum does not match."""
     tensors, expected_start, problem = [], 0, choice.problem
     for record in choice.records:
         try:
             if record.start != expected_start:
                 raise ChunkError(f"chunk {expected_start}-{record.start} is missing")
-            if checksums is None:
-                tensors.append(read_chunk(store.data_dir, record, signature, partial_keys))
-            else:
-                tensors.append(_read_checked_later(store, record, signature, partial_keys, checksums))
+            tensors.append(_read_checked_later(store, record, signature, partial_keys, checksums))
         except ChunkError as error:
             problem = str(error)
             break

@@ -15,6 +15,7 @@ from infinigen_core.compiled import compile_decode
 from infinigen_core.config import EngineConfig
 from infinigen_core.decode_lane import DecodeLane, lane_refusal
 from infinigen_core.policies import partial_codes
+from infinigen_core.policies.infinigen import stored_partial
 
 from conftest import greedy_logits, make_tiny_engine, random_tokens
 
@@ -55,7 +56,7 @@ def _assert_decode_partial_keys_are_the_projections_products(engine, first_slot:
     assert size > first_slot
     for layer in policy.sparse_layers:
         keys = engine.pool.keys(layer)[:, first_slot:size]
-        expected = policy._stored(torch.bmm(keys, policy.key_projections[layer])).transpose(1, 2)
+        expected = stored_partial(torch.bmm(keys, policy.key_projections[layer]), policy.partial_store_dtype).transpose(1, 2)
         written = policy.partial_keys_t[layer][:, :, first_slot:size]
         if policy.coded:
             _assert_within_one_code(written, expected)

@@ -209,28 +209,18 @@ class InfiniGenPolicy(KVPolicy):
         self._store_partial(layer, slots, torch.bmm(self._on_compute(keys), self.key_projections[layer]))
 
     def _store_partial(self, layer: int, slots: torch.Tensor, partial: torch.Tensor) -> None:
-        """Partial keys [kv_heads, n, r] of `slots` (compute device) into the layer's cache, as `_stored` keeps
+        """Partial keys [kv_heads, n, r] of `slots` (compute device) into the layer's cache, as `stored_partial` keeps
         them: int8 codes straight into the cache by the kernels' op (the same codes as partial_codes.encode)."""
         if self.coded:
             torch.ops.infinigen_cpu.encode_partial_keys(partial.float().contiguous(), self.partial_keys_t[layer], slots)
             return
-        self.partial_keys_t[layer].index_copy_(2, slots, self._stored(partial).transpose(1, 2))
+        stored = stored_partial(partial, self.partial_store_dtype)
+        self.partial_keys_t[layer].index_copy_(2, slots, stored.transpose(1, 2))
 
     def finish_step(self, completed: bool) -> None:
         # a captured step hands its RoPE factors back in the same buffer: never keep them past the step
         self._rope_source = self._rope_factors = None
         self.step_keys.finish(completed)
-
-    def _stored(self, partial: torch.Tensor) -> torch.Tensor:
-        """Partial keys [..., r] as the cache stores them: int8 codes [..., r + 1] (partial_codes.py), else in the
-        cache's dtype (float16's range bounds them: no key turns into an infinity)."""
-        if self.coded:
-            return partial_codes.encode(partial)
-        if partial.dtype == self.partial_store_dtype:
-            return partial
-        if self.partial_store_dtype == torch.float16:
-            partial = partial.clamp(-65504.0, 65504.0)
-        return partial.to(self.partial_store_dtype)
 
     def partial_keys(self, layer: int) -> torch.Tensor:
         """[kv_heads, slots, r]: the layer's skewed partial keys, slot by slot (a view; decoded values for int8)."""
@@ -397,7 +387,8 @@ class StepPartialKeys:
                                                             policy.ctx.pool.size() - 1)
             return
         layers, heads, _, dim = keys.shape
-        partial = policy._stored(torch.bmm(keys.view(-1, 1, dim), policy._stacked_key_projections))
+        partial = stored_partial(torch.bmm(keys.view(-1, 1, dim), policy._stacked_key_projections),
+                                 policy.partial_store_dtype)
         policy._partial_all.index_copy_(3, slots, partial.view(layers, heads, -1, 1))
 
     def defer(self, slot: int) -> None:
@@ -418,6 +409,18 @@ class StepPartialKeys:
         if first < end:
             keys = [pool.keys(layer) for layer in policy.sparse_layers]
             torch.ops.infinigen_cpu.project_slots(keys, policy._stacked_key_projections, policy._partial_all, first, end)
+
+
+def stored_partial(partial: torch.Tensor, store_dtype: torch.dtype) -> torch.Tensor:
+    """Partial keys [..., r] as a cache of `store_dtype` holds them: int8 codes [..., r + 1] (partial_codes.py),
+    else in that dtype (float16's range bounds them: no key turns into an infinity)."""
+    if store_dtype == torch.int8:
+        return partial_codes.encode(partial)
+    if partial.dtype == store_dtype:
+        return partial
+    if store_dtype == torch.float16:
+        partial = partial.clamp(-65504.0, 65504.0)
+    return partial.to(store_dtype)
 
 
 def projection_digest(projection: torch.Tensor) -> str:
