@@ -60,13 +60,13 @@ class PoolAttention:
         """Several new tokens (prefill): causal attention over the pool, masked by positions. A sliding layer
         whose slots are its positions reads only the slots its window can reach (the new tokens are the last
         ones): at long contexts it would otherwise do a global layer's quadratic work, masked away."""
-        keys, values, positions = self.pool.keys(layer), self.pool.values(layer), self.pool.positions(layer)
         window = self.adapter.sliding_window(layer)
         first = 0  # the first slot read: before a pool on another device is copied, only what the window reaches
         # (not where the policy reads the attention weights by slot: H2O counts every slot's)
         if window is not None and self.pool.slots_are_positions and not self.policy.needs_attention_weights:
-            first = max(0, keys.shape[1] - query.shape[-2] - window + 1)  # the first new token's window starts here
-            keys, values, positions = keys[:, first:], values[:, first:], positions[first:]
+            first = max(0, self.pool.size(layer) - query.shape[-2] - window + 1)  # the first new token's window
+        keys, values = self.pool.keys(layer, first), self.pool.values(layer, first)
+        positions = self.pool.positions(layer)[first:]
         if keys.device != self.device:  # the new rows are still on their way to the pool: use the device's
             keys, values = keys.to(self.device), values.to(self.device)
             keys.index_copy_(1, new_slots - first, new_keys)

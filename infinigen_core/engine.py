@@ -139,6 +139,8 @@ class InfiniGenEngine(SessionRows):
             # fresh pool (a restore) can wait on the kernel's compaction (huge_pages.py)
             huge_page_layers=tuple(layer for layer in range(self.adapter.num_layers)
                                    if self.adapter.sliding_window(layer) is None),
+            sliding_windows={layer: window for layer in range(self.adapter.num_layers)
+                             if (window := self.adapter.sliding_window(layer)) is not None},
         )
         old_pool = self.pool
         if self.fetcher is not None:

@@ -93,13 +93,15 @@ def _new_rows_first(new_keys: torch.Tensor, new_values: torch.Tensor, keys: torc
 
 
 class _PoolView(PendingFetch):
-    """The whole layer, read in place (the new token is already written to its slot)."""
+    """The whole layer, read in place (the new token is already written to its slot); a sliding layer from its
+    window's first slot on (what attention reads of it: rows a restore deferred stay where they are)."""
 
     def __init__(self, pool: KVPool, layer: int) -> None:
         self.pool, self.layer = pool, layer
 
     def _rows(self, new_keys, new_values, new_slots):
-        return self.pool.keys(self.layer), self.pool.values(self.layer)
+        first = self.pool.window_start(self.layer)
+        return self.pool.keys(self.layer, first), self.pool.values(self.layer, first)
 
 
 class _GatherAtWait(PendingFetch):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .pool_restore import RowRestore
+from .pool_restore import DeferredRows, RowRestore
 from .pool_lifecycle import CapacityRule, PoolStorage, empty_host_cache_if, release_pinned_memory
 
 __all__ = ["KVPool", "PoolCapacityError", "release_pinned_memory"]
@@ -56,6 +56,7 @@ class KVPool(RowRestore):
         initial_capacity: int = 256,
         growth_tokens: int = 1024,
         huge_page_layers: tuple[int, ...] | None = None,
+        sliding_windows: dict[int, int] | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -69,6 +70,9 @@ class KVPool(RowRestore):
         self.growth_tokens = growth_tokens
         # the layers whose rows attention reads by slot, asked onto huge pages (huge_pages.py); None: every layer
         self.huge_page_layers = huge_page_layers
+        # per sliding-window layer its window: a restore may leave its older rows in their chunk (pool_restore.py)
+        self.sliding_windows = sliding_windows
+        self._deferred: dict[int, DeferredRows] = {}  # per layer, rows a restore left in their chunks
         self.total_tokens = 0  # positions handed out so far: the next token gets this position
         self.evicted_tokens = 0
         self.last_reserved: list[torch.Tensor] = []  # per layer, the slots of the newest reserve() call
@@ -106,9 +110,10 @@ class KVPool(RowRestore):
     # ------------------------------------------------------------------ storage (sizes: pool_lifecycle.py)
     def _allocate(self, capacity: int) -> None:
         """(Re)allocate every layer for `capacity` slots, keeping the rows in use."""
+        unwritten = {layer: record.below for layer, record in self._deferred.items()}
         self._storage = PoolStorage.allocate(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype,
                                              self.device, self.pin_memory, self._storage, self._size,
-                                             self.huge_page_layers)
+                                             self.huge_page_layers, unwritten)
         storage = self._storage
         self._layers, self._positions, self._fetch_counts = storage.layers, storage.positions, storage.fetch_counts
         self._head_offsets = storage.head_offsets
@@ -117,6 +122,7 @@ class KVPool(RowRestore):
         """Forget every tensor (a discarded pool whose pinned memory goes back: `release_pinned_memory`)."""
         self._layers = []
         self._storage = None
+        self._deferred.clear()
 
     @torch.inference_mode()
     def ensure_capacity(self, tokens: int) -> None:
@@ -176,6 +182,7 @@ class KVPool(RowRestore):
                 f"{self.sink_tokens} sink and {self.recent_window} recent tokens protected"
             )
         self.ensure_capacity(limit)
+        self.write_deferred()  # never deferred under a limit: whatever the victims, their rows are written
         free = limit - self._size
         appended = torch.arange(self._size, limit, device=self.device)
         self._size = limit
@@ -222,11 +229,26 @@ class KVPool(RowRestore):
         """Slots in use; every layer holds the same number."""
         return self._size
 
-    def keys(self, layer: int) -> torch.Tensor:
-        return self._layers[layer].keys[:, : self._size]
+    def keys(self, layer: int, first: int = 0) -> torch.Tensor:
+        """The keys of slots [first, size), every row written (rows a restore deferred are copied in first)."""
+        if layer in self._deferred:
+            self.write_deferred(layer, first)
+        return self._layers[layer].keys[:, first : self._size]
 
-    def values(self, layer: int) -> torch.Tensor:
-        return self._layers[layer].values[:, : self._size]
+    def values(self, layer: int, first: int = 0) -> torch.Tensor:
+        """The values of slots [first, size), as `keys`."""
+        if layer in self._deferred:
+            self.write_deferred(layer, first)
+        return self._layers[layer].values[:, first : self._size]
+
+    def window_start(self, layer: int, size: int | None = None) -> int:
+        """The first slot a sliding layer's attention reads while the pool holds `size` slots (default: now):
+        its last `window`. 0 for a global layer, and where slots are not positions (attention reads them all,
+        masked)."""
+        window = (self.sliding_windows or {}).get(layer)
+        if window is None or not self._slots_are_positions:
+            return 0
+        return max(0, (self._size if size is None else size) - window)
 
     def positions(self, layer: int) -> torch.Tensor:
         return self._positions[layer, : self._size]
@@ -247,6 +269,8 @@ class KVPool(RowRestore):
         One flat index_select per tensor: much cheaper than 2-D advanced indexing. Counts the fetch when
         eviction needs the counts.
         """
+        if layer in self._deferred:
+            self.write_deferred(layer)
         store = self._layers[layer]
         rows = self.flat_rows(slot_index)
         shape = shape or (*slot_index.shape, self.head_dim)
@@ -268,6 +292,8 @@ class KVPool(RowRestore):
     def gather_pairs(self, layer: int, pairs: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Copy the rows of (KV head, slot) `pairs` [n, 2] into `out` ([n, head_dim] each); counts nothing
         (the caller counts what was selected, cached or not)."""
+        if layer in self._deferred:
+            self.write_deferred(layer)
         store = self._layers[layer]
         rows = pairs[:, 0] * self.capacity + pairs[:, 1]
         torch.index_select(store.flat_keys, 0, rows, out=out[0])
@@ -283,6 +309,8 @@ class KVPool(RowRestore):
         if n_tokens >= self.total_tokens:
             return False
         moved = not self._slots_are_positions
+        if moved:
+            self.write_deferred()  # rows that move are written first
         if not moved:
             kept = min(n_tokens, self._size)
         else:
@@ -297,6 +325,8 @@ class KVPool(RowRestore):
         self._fetch_counts[:, kept:] = 0
         self._size = kept
         self.total_tokens = n_tokens
+        if self._deferred:
+            self._deferred_after_truncate(kept)
         if n_tokens == 0:
             self._slots_are_positions = True
         return moved

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -91,8 +91,10 @@ class PoolStorage:
     @staticmethod
     def allocate(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device, pin_memory: bool, keep_from: PoolStorage | None = None,
-                 keep: int = 0, huge_page_layers: Collection[int] | None = None) -> PoolStorage:
-        """New storage for `capacity` slots per layer, the first `keep` slots copied from `keep_from`; the layers
+                 keep: int = 0, huge_page_layers: Collection[int] | None = None,
+                 unwritten: Mapping[int, int] | None = None) -> PoolStorage:
+        """New storage for `capacity` slots per layer, the first `keep` slots copied from `keep_from` (of a layer in
+        `unwritten`, from that slot on: rows a restore left in their chunks are not there to copy); the layers
         `huge_page_layers` (None: all) asked onto huge pages (KVPool's `huge_page_layers`)."""
         shape = (num_kv_heads, capacity, head_dim)
         layers = []
@@ -103,9 +105,10 @@ class PoolStorage:
             if not pin_memory and (huge_page_layers is None or layer in huge_page_layers):
                 advise_huge_pages(keys)
                 advise_huge_pages(values)
-            if keep:
-                keys[:, :keep].copy_(keep_from.layers[layer].keys[:, :keep])
-                values[:, :keep].copy_(keep_from.layers[layer].values[:, :keep])
+            first = (unwritten or {}).get(layer, 0)
+            if keep > first:
+                keys[:, first:keep].copy_(keep_from.layers[layer].keys[:, first:keep])
+                values[:, first:keep].copy_(keep_from.layers[layer].values[:, first:keep])
             layers.append(LayerStore(keys, values))
         positions = torch.full((num_layers, capacity), -1, dtype=torch.int64, device=device)
         counts = torch.zeros(num_layers, capacity, dtype=torch.int64, device=device)

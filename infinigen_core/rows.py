@@ -46,8 +46,9 @@ def export_rows(pool: KVPool, token_ids: list[int], start: int, end: int,
         positions = pool.positions(layer)
         rows = ((positions >= start) & (positions < end)).nonzero().squeeze(1)
         rows = rows[torch.argsort(positions[rows])]
-        tensors[tensor_name(KEYS, layer)] = pool.keys(layer)[:, rows].cpu().contiguous()
-        tensors[tensor_name(VALUES, layer)] = pool.values(layer)[:, rows].cpu().contiguous()
+        first = int(rows.min()) if rows.numel() else pool.size()  # rows a restore deferred: only those asked for
+        tensors[tensor_name(KEYS, layer)] = pool.keys(layer, first)[:, rows - first].cpu().contiguous()
+        tensors[tensor_name(VALUES, layer)] = pool.values(layer, first)[:, rows - first].cpu().contiguous()
         tensors[tensor_name(POSITIONS, layer)] = positions[rows].cpu().contiguous()
         partial = partial_keys(layer, rows) if partial_keys is not None else None
         if partial is not None:
@@ -97,9 +98,12 @@ def import_rows(pool: KVPool, token_ids: list[int], chunks: Iterable[Mapping[str
     """Append exported chunks (in order) to the pool after `token_ids`, extending it; returns the tokens added.
 
     The pool is sized once for all the chunks before the first is copied in: grown chunk by chunk, it would
-    copy itself into new storage at each growth step, and hold two pools at each copy."""
+    copy itself into new storage at each growth step, and hold two pools at each copy. A sliding layer's rows
+    older than its window at the restored size stay in the chunks until read (pool_restore.py)."""
     chunks = list(chunks)
-    pool.ensure_capacity(pool.size() + sum(rows_in(chunk) for chunk in chunks))
+    restored_size = pool.size() + sum(rows_in(chunk) for chunk in chunks)
+    pool.ensure_capacity(restored_size)
+    write_from = [pool.window_start(layer, restored_size) for layer in range(pool.num_layers)]
     restored = 0
     for chunk in chunks:
         ids = chunk[TOKEN_IDS].tolist()
@@ -110,7 +114,7 @@ def import_rows(pool: KVPool, token_ids: list[int], chunks: Iterable[Mapping[str
                 raise ValueError("chunk positions overlap the tokens already cached")
             pool.append_rows(layer, chunk[tensor_name(KEYS, layer)], chunk[tensor_name(VALUES, layer)], positions,
                              chunk.get(tensor_name(KEY_SCALES, layer)), chunk.get(tensor_name(VALUE_SCALES, layer)),
-                             chunk.get(tensor_name(KEY_CHANNEL_SCALES, layer)))
+                             chunk.get(tensor_name(KEY_CHANNEL_SCALES, layer)), write_from[layer])
         token_ids.extend(ids)
         pool.set_total_tokens(len(token_ids))
         restored += len(ids)

@@ -1,7 +1,9 @@
 """A saved chat's first reopen in a fresh process, as after a restart days later: seconds to open the session
 (its KV read back from disk into a pool that this process has never allocated) and to the first token of a
 follow-up question, then the same again in that process (a second open: memory the allocator has given back
-once). `bench resume` reopens in the process that built the chat, so its rows are the second kind.
+once), and the process's resident memory after the first: anonymous (the pool, the model) and file-backed
+(mapped chunk pages it touched; the kernel may drop these). `bench resume` reopens in the process that built
+the chat, so its rows are the second kind.
 
 usage: python scripts/first_open.py [--model gemma-3-270m] [--context 32768] [--text FILE|FOLDER]
                                     [--data-dir DIR] [--processes 3]
@@ -48,6 +50,17 @@ def build(engine, data_dir: Path, context: int, text: str) -> dict:
     return built
 
 
+def resident_mb() -> dict:
+    """This process's resident memory in MiB, anonymous and file-backed (Linux; empty elsewhere)."""
+    try:
+        status = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in status if ":" in line)
+    return {f"{name.lower()}_mb": round(int(fields[name].split()[0]) / 1024) for name in ("RssAnon", "RssFile")
+            if name in fields}
+
+
 def open_twice(engine, data_dir: Path, built: dict) -> dict:
     """Seconds to open the session and to its first new token, the first time in this process and again."""
     store = SessionStore(data_dir, StorageConfig(kv_format="int8"))
@@ -64,6 +77,8 @@ def open_twice(engine, data_dir: Path, built: dict) -> dict:
                 raise SystemExit(f"the session did not restore: {chat.restore}")
             result[f"{name}_open_s"] = round(opened, 3)
             result[f"{name}_resume_s"] = round(opened + first_token_seconds(chat, QUESTION), 3)
+            if name == "first":
+                result.update({f"first_{key}": value for key, value in resident_mb().items()})
         forget_question(store, session_id, built["tokens"])
     return result
 

@@ -186,7 +186,8 @@ class ChatSession(StoredConversation):
         tensors, read_up_to, problem = read_chunks(self.store, choice, signature, progress,
                                                    engine.partial_key_digests(), checksums)
         restored = engine.import_rows(tensors) if tensors else 0
-        del tensors  # views of the mapped files: let the mappings go (the checksums' thread holds its own)
+        del tensors  # views of the mapped files: let them go (the checksums' thread holds its own; the pool those of
+        # the sliding layers' rows it left in their chunks: pool_restore.py)
         damaged_chunk = checksums.first_damaged()
         if damaged_chunk is not None:  # its rows and those after it go again: read anew below
             engine.truncate(damaged_chunk.start)
@@ -203,8 +204,10 @@ class ChatSession(StoredConversation):
         earlier visit of this model, what was said under another model since (the common prefix is kept).
         Returns the tokens read."""
         engine = self.engine
-        wanted = self._conversation_ids() if self.messages else []
-        if not wanted or not (problem or (choice.unparked and wanted != engine.token_ids)):
+        if not self.messages or not (problem or choice.unparked):
+            return 0  # a whole restore: the conversation is not tokenized again (~0.05 s at 32k tokens)
+        wanted = self._conversation_ids()
+        if not wanted or (not problem and wanted == engine.token_ids):
             return 0
         before = engine.num_tokens
         engine.sync_to(wanted[: engine.max_context], progress)
