@@ -1,7 +1,9 @@
 """Milliseconds per decode step that InfiniGen's two CPU kernels take at a model's long-context shapes, with
 nothing else around them: `rehearse_select` over every sparse layer's int8 partial keys, and `attend_rows` over
 the rows it would choose, placed at random in pools on huge pages as the engine's are (also: the same number of
-rows side by side, and a dense layer's `attend_span`). Random values: the times, not the choices, are the point.
+rows side by side, a dense layer's `attend_span`, and `encode_partial_keys` coding every past row's partial key of
+every sparse layer: a restore's or a long prefill's batch). Random values: the times, not the choices, are the
+point.
 For changes to infinigen_cpu.cpp, run it for each build one after the other, alternating, a few times: the
 machine's memory speed drifts from minute to minute.
 
@@ -84,10 +86,17 @@ def main() -> None:
     def dense():
         kernels.attend_span(query, keys[0], values[0], 0, past + 1, scale)
 
+    float_partial = [torch.randn(kv, past, r) for _ in range(layers)]
+    past_slots = torch.arange(past)
+
+    def encode():
+        for layer in range(layers):
+            torch.ops.infinigen_cpu.encode_partial_keys(float_partial[layer], partial_keys[layer], past_slots)
+
     print(f"{args.shape}, {torch.get_num_threads()} threads, {layers} layers, {k} of {past} rows each:")
     for name, step in (("rehearse_select", select), ("attend_rows, rows at random", attend(lambda layer: chosen[layer])),
                        ("attend_rows, rows side by side", attend(lambda layer: side_by_side)),
-                       ("attend_span, one dense layer", dense)):
+                       ("attend_span, one dense layer", dense), ("encode_partial_keys, every past row", encode)):
         print(f"  {name:32s} {milliseconds(step, args.repeats):8.3f} ms")
 
 

@@ -104,10 +104,14 @@ void encode_slot(const float* sums, int64_t r, int8_t* out, int64_t channel_stri
   int exponent = 0;
   const float mantissa = std::frexp(std::max(magnitude, 0x1p-30f), &exponent);
   exponent = std::max(mantissa <= 127.0f / 128.0f ? exponent - 7 : exponent - 6, kMinExponent);
+  // times a power of two: exact, as ldexp is (and no call per channel)
+  const float scale = std::ldexp(1.0f, -exponent);
+  int8_t codes[kMaxPartialChannels];  // made side by side (vectorised), then written down the slot's column
   for (int64_t j = 0; j < r; ++j) {
-    const float code = std::nearbyint(std::ldexp(clamped[j], -exponent));
-    out[j * channel_stride] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));  // a NaN: -127
+    const float code = std::nearbyint(clamped[j] * scale);
+    codes[j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));  // a NaN: -127
   }
+  for (int64_t j = 0; j < r; ++j) out[j * channel_stride] = codes[j];
   out[r * channel_stride] = static_cast<int8_t>(exponent);
 }
 
