@@ -11,7 +11,10 @@ compiled step read its last `window` slots only). A restore may leave those rows
 the chunk's tensors, views of its mapped file, are kept as they are, and the rows are copied in only when
 something asks for them (`keys(layer)`, an export, a truncate that brings them back into the window). At 32k
 tokens on Gemma 3 (15 of 18 layers sliding over 512 tokens) that is 1.0 of the restore's 1.2 GB never written,
-and never resident unless asked for. Invariant: a layer's deferred rows lie below `size - window`.
+and never resident unless asked for. The chunk's file must stay as it is meanwhile: chunk files are written once
+and only ever unlinked (the mapping outlives that), but one cut short in place by another program would fault
+the process when the rows are read. Invariants: a layer's deferred rows lie below `size - window`, and are
+all of its slots [0, below), each in a piece (rows written before an import are never taken for deferred ones).
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ class RowRestore:
         if not in_place:
             self._slots_are_positions = False
         deferred = max(0, min(n, write_from - start)) if in_place and self.limit_tokens is None else 0
+        if self.deferred_slots(layer) != start:  # rows written since the deferred ones (a prefill, a chunk inside
+            deferred = 0  # the window): [0, below) must lie wholly in pieces, or a growth would not copy them
         if deferred:
             record = self._deferred.setdefault(layer, DeferredRows())
             record.pieces.append((start, rows))

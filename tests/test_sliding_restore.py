@@ -13,7 +13,8 @@ import torch
 from test_gemma_decode import VOCAB, WINDOW, tiny_gemma
 
 from infinigen_core.decode_lane import DecodeLane
-from infinigen_core.rows import KEYS, VALUES, tensor_name
+from infinigen_core.kv_pool import KVPool
+from infinigen_core.rows import KEYS, POSITIONS, TOKEN_IDS, VALUES, import_rows, tensor_name
 from sessions.snapshots import read_chunk, write_chunk
 
 from conftest import make_tiny_engine, random_tokens
@@ -28,25 +29,39 @@ def gemma():
     return tiny_gemma()
 
 
+def _chunk(engine, folder, start: int, end: int) -> dict[str, torch.Tensor]:
+    """Rows [start, end) written as an int8 chunk and read back from its file."""
+    record = write_chunk(folder, "s", engine.export_rows(start, end), engine.kv_signature(), start, "int8")
+    return read_chunk(folder, record, engine.kv_signature())
+
+
 @pytest.fixture(scope="module")
 def saved(gemma, tmp_path_factory):
     """A conversation of HELD tokens as a session holds it: an int8 chunk read back from its file (codes, per-row
     and per-channel scales: what a reopened session imports), and the float32 rows it was written from."""
     engine = make_tiny_engine(gemma, **SELECTING)
     engine.prefill(random_tokens(HELD, seed=3, vocab=VOCAB))
-    rows = engine.export_rows(0, HELD)
-    folder = tmp_path_factory.mktemp("chunks")
-    record = write_chunk(folder, "s", rows, engine.kv_signature(), 0, "int8")
-    return read_chunk(folder, record, engine.kv_signature()), rows
+    return _chunk(engine, tmp_path_factory.mktemp("chunks"), 0, HELD), engine.export_rows(0, HELD)
 
 
-def _restored(gemma, chunk, defer: bool, kernels=None, **settings):
+@pytest.fixture(scope="module")
+def saved_in_pieces(gemma, tmp_path_factory):
+    """The same conversation in three chunks, [0, 30), [30, 70) and [70, HELD): the window's first slot (64) in the
+    second, the third wholly inside it."""
+    engine = make_tiny_engine(gemma, **SELECTING)
+    engine.prefill(random_tokens(HELD, seed=3, vocab=VOCAB))
+    folder = tmp_path_factory.mktemp("pieces")
+    return [_chunk(engine, folder, start, end) for start, end in ((0, 30), (30, 70), (70, HELD))]
+
+
+def _restored(gemma, chunks, defer: bool, kernels=None, **settings):
+    """An engine with `chunks` (one or a list) restored: its deferred rows poisoned, or (the reference) written."""
     engine = make_tiny_engine(gemma, kernels, **{**SELECTING, **settings})
-    if not defer:
-        engine.pool.sliding_windows = None  # no layer is known to slide: every row is written
-    engine.import_rows([chunk])
+    engine.import_rows(chunks if isinstance(chunks, list) else [chunks])
     if defer:
         _poison_deferred(engine.pool)
+    else:
+        engine.pool.write_deferred()  # the same pool, every row written
     return engine
 
 
@@ -150,6 +165,7 @@ def test_a_growing_pool_keeps_the_deferred_rows_in_their_chunk(gemma, saved):
     deferred = _deferred(engine)
     engine.pool.ensure_capacity(4 * engine.pool.capacity)
     assert _deferred(engine) == deferred
+    _poison_deferred(engine.pool)  # the new storage's unwritten slots too
     assert torch.equal(_continue(engine, QUESTION), _continue(reference, QUESTION))
     whole, expected = engine.export_rows(0, HELD), reference.export_rows(0, HELD)
     assert all(torch.equal(whole[name], expected[name]) for name in expected)
@@ -181,3 +197,46 @@ def test_the_restored_rows_are_the_chunks(gemma, saved):
         for kind in (KEYS, VALUES):
             name = tensor_name(kind, layer)
             assert (whole[name] - rows[name]).abs().max() <= rows[name].abs().amax() / 100
+
+
+def test_a_restore_in_several_chunks_defers_across_them(gemma, saved_in_pieces):
+    """The window's first slot inside the second chunk: the first chunk wholly deferred, the second in part, the
+    third written; decoding after truncates into each of them, and an export, as the reference's."""
+    engine = _restored(gemma, saved_in_pieces, defer=True)
+    assert _deferred(engine) == [HELD - WINDOW if layer in SLIDING else 0 for layer in range(6)]
+    reference = _restored(gemma, saved_in_pieces, defer=False)
+    assert torch.equal(_continue(engine, QUESTION, steps=2), _continue(reference, QUESTION, steps=2))
+    for kept in (60, 40, 20):  # the window reaches back into the second chunk, across the pieces, into the first
+        engine.truncate(kept)
+        reference.truncate(kept)
+        assert torch.equal(_continue(engine, QUESTION, steps=2), _continue(reference, QUESTION, steps=2))
+    whole, expected = engine.export_rows(0, 20), reference.export_rows(0, 20)
+    assert all(torch.equal(whole[name], expected[name]) for name in expected)
+
+
+def _numbered_chunk(start: int, end: int) -> dict[str, torch.Tensor]:
+    """One layer's rows whose keys and values are their positions."""
+    rows = torch.arange(start, end, dtype=torch.float32).view(1, -1, 1).expand(1, -1, 2).contiguous()
+    return {TOKEN_IDS: torch.arange(start, end), tensor_name(KEYS, 0): rows, tensor_name(VALUES, 0): rows.clone(),
+            tensor_name(POSITIONS, 0): torch.arange(start, end)}
+
+
+def test_rows_written_before_an_import_are_never_taken_for_deferred_ones():
+    """A reload whose last chunk lies inside the window, then another session's chunk imported after it (a
+    prefix taken over): the rows between the deferred ones and the new chunk were written, and a growth, a
+    shrink and an edit that reaches back to them keep them."""
+    window = 4
+    pool = KVPool(1, 1, 2, torch.float32, initial_capacity=16, growth_tokens=16, sliding_windows={0: window})
+    token_ids: list[int] = []
+    import_rows(pool, token_ids, [_numbered_chunk(0, 10), _numbered_chunk(10, 12)])
+    assert pool.deferred_slots(0) == 12 - window
+    import_rows(pool, token_ids, [_numbered_chunk(12, 30)])
+    assert pool.deferred_slots(0) == 12 - window  # slots 8-11 were written: nothing after them is deferred
+    pool.truncate(26)
+    pool.ensure_capacity(200)
+    pool.truncate(13)
+    assert pool.release_spare()  # a shrink copies what is written too
+    start = pool.window_start(0)
+    window_rows = pool.storage.layers[0].keys[0, start : pool.size(), 0]  # as the lane reads them, by slot
+    assert window_rows.tolist() == [float(slot) for slot in range(start, 13)]
+    assert pool.keys(0)[0, :, 0].tolist() == [float(slot) for slot in range(13)]
