@@ -96,7 +96,7 @@ def main() -> None:
     print(f"{args.shape}, {torch.get_num_threads()} threads, {layers} layers, {k} of {past} rows each:")
     for name, step in (("rehearse_select", select), ("attend_rows, rows at random", attend(lambda layer: chosen[layer])),
                        ("attend_rows, rows side by side", attend(lambda layer: side_by_side)),
-                       ("attend_span, one dense layer", dense), ("encode_partial_keys, every past row", encode)):
+                       ("attend_span, one dense layer", dense), ("encode_partial_keys, all rows", encode)):
         print(f"  {name:32s} {milliseconds(step, args.repeats):8.3f} ms")
 
 
