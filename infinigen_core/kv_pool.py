@@ -189,7 +189,9 @@ class KVPool(RowRestore):
         new_positions = torch.arange(first, first + n, dtype=torch.int64, device=self.device)
         slots_per_layer = []
         for layer in range(self.num_layers):
-            slots = torch.cat([appended, self._choose_victims(layer, n - free, first + n)])
+            victims = choose_victims(self._positions[layer, : self._size], self._fetch_counts[layer, : self._size],
+                                     n - free, self.total_tokens, first + n, self.sink_tokens, self.recent_window)
+            slots = torch.cat([appended, victims])
             self._positions[layer, slots] = new_positions
             self._fetch_counts[layer, slots] = 0
             slots_per_layer.append(slots)
@@ -199,21 +201,6 @@ class KVPool(RowRestore):
         self.last_reserved = slots_per_layer
         self.last_reserved_contiguous = False
         return slots_per_layer
-
-    def _choose_victims(self, layer: int, count: int, total_after: int) -> torch.Tensor:
-        positions = self._positions[layer, : self._size]
-        counts = self._fetch_counts[layer, : self._size]
-        protected = (positions < self.sink_tokens) | (positions >= total_after - self.recent_window) | (positions < 0)
-        age = (self.total_tokens - positions).clamp(min=1).to(torch.float64)
-        rate = counts.to(torch.float64) / age
-        rate = rate.masked_fill(protected, float("inf"))
-        # lowest fetch rate first; among equals the oldest position goes first
-        order = torch.argsort(positions, stable=True)
-        order = order[torch.argsort(rate[order], stable=True)]
-        victims = order[:count]
-        if torch.isinf(rate[victims]).any():
-            raise PoolCapacityError("every slot is protected: raise the pool limit or shrink the protected window")
-        return victims
 
     @torch.inference_mode()
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -231,24 +218,13 @@ class KVPool(RowRestore):
 
     def keys(self, layer: int, first: int = 0) -> torch.Tensor:
         """The keys of slots [first, size), every row written (rows a restore deferred are copied in first)."""
-        if layer in self._deferred:
-            self.write_deferred(layer, first)
+        self._ensure_written(layer, first)
         return self._layers[layer].keys[:, first : self._size]
 
     def values(self, layer: int, first: int = 0) -> torch.Tensor:
         """The values of slots [first, size), as `keys`."""
-        if layer in self._deferred:
-            self.write_deferred(layer, first)
+        self._ensure_written(layer, first)
         return self._layers[layer].values[:, first : self._size]
-
-    def window_start(self, layer: int, size: int | None = None) -> int:
-        """The first slot a sliding layer's attention reads while the pool holds `size` slots (default: now):
-        its last `window`. 0 for a global layer, and where slots are not positions (attention reads them all,
-        masked)."""
-        window = (self.sliding_windows or {}).get(layer)
-        if window is None or not self._slots_are_positions:
-            return 0
-        return max(0, (self._size if size is None else size) - window)
 
     def positions(self, layer: int) -> torch.Tensor:
         return self._positions[layer, : self._size]
@@ -269,8 +245,7 @@ class KVPool(RowRestore):
         One flat index_select per tensor: much cheaper than 2-D advanced indexing. Counts the fetch when
         eviction needs the counts.
         """
-        if layer in self._deferred:
-            self.write_deferred(layer)
+        self._ensure_written(layer)
         store = self._layers[layer]
         rows = self.flat_rows(slot_index)
         shape = shape or (*slot_index.shape, self.head_dim)
@@ -292,8 +267,7 @@ class KVPool(RowRestore):
     def gather_pairs(self, layer: int, pairs: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Copy the rows of (KV head, slot) `pairs` [n, 2] into `out` ([n, head_dim] each); counts nothing
         (the caller counts what was selected, cached or not)."""
-        if layer in self._deferred:
-            self.write_deferred(layer)
+        self._ensure_written(layer)
         store = self._layers[layer]
         rows = pairs[:, 0] * self.capacity + pairs[:, 1]
         torch.index_select(store.flat_keys, 0, rows, out=out[0])
@@ -356,3 +330,19 @@ class KVPool(RowRestore):
         """A key row and a value row of one KV head in one layer: what fetching one slot moves."""
         return 2 * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
+
+def choose_victims(positions: torch.Tensor, counts: torch.Tensor, count: int, total_tokens: int, total_after: int,
+                   sink_tokens: int, recent_window: int) -> torch.Tensor:
+    """The `count` slots (of a layer's `positions` and fetch `counts`) whose rows an evicting pool gives to new
+    tokens: the lowest fetch rate first (fetches per token of age), among equals the oldest position; never a
+    sink, one of the `recent_window` newest positions once `total_after` tokens are held, or a free slot."""
+    protected = (positions < sink_tokens) | (positions >= total_after - recent_window) | (positions < 0)
+    age = (total_tokens - positions).clamp(min=1).to(torch.float64)
+    rate = counts.to(torch.float64) / age
+    rate = rate.masked_fill(protected, float("inf"))
+    order = torch.argsort(positions, stable=True)
+    order = order[torch.argsort(rate[order], stable=True)]
+    victims = order[:count]
+    if torch.isinf(rate[victims]).any():
+        raise PoolCapacityError("every slot is protected: raise the pool limit or shrink the protected window")
+    return victims

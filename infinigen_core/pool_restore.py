@@ -116,6 +116,20 @@ class RowRestore:
             store.keys[:, window].mul_(rows.key_channel_scale.to(self.device, self.dtype).unsqueeze(1))
 
     # ------------------------------------------------------------------ rows left in their chunks
+    def window_start(self, layer: int, size: int | None = None) -> int:
+        """The first slot a sliding layer's attention reads while the pool holds `size` slots (default: now):
+        its last `window`. 0 for a global layer, and where slots are not positions (attention reads them all,
+        masked)."""
+        window = (self.sliding_windows or {}).get(layer)
+        if window is None or not self._slots_are_positions:
+            return 0
+        return max(0, (self._size if size is None else size) - window)
+
+    def _ensure_written(self, layer: int, first: int = 0) -> None:
+        """Before a read of the layer's slots from `first` on: the deferred ones among them are written."""
+        if layer in self._deferred:
+            self.write_deferred(layer, first)
+
     def deferred_slots(self, layer: int) -> int:
         """How many of the layer's first slots still wait in their chunks (0 once written)."""
         record = self._deferred.get(layer)

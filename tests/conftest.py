@@ -72,6 +72,24 @@ def make_tiny_engine(model_and_skew, kernels=None, **settings) -> InfiniGenEngin
     return InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny", kernels=kernels)
 
 
+@pytest.fixture
+def lane_steps(monkeypatch):
+    """How many steps opened the C++ decode lane (decode_lane.py): a list that grows by one per such step."""
+    from infinigen_core.decode_lane import DecodeLane
+
+    opened: list[int] = []
+    begin = DecodeLane.begin
+
+    def counted(self, step):
+        if begin(self, step):
+            opened.append(step.first_position)
+            return True
+        return False
+
+    monkeypatch.setattr(DecodeLane, "begin", counted)
+    return opened
+
+
 def hold_int8_partial_codes(engine: InfiniGenEngine) -> None:
     """Make an eager engine's InfiniGen policy (built, nothing prefilled) hold the CPU kernels' int8 partial keys
     and score them as the kernel does (policies/partial_codes.py, `logits`), so that it selects what an engine with

@@ -22,22 +22,6 @@ from conftest import greedy_logits, make_tiny_engine, random_tokens
 SELECTING = dict(policy="infinigen", budget=0.2, alpha=4.0, dense_under_budget=False, min_fetch_tokens=0)
 
 
-@pytest.fixture
-def lane_steps(monkeypatch):
-    """How many steps opened the lane (a list that grows by one per such step)."""
-    opened: list[int] = []
-    begin = DecodeLane.begin
-
-    def counted(self, step):
-        if begin(self, step):
-            opened.append(step.first_position)
-            return True
-        return False
-
-    monkeypatch.setattr(DecodeLane, "begin", counted)
-    return opened
-
-
 def _without_lane(monkeypatch, model_and_skew, kernels, prompt, steps, **settings):
     """The reference: the same engine and tokens, every step on the Python path."""
     with monkeypatch.context() as patch:

@@ -89,22 +89,6 @@ def _deferred(engine) -> list[int]:
 QUESTION = random_tokens(7, seed=4, vocab=VOCAB)
 
 
-@pytest.fixture
-def lane_steps(monkeypatch):
-    """How many steps opened the C++ lane (a list that grows by one per such step)."""
-    opened: list[int] = []
-    begin = DecodeLane.begin
-
-    def counted(self, step):
-        if begin(self, step):
-            opened.append(step.first_position)
-            return True
-        return False
-
-    monkeypatch.setattr(DecodeLane, "begin", counted)
-    return opened
-
-
 @pytest.mark.one_device
 def test_a_restore_writes_a_sliding_layers_window_and_every_global_row(gemma, saved):
     engine = _restored(gemma, saved[0], defer=True)
