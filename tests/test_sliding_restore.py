@@ -2,9 +2,9 @@
 decodes reads them, and whatever asks for them gets them.
 
 Each test restores the same chunk twice over a tiny Gemma 3 (window 16, two global layers of six): once as a
-restore does (the rows deferred) and once with deferral off, every row written (the reference). In the first
-the deferred slots of the pool's storage are then filled with NaN: a path that read them would turn the logits
-into NaN, so the logits must equal the reference's to the bit."""
+restore does (the rows deferred) and once with every row written at once (the reference). In the first the
+deferred slots of the pool's storage are then filled with NaN: a path that read them would turn the logits into
+NaN, so the logits must equal the reference's to the bit."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from sessions.snapshots import read_chunk, write_chunk
 from conftest import make_tiny_engine, random_tokens
 
 SELECTING = dict(policy="infinigen", budget=0.3, alpha=4.0, min_fetch_tokens=0, dense_under_budget=False)
-SLIDING, GLOBAL = [0, 1, 3, 4], [2, 5]
+SLIDING = [0, 1, 3, 4]  # layers 2 and 5 are global
 HELD = 80  # tokens in the chunk: each sliding layer's first HELD - WINDOW rows are older than its window
 
 
@@ -38,8 +38,9 @@ def _chunk(engine, folder, start: int, end: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def saved(gemma, tmp_path_factory):
-    """A conversation of HELD tokens as a session holds it: an int8 chunk read back from its file (codes, per-row
-    and per-channel scales: what a reopened session imports), and the float32 rows it was written from."""
+    """A conversation of HELD tokens as a session holds it: an int8 chunk read back from its file (float16 keys,
+    int8 value codes with a scale per row: what a reopened session imports), and the float32 rows it was written
+    from."""
     engine = make_tiny_engine(gemma, **SELECTING)
     engine.prefill(random_tokens(HELD, seed=3, vocab=VOCAB))
     return _chunk(engine, tmp_path_factory.mktemp("chunks"), 0, HELD), engine.export_rows(0, HELD)
