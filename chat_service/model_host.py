@@ -84,7 +84,10 @@ class ModelHost:
             kwargs["compile_decode"] = self.compile_decode
         if self.cpu_kernels is not None:
             kwargs["cpu_kernels"] = self.cpu_kernels
-        return loader(model, device=self.device, config=config, quantize=self.quantize, progress=report, **kwargs)
+        engine = loader(model, device=self.device, config=config, quantize=self.quantize, progress=report, **kwargs)
+        if self.settles_heap:
+            _settle_heap()
+        return engine
 
     # ------------------------------------------------------------------ start-up
     def load(self, config: Callable[[], EngineConfig], progress: Report = print,
@@ -95,7 +98,6 @@ class ModelHost:
         try:
             report("Loading the model (the first start downloads and converts it, then calibrates once)...")
             self.engine = self._load(self.model_path, config(), report)
-            self._loaded()
             self.loaded_at = time.time()
             then()
             report(self.ready_line())
@@ -104,10 +106,6 @@ class ModelHost:
             report(self.load_error)
         finally:
             self.ready.set()
-
-    def _loaded(self) -> None:
-        if self.settles_heap:
-            _settle_heap()
 
     def require_engine(self) -> InfiniGenEngine:
         """The engine, once start-up is over (UserError while starting or after a failed load)."""
@@ -161,7 +159,6 @@ class ModelHost:
         try:
             report(f"Loading {wanted or 'the default model'}...")
             self.engine = self._load(wanted, config(), report)
-            self._loaded()
             self.model_path, self.load_error = wanted, None
             return None
         except Exception as error:  # a bad path, an unsupported family, no memory: go back
@@ -173,7 +170,6 @@ class ModelHost:
             report(f"Loading {previous_name} again...")
             try:
                 self.engine = self._load(previous, config(), report)
-                self._loaded()
             except Exception as again:
                 self.load_error = f"Could not load {wanted} ({error}) nor {previous_name} again ({again})"
                 report(self.load_error)

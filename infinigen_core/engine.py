@@ -129,18 +129,19 @@ class InfiniGenEngine(SessionRows):
         policy_class = POLICIES[config.policy]
         if policy_class.needs_skew and self.skew_set is None:
             raise ConfigError(f"the {config.policy} policy needs the model's skew matrices: calibrate it first")
+        pool_device = self.device if policy_class.keeps_pool_on_device else devices.host_device_for(self.device)
         layout = dict(
-            device=self.device if policy_class.keeps_pool_on_device else devices.host_device_for(self.device),
+            device=pool_device,
             pin_memory=self.device.type == "cuda" and not policy_class.keeps_pool_on_device,
             limit_tokens=config.pool_limit_tokens,
             sink_tokens=config.sink_tokens,
             recent_window=config.recent_window,
             # a sliding layer reads its last window, rows side by side: off huge pages, whose first write into a
             # fresh pool (a restore) can wait on the kernel's compaction (huge_pages.py)
-            huge_page_layers=tuple(layer for layer in range(self.adapter.num_layers)
-                                   if self.adapter.sliding_window(layer) is None),
             sliding_windows={layer: window for layer in range(self.adapter.num_layers)
                              if (window := self.adapter.sliding_window(layer)) is not None},
+            # a pool apart from the compute device is read by a fetcher that copies whole layers (make_fetcher)
+            defers_restored_rows=pool_device == self.device,
         )
         old_pool = self.pool
         if self.fetcher is not None:

@@ -55,8 +55,8 @@ class KVPool(RowRestore):
         recent_window: int = 64,
         initial_capacity: int = 256,
         growth_tokens: int = 1024,
-        huge_page_layers: tuple[int, ...] | None = None,
         sliding_windows: dict[int, int] | None = None,
+        defers_restored_rows: bool = True,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -68,10 +68,11 @@ class KVPool(RowRestore):
         self.sink_tokens = sink_tokens
         self.recent_window = recent_window
         self.growth_tokens = growth_tokens
-        # the layers whose rows attention reads by slot, asked onto huge pages (huge_pages.py); None: every layer
-        self.huge_page_layers = huge_page_layers
-        # per sliding-window layer its window: a restore may leave its older rows in their chunk (pool_restore.py)
+        # per sliding-window layer its window (the others are read by slot: on huge pages, huge_pages.py)
         self.sliding_windows = sliding_windows
+        # whether a restore may leave a sliding layer's rows older than its window in their chunk (pool_restore.py):
+        # where the compute device reads the pool in place, not where a fetcher copies whole layers across
+        self.defers_restored_rows = defers_restored_rows
         self._deferred: dict[int, DeferredRows] = {}  # per layer, rows a restore left in their chunks
         self.total_tokens = 0  # positions handed out so far: the next token gets this position
         self.evicted_tokens = 0
@@ -102,6 +103,11 @@ class KVPool(RowRestore):
         """The tensors holding the rows now (a new object whenever the pool reallocates)."""
         assert self._storage is not None, "the pool's storage was dropped"
         return self._storage
+
+    @property
+    def huge_page_layers(self) -> tuple[int, ...]:
+        """The layers attention reads by slot, asked onto huge pages: all but the sliding-window ones."""
+        return tuple(layer for layer in range(self.num_layers) if layer not in (self.sliding_windows or {}))
 
     @property
     def capacity(self) -> int:
@@ -182,7 +188,6 @@ class KVPool(RowRestore):
                 f"{self.sink_tokens} sink and {self.recent_window} recent tokens protected"
             )
         self.ensure_capacity(limit)
-        self.write_deferred()  # never deferred under a limit: whatever the victims, their rows are written
         free = limit - self._size
         appended = torch.arange(self._size, limit, device=self.device)
         self._size = limit
@@ -218,12 +223,14 @@ class KVPool(RowRestore):
 
     def keys(self, layer: int, first: int = 0) -> torch.Tensor:
         """The keys of slots [first, size), every row written (rows a restore deferred are copied in first)."""
-        self._ensure_written(layer, first)
+        if self._deferred:  # a restore's rows still in their chunk (pool_restore.py): those asked for are written
+            self.write_deferred(layer, first)
         return self._layers[layer].keys[:, first : self._size]
 
     def values(self, layer: int, first: int = 0) -> torch.Tensor:
         """The values of slots [first, size), as `keys`."""
-        self._ensure_written(layer, first)
+        if self._deferred:
+            self.write_deferred(layer, first)
         return self._layers[layer].values[:, first : self._size]
 
     def positions(self, layer: int) -> torch.Tensor:
@@ -245,7 +252,8 @@ class KVPool(RowRestore):
         One flat index_select per tensor: much cheaper than 2-D advanced indexing. Counts the fetch when
         eviction needs the counts.
         """
-        self._ensure_written(layer)
+        if self._deferred:
+            self.write_deferred(layer)
         store = self._layers[layer]
         rows = self.flat_rows(slot_index)
         shape = shape or (*slot_index.shape, self.head_dim)
@@ -267,7 +275,8 @@ class KVPool(RowRestore):
     def gather_pairs(self, layer: int, pairs: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Copy the rows of (KV head, slot) `pairs` [n, 2] into `out` ([n, head_dim] each); counts nothing
         (the caller counts what was selected, cached or not)."""
-        self._ensure_written(layer)
+        if self._deferred:
+            self.write_deferred(layer)
         store = self._layers[layer]
         rows = pairs[:, 0] * self.capacity + pairs[:, 1]
         torch.index_select(store.flat_keys, 0, rows, out=out[0])

@@ -91,18 +91,18 @@ class PoolStorage:
     @staticmethod
     def allocate(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device, pin_memory: bool, keep_from: PoolStorage | None = None,
-                 keep: int = 0, huge_page_layers: Collection[int] | None = None,
+                 keep: int = 0, huge_page_layers: Collection[int] = (),
                  unwritten: Mapping[int, int] | None = None) -> PoolStorage:
         """New storage for `capacity` slots per layer, the first `keep` slots copied from `keep_from` (of a layer in
         `unwritten`, from that slot on: rows a restore left in their chunks are not there to copy); the layers
-        `huge_page_layers` (None: all) asked onto huge pages (KVPool's `huge_page_layers`)."""
+        `huge_page_layers` asked onto huge pages (KVPool's `huge_page_layers`)."""
         shape = (num_kv_heads, capacity, head_dim)
         layers = []
         for layer in range(num_layers):
             keys = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
             values = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
             # rows read by slot: on huge pages where the system has them (before any write)
-            if not pin_memory and (huge_page_layers is None or layer in huge_page_layers):
+            if not pin_memory and layer in huge_page_layers:
                 advise_huge_pages(keys)
                 advise_huge_pages(values)
             first = (unwritten or {}).get(layer, 0)

@@ -70,7 +70,8 @@ class RowRestore:
         for every layer with rows of the same positions, then `set_total_tokens`. Under a limit, the newest
         rows are kept (sinks always). Rows that land in slots below `write_from` (`window_start` of the
         restored size: a sliding layer's rows older than its window) stay in `keys`/`values` until something
-        reads them (the module docstring); only where slot and position agree and the pool has no limit.
+        reads them (the module docstring); only where slot and position agree, the pool has no limit and
+        `defers_restored_rows`.
         """
         n = positions.numel()
         if n == 0:
@@ -92,9 +93,11 @@ class RowRestore:
         in_place = int(positions[0]) == start and int(positions[-1]) == start + n - 1
         if not in_place:
             self._slots_are_positions = False
-        deferred = max(0, min(n, write_from - start)) if in_place and self.limit_tokens is None else 0
-        if self.deferred_slots(layer) != start:  # rows written since the deferred ones (a prefill, a chunk inside
-            deferred = 0  # the window): [0, below) must lie wholly in pieces, or a growth would not copy them
+        # never under a limit (an evicting pool moves rows), nor after rows written since the deferred ones (a
+        # prefill, a chunk inside the window): [0, below) must lie wholly in pieces, or a growth would not copy them
+        defers = (self.defers_restored_rows and in_place and self.limit_tokens is None
+                  and self.deferred_slots(layer) == start)
+        deferred = max(0, min(n, write_from - start)) if defers else 0
         if deferred:
             record = self._deferred.setdefault(layer, DeferredRows())
             record.pieces.append((start, rows))
@@ -104,16 +107,10 @@ class RowRestore:
     def _copy_in(self, layer: int, first: int, rows: ChunkRows) -> None:
         """Write chunk rows into slots [first, first + n) of `layer`, widening codes into the slots themselves."""
         store, n = self._layers[layer], rows.keys.shape[1]
-        if n == 0:
-            return
-        window = slice(first, first + n)
-        for target, source, scale in ((store.keys, rows.keys, rows.key_scale), (store.values, rows.values, rows.value_scale)):
-            if scale is None:
-                target[:, window] = source.to(self.device, self.dtype)
-            else:
-                torch.mul(source.to(self.device), scale.to(self.device, self.dtype).unsqueeze(-1), out=target[:, window])
-        if rows.key_channel_scale is not None:
-            store.keys[:, window].mul_(rows.key_channel_scale.to(self.device, self.dtype).unsqueeze(1))
+        if n:
+            window = slice(first, first + n)
+            self._widen(rows, out=store.keys[:, window])
+            self._widen(rows, values=True, out=store.values[:, window])
 
     # ------------------------------------------------------------------ rows left in their chunks
     def window_start(self, layer: int, size: int | None = None) -> int:
@@ -125,11 +122,6 @@ class RowRestore:
             return 0
         return max(0, (self._size if size is None else size) - window)
 
-    def _ensure_written(self, layer: int, first: int = 0) -> None:
-        """Before a read of the layer's slots from `first` on: the deferred ones among them are written."""
-        if layer in self._deferred:
-            self.write_deferred(layer, first)
-
     def deferred_slots(self, layer: int) -> int:
         """How many of the layer's first slots still wait in their chunks (0 once written)."""
         record = self._deferred.get(layer)
@@ -140,41 +132,45 @@ class RowRestore:
         """Copy in the deferred rows of `layer` (None: every layer) in slots from `first` on."""
         for each in list(self._deferred) if layer is None else [layer]:
             record = self._deferred.get(each)
-            if record is None or record.below <= first:
+            if record is None or record.below <= first:  # nothing deferred from `first` on (a window's read)
                 continue
             for piece_start, rows in record.pieces:
                 low, high = max(first, piece_start), min(record.below, piece_start + rows.keys.shape[1])
                 if low < high:
                     self._copy_in(each, low, rows.part(low - piece_start, high - piece_start))
-            record.below = first
-            record.pieces = [(piece_start, rows) for piece_start, rows in record.pieces if piece_start < first]
-            if not record.pieces:
-                del self._deferred[each]
+            self._forget_deferred(each, first)
+
+    def _forget_deferred(self, layer: int, slot: int) -> None:
+        """The layer's deferred rows from `slot` on are no longer deferred (written, or cut away)."""
+        record = self._deferred[layer]
+        record.below = min(record.below, slot)
+        record.pieces = [(piece_start, rows) for piece_start, rows in record.pieces if piece_start < record.below]
+        if not record.pieces:
+            del self._deferred[layer]
 
     def _deferred_after_truncate(self, kept: int) -> None:
         """After a truncate kept `kept` slots: deferred rows past them are forgotten, and those the window now
         reaches again are written (every layer's deferred rows stay below `size - window`)."""
-        for layer, record in list(self._deferred.items()):
-            record.below = min(record.below, kept)
-            record.pieces = [(piece_start, rows) for piece_start, rows in record.pieces if piece_start < record.below]
-            window = (self.sliding_windows or {}).get(layer)
-            self.write_deferred(layer, max(0, kept - window) if window is not None else 0)
-            if not record.pieces:
-                self._deferred.pop(layer, None)
+        for layer in list(self._deferred):
+            self._forget_deferred(layer, kept)
+            self.write_deferred(layer, self.window_start(layer))
 
-    def _widen(self, rows: ChunkRows, values: bool = False) -> torch.Tensor:
-        """The keys (or `values`) in the pool's dtype and device (int8 codes times their per-row and per-channel
-        scales)."""
+    def _widen(self, rows: ChunkRows, values: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The keys (or `values`) in the pool's dtype and device, into `out` if given: int8 codes times their
+        per-row scales (computed into `out`: no full-size temporary), keys then times their per-channel scales."""
         if values:
             tensor, scale, channel_scale = rows.values, rows.value_scale, None
         else:
             tensor, scale, channel_scale = rows.keys, rows.key_scale, rows.key_channel_scale
-        tensor = tensor.to(self.device, self.dtype)
-        if scale is not None:
-            tensor = tensor * scale.to(self.device, self.dtype).unsqueeze(-1)
+        if out is None:
+            out = torch.empty(tensor.shape, dtype=self.dtype, device=self.device)
+        if scale is None:
+            out.copy_(tensor.to(self.device))
+        else:
+            torch.mul(tensor.to(self.device), scale.to(self.device, self.dtype).unsqueeze(-1), out=out)
         if channel_scale is not None:
-            tensor = tensor * channel_scale.to(self.device, self.dtype).unsqueeze(1)
-        return tensor
+            out.mul_(channel_scale.to(self.device, self.dtype).unsqueeze(1))
+        return out
 
     def _append_limited(self, layer, keys, values, positions, start) -> None:
         """append_rows past the limit: keep the sinks and the newest rows of the old and the new together."""

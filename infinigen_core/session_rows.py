@@ -14,7 +14,6 @@ from collections.abc import Iterable
 
 import torch
 
-from .fetch import DirectFetcher
 from .rows import export_rows, held_partial_keys, import_rows, stored_partial_keys
 
 HeldPartialKeys = tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict[int, str]]
@@ -50,8 +49,6 @@ class SessionRows:
         self.fetcher.flush()
         chunks = list(chunks)
         restored = import_rows(self.pool, self.token_ids, chunks)
-        if not isinstance(self.fetcher, DirectFetcher):  # it reads whole layers, some on its own thread: a
-            self.pool.write_deferred()  # sliding layer's rows are written now, on this one (pool_restore.py)
         self.policy.rebuild(stored_partial_keys(chunks, self.adapter.num_layers))
         self.fetcher.rebuild()
         return restored

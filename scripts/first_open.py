@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import read_text, repeated_token_ids  # noqa: E402
@@ -51,14 +53,10 @@ def build(engine, data_dir: Path, context: int, text: str) -> dict:
 
 
 def resident_mb() -> dict:
-    """This process's resident memory in MiB, anonymous and file-backed (Linux; empty elsewhere)."""
-    try:
-        status = Path("/proc/self/status").read_text().splitlines()
-    except OSError:
-        return {}
-    fields = dict(line.split(":", 1) for line in status if ":" in line)
-    return {f"{name.lower()}_mb": round(int(fields[name].split()[0]) / 1024) for name in ("RssAnon", "RssFile")
-            if name in fields}
+    """This process's resident memory in MiB: anonymous (RSS less the file-backed and shared pages) and those."""
+    memory = psutil.Process().memory_info()
+    shared = getattr(memory, "shared", 0)  # Linux: file-backed and shared memory pages
+    return {"rssanon_mb": round((memory.rss - shared) / 2**20), "rssfile_mb": round(shared / 2**20)}
 
 
 def open_twice(engine, data_dir: Path, built: dict) -> dict:

@@ -98,18 +98,18 @@ def _advised_layers(pool: KVPool, advised: list[int]) -> list[int]:
 
 @linux_only
 def test_only_the_layers_read_by_slot_are_advised_and_stay_so_when_the_pool_grows(monkeypatch):
-    """`huge_page_layers`: a sliding layer reads its last window, rows side by side, so it stays on small pages,
+    """`huge_page_layers` (all but the `sliding_windows`): a sliding layer reads its last window, rows side by side, so it stays on small pages,
     whose first write does not wait for the kernel to assemble 2 MB pages (a fresh pool's restore). (Memory that
     the allocator hands out again may still carry an earlier tensor's advice: only what the pool asks is checked.)"""
     advised = _advised_during(monkeypatch)
     pool = KVPool(num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.float32, initial_capacity=8192,
-                  huge_page_layers=(1,))
+                  sliding_windows={0: 512, 2: 512})
     for capacity in (8192, 3 * 8192):
         pool.ensure_capacity(capacity)
         assert _advised_layers(pool, advised) == [1] and len(advised) == 2 * (1 + (capacity > 8192))
         assert "hg" in _vm_flags(_first_whole_huge_page(pool.storage.layers[1].keys))
     assert _advised_layers(KVPool(num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.float32,
-                                  initial_capacity=8192), advised) == [0, 1, 2]  # None: every layer, as before
+                                  initial_capacity=8192), advised) == [0, 1, 2]  # no sliding layer: every layer, as before
 
 
 @linux_only
