@@ -70,8 +70,7 @@ class KVPool(RowRestore):
         self.growth_tokens = growth_tokens
         # per sliding-window layer its window (the others are read by slot: on huge pages, huge_pages.py)
         self.sliding_windows = sliding_windows
-        # whether a restore may leave a sliding layer's rows older than its window in their chunk (pool_restore.py):
-        # where the compute device reads the pool in place, not where a fetcher copies whole layers across
+        # a restore may leave a sliding layer's older rows in their chunk (pool_restore.py; the pool read in place)
         self.defers_restored_rows = defers_restored_rows
         self._deferred: dict[int, DeferredRows] = {}  # per layer, rows a restore left in their chunks
         self.total_tokens = 0  # positions handed out so far: the next token gets this position
@@ -274,9 +273,7 @@ class KVPool(RowRestore):
     @torch.inference_mode()
     def gather_pairs(self, layer: int, pairs: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Copy the rows of (KV head, slot) `pairs` [n, 2] into `out` ([n, head_dim] each); counts nothing
-        (the caller counts what was selected, cached or not)."""
-        if self._deferred:
-            self.write_deferred(layer)
+        (the caller counts what was selected, cached or not; a streamed fetcher's: its pool defers no rows)."""
         store = self._layers[layer]
         rows = pairs[:, 0] * self.capacity + pairs[:, 1]
         torch.index_select(store.flat_keys, 0, rows, out=out[0])
@@ -292,11 +289,10 @@ class KVPool(RowRestore):
         if n_tokens >= self.total_tokens:
             return False
         moved = not self._slots_are_positions
-        if moved:
-            self.write_deferred()  # rows that move are written first
         if not moved:
             kept = min(n_tokens, self._size)
         else:
+            self.write_deferred()  # rows that move are written first
             for layer, store in enumerate(self._layers):
                 keep = (self._positions[layer, : self._size] < n_tokens).nonzero().squeeze(1)
                 kept = keep.numel()
