@@ -116,6 +116,7 @@ class InfiniGenEngine(SessionRows):
         self.pool: KVPool | None = None
         self.fetcher = None
         self._ones: torch.Tensor | None = None
+        self._no_positions = torch.empty(0, dtype=torch.long, device=self.device)  # logits_to_keep: no row
         self.decode_step = DecodeStep(model)  # one-token steps: compiled by compiled.compile_decode, else eager
         self.configure(config)
 
@@ -198,22 +199,24 @@ class InfiniGenEngine(SessionRows):
     def prefill(self, token_ids: Iterable[int], progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Append tokens in chunks of `prefill_chunk`; returns the logits [vocab] after the last one.
 
-        Prefill runs the plain fp32 model even where decode steps read compact weights (weights.py): the
-        prompt's K/V are the fp32 model's, and so is the first reply token, also when the prompt was cached
-        and only its last token runs again (the same seed gives the same reply either way).
+        Prefill runs the plain fp32 layers even where decode steps read compact weights (weights.py): the
+        prompt's K/V are the fp32 model's, also when the prompt was cached and only its last token runs again.
+        The output head, run for the last chunk's last token only, keeps its compact form where that is the
+        file's own Q8_0 codes (the same logits to float rounding, a quarter of the bytes).
         """
         token_ids = list(token_ids)
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         self._check_fits(len(token_ids))
         self.prepare(len(token_ids))  # the pool sized for the prompt at once, not doubled chunk by chunk
-        logits = None
-        with plain_fp32_weights(self.model):
-            for start in range(0, len(token_ids), self.config.prefill_chunk):
-                logits = self._forward(token_ids[start : start + self.config.prefill_chunk], eager=True)[-1]
+        chunk = self.config.prefill_chunk
+        with plain_fp32_weights(self.model, keep_exact_head=True):
+            for start in range(0, len(token_ids), chunk):
+                logits = self._forward(token_ids[start : start + chunk], eager=True,
+                                       logits=start + chunk >= len(token_ids))
                 if progress is not None:
-                    progress(min(start + self.config.prefill_chunk, len(token_ids)), len(token_ids))
-        return logits
+                    progress(min(start + chunk, len(token_ids)), len(token_ids))
+        return logits[-1]
 
     @torch.inference_mode()
     def decode(self, token_id: int) -> torch.Tensor:
@@ -277,9 +280,11 @@ class InfiniGenEngine(SessionRows):
 
     # ------------------------------------------------------------------ one forward step
     @torch.inference_mode()
-    def _forward(self, token_ids: list[int], eager: bool = False) -> torch.Tensor:
-        """One forward step over `token_ids`; `eager`: never the compiled one-token step (prefill, whose
-        weights differ from the ones it was compiled for, runs a one-token chunk too)."""
+    def _forward(self, token_ids: list[int], eager: bool = False, logits: bool = True) -> torch.Tensor:
+        """One forward step over `token_ids`: the logits [1, vocab] after the last one, or [0, vocab] without
+        `logits` (a prefill chunk before the last: the output head reads no row). `eager`: never the compiled
+        one-token step (prefill, whose weights differ from the ones it was compiled for, runs a one-token chunk
+        too)."""
         n, first = len(token_ids), self.pool.total_tokens
         # prefill reads the pool from this thread, and a growth copies it into new storage: pending writes
         # (the fetch worker's, of the previous token) land first, or they would land in the old storage; a
@@ -315,7 +320,7 @@ class InfiniGenEngine(SessionRows):
                     # position ids (a host read) for packed sequences
                     attention_mask=self._all_ones(n),
                     use_cache=False,
-                    logits_to_keep=1,
+                    logits_to_keep=1 if logits else self._no_positions,
                     infinigen_pool=True,
                 )
             if step.lane is not None:

@@ -273,6 +273,38 @@ def test_a_q8_0_head_runs_at_its_own_codes_with_the_cpu_kernels(kernels, monkeyp
     assert use_decode_weights(model, "auto", kernels) == {"int4": 1, "bf16": 1}
 
 
+@torch.inference_mode()
+def test_prefill_reads_a_q8_0_head_at_its_codes_once_and_the_layers_in_fp32(tiny_llama, kernels, monkeypatch):
+    """The output head, which prefill runs for one row, stays at the file's Q8_0 codes (the same logits to float
+    rounding, a quarter of fp32's bytes) and runs for the last chunk only; the layers, and so the K/V, stay fp32."""
+    monkeypatch.setattr("infinigen_core.weights.MIN_COMPACT_WEIGHTS", 1)
+    model = copy.deepcopy(tiny_llama[0])
+    with torch.no_grad():  # the head's weights on a Q8_0 grid, as a GGUF file's Q8_0 head dequantised
+        model.lm_head.weight.copy_(_q8_linear(out_features=model.lm_head.out_features, in_features=64).weight)
+    reference = copy.deepcopy(model)
+    use_decode_weights(model, "auto", kernels)
+    head = model.lm_head
+    assert type(head) is Q8DecodeLinear and head.exact
+    head_rows = []
+    one_row = Q8DecodeLinear._one_row
+    monkeypatch.setattr(Q8DecodeLinear, "_one_row", lambda self, row: (head_rows.append(self is head),
+                                                                        one_row(self, row))[1])
+    prompt = random_tokens(60, seed=4)
+    engines = [make_tiny_engine((m, tiny_llama[1]), kernels, policy="full", prefill_chunk=16) for m in (reference, model)]
+    with engines[0] as plain, engines[1] as compact:
+        first = [plain.prefill(prompt), compact.prefill(prompt)]
+        assert head_rows == [True]  # four chunks, one head row: the last chunk's last token
+        torch.testing.assert_close(first[1], first[0], rtol=1e-5, atol=1e-5)
+        for layer in range(plain.adapter.num_layers):  # no layer other than the head left fp32
+            assert torch.equal(plain.pool.keys(layer), compact.pool.keys(layer))
+            assert torch.equal(plain.pool.values(layer), compact.pool.values(layer))
+        compact.truncate(len(prompt) - 1)
+        again = compact.prefill(prompt[-1:])  # a cached prompt's last token runs again: through the same head
+        torch.testing.assert_close(again, first[1], atol=1e-4, rtol=0)
+        assert head_rows == [True, True]
+    assert type(model.lm_head) is Q8DecodeLinear and decode_weight_kinds(model)  # the compact layers are back
+
+
 def test_with_the_cpu_kernels_the_layers_off_the_4_bit_grid_read_8_bit_groups_and_a_float32_row(kernels, monkeypatch):
     """Where int4 would round a weight (a Q5_0/Q6_K/Q8_0 file's layers, or any float checkpoint), the kernels' 8-bit
     codes in groups of 32 serve it, not ATen's int8 with one scale per output channel and a bf16 row: a Q8_0
