@@ -55,7 +55,7 @@ WEIGHT_CHOICES = ("auto", "fp32", "int8", "int4")
 WEIGHTS_HELP = ("what decode steps read on the CPU: auto (the default: int4 where the file was 4-bit, int8 elsewhere, "
                 "in groups of 32 where the CPU kernels are built; the output head at the file's Q8_0 codes where it "
                 "has them, else bf16), int4, int8 or fp32; prefill "
-                "always reads fp32")
+                "reads fp32 layers (its one head row the file's Q8_0 codes where the head has them)")
 GROUP = 32  # input channels per int4 scale (GGUF's Q4_0/Q4_1 block)
 # Below this many weights fp32 is as fast at one row (a [192, 576] K/V projection is in cache either way)
 MIN_COMPACT_WEIGHTS = 64 * 1024
