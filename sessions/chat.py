@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from documents import Document, attachment_record, attachment_text, message_with_attachments
 from infinigen_core import GenerationEvent, SamplingConfig, chat_token_ids, generate
+from infinigen_core.generation import chat_token_ids_many
 from infinigen_core.prefix import common_prefix_length
 
 from .chunk_writer import SessionChunks
@@ -47,6 +48,7 @@ REPLY_RESERVE_TOKENS = 64
 # REPLY_SAVE_TOKENS tokens where decoding is faster, so a crash loses less (each save is a database commit)
 REPLY_SAVE_SECONDS = 1.0
 REPLY_SAVE_TOKENS = 64
+RECENT_CONVERSATIONS = 4  # tokenized conversations a session remembers (ChatSession._conversations_ids)
 
 
 @dataclass(frozen=True)
@@ -217,16 +219,23 @@ class ChatSession(StoredConversation):
     # ------------------------------------------------------------------ conversation (its messages: StoredConversation)
     def _conversation_ids(self, messages: list[Message] | None = None, extra_user: str | None = None,
                           generation_prompt: bool = False) -> list[int]:
-        turns = self._conversation(messages, extra_user)
-        if not turns:
-            return []
-        # a turn tokenizes the same long conversation more than once (window check, prompt): remember a few
-        key = (tuple((turn["role"], turn["content"]) for turn in turns), generation_prompt)
-        ids = self._recent_ids.get(key)
-        if ids is None:
-            ids = chat_token_ids(self.engine.tokenizer, turns, add_generation_prompt=generation_prompt)
-            self._recent_ids = {key: ids, **dict(list(self._recent_ids.items())[:3])}
-        return list(ids)
+        return self._conversations_ids([(messages, extra_user, generation_prompt)])[0]
+
+    def _conversations_ids(self, asked: list[tuple[list[Message] | None, str | None, bool]]) -> list[list[int]]:
+        """Token ids of the conversation, one list per (messages, extra user message, generation prompt) asked
+        for ([] where it has no turn). A turn tokenizes the same long conversation more than once (window
+        check, prompt, the message's start): the last few are remembered, and those not yet are tokenized
+        together (`chat_token_ids_many`)."""
+        keyed = []
+        for messages, extra_user, generation_prompt in asked:
+            turns = self._conversation(messages, extra_user)
+            keyed.append((turns, (tuple((turn["role"], turn["content"]) for turn in turns), generation_prompt)))
+        missing = {key: turns for turns, key in keyed if turns and key not in self._recent_ids}
+        if missing:
+            fresh = chat_token_ids_many(self.engine.tokenizer, [(turns, key[1]) for key, turns in missing.items()])
+            kept = list(self._recent_ids.items())[: max(0, RECENT_CONVERSATIONS - len(missing))]
+            self._recent_ids = {**dict(zip(missing, fresh)), **dict(kept)}
+        return [list(self._recent_ids[key]) if turns else [] for turns, key in keyed]
 
     def check_window(self, text: str = "", messages: list[Message] | None = None) -> WindowCheck:
         """Whether a user message `text` and a short reply fit the model's window."""
@@ -256,11 +265,11 @@ class ChatSession(StoredConversation):
         text, records = self.user_message(text, attachments)
         if not text:
             raise SessionError("the message is empty: type something first")
+        prompt_ids, before = self._conversations_ids([(None, text, True), (None, None, False)])
         check = self.check_window(text)
         if not check.fits:
             raise ContextWindowError(check, attached=bool(attachments))
-        prompt_ids = self._conversation_ids(extra_user=text, generation_prompt=True)
-        start = len(self._conversation_ids()) if self.messages or self.system_prompt else 0
+        start = len(before)
         self.store.add_message(self.id, "user", text, start, len(prompt_ids), records)
         yield from self._reply(prompt_ids, sampling, cancel, on_prefill_progress)
 

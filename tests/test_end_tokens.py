@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from infinigen_core.config import EngineConfig, SamplingConfig
 from infinigen_core.engine import InfiniGenEngine
-from infinigen_core.generation import chat_token_ids, end_token_ids, generate
+from infinigen_core.generation import chat_token_ids, chat_token_ids_many, end_token_ids, generate
 
 WORDS = ["Hi", "there", "the", "capital", "is", "Paris", "user", "assistant", "model", "system"]
 
@@ -147,6 +147,24 @@ def test_a_model_without_a_chat_template_reads_the_conversation_as_a_plain_trans
     assert tokenizer.decode(ids) == "[UNK] Hi the capital [UNK] is Paris [UNK] Hi [UNK]"
     closed = chat_token_ids(tokenizer, messages, add_generation_prompt=False)
     assert ids[: len(closed)] == closed and len(ids) == len(closed) + 1
+
+
+@pytest.mark.parametrize("templated", [False, True])
+def test_several_conversations_tokenize_as_each_alone_a_plain_transcript_in_one_call(templated, monkeypatch):
+    """`chat_token_ids_many` gives each (messages, generation prompt) the ids `chat_token_ids` gives it; without a
+    template the texts go to the tokenizer in one batched call (a turn's window check and its message start)."""
+    tokenizer = family_tokenizer(FAMILIES["gemma3"])
+    if not templated:
+        tokenizer.chat_template = None
+    first = [{"role": "user", "content": "Hi the capital"}, {"role": "assistant", "content": "is Paris"}]
+    asked = [(first + [{"role": "user", "content": "Hi"}], True), (first, False), (first[:1], True)]
+    alone = [chat_token_ids(tokenizer, messages, prompt) for messages, prompt in asked]
+    calls = []
+    encode = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, text, *a, **k: (calls.append(text),
+                                                                                   encode(self, text, *a, **k))[1])
+    assert chat_token_ids_many(tokenizer, asked) == alone
+    assert len(calls) == (3 if templated else 1) and (templated or len(calls[0]) == 3)
 
 
 def chain_model(vocab_size: int, successor: dict[int, int]) -> LlamaForCausalLM:
