@@ -205,10 +205,12 @@ def transformers_reference(model, ids: Sequence[int], context: int, steps: int, 
     weights.__enter__()
     try:
         cache = DynamicCache(config=model.config, offloading=offloading)
+        no_rows = torch.empty(0, dtype=torch.long, device=model.device)  # as the engine: no head before the last chunk
         started = time.perf_counter()
         for start in range(0, context, chunk):
             piece = torch.tensor([list(ids[start : min(start + chunk, context)])], device=model.device)
-            model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=piece, past_key_values=cache, use_cache=True,
+                  logits_to_keep=1 if start + chunk >= context else no_rows)
         synchronize(model.device)
         prefill_s = time.perf_counter() - started
         step_ms = []
