@@ -279,17 +279,24 @@ class ChatSession(StoredConversation):
         """Append (role, content) messages as an API client sends them, then stream and store the reply to the
         whole conversation. Checked against the window first; the messages are stored in one transaction.
         `documents`, per turn where given, are the files whose text its content holds (kept as its cards)."""
-        tokenizer = self.engine.tokenizer
-        turns_so_far, new = self._conversation(), []
-        end = len(self._conversation_ids()) if turns_so_far else 0
-        for index, (role, content) in enumerate(turns):
+        before = turns_so_far = self._conversation()
+        conversations = []
+        for role, content in turns:
             if role not in ("user", "assistant"):
                 raise SessionError(f"a stored message is from the user or the assistant, not {role!r}")
-            turns_so_far.append({"role": role, "content": content})
-            start, end = end, len(chat_token_ids(tokenizer, turns_so_far, add_generation_prompt=False))
-            attached = self._records(documents[index]) if index < len(documents) else []
-            new.append(NewMessage(role, content, start, end, attached))
-        prompt_ids = reply_prompt_ids(tokenizer, turns_so_far, self.engine.max_context)
+            turns_so_far = turns_so_far + [{"role": role, "content": content}]
+            conversations.append(turns_so_far)
+        # the conversation before, after each new message, and the reply's prompt: tokenized together
+        asked = [(before, False)] * bool(before) + [(after, False) for after in conversations] + [(turns_so_far, True)]
+        *spans, prompt_ids = chat_token_ids_many(self.engine.tokenizer, asked)
+        check = WindowCheck.of(len(prompt_ids), self.engine.max_context,
+                               sum(1 for turn in turns_so_far if turn["role"] == "user"))
+        if not check.fits:
+            raise ContextWindowError(check)
+        ends = [len(ids) for ids in spans] if before else [0] + [len(ids) for ids in spans]
+        new = [NewMessage(role, content, ends[index], ends[index + 1],
+                          self._records(documents[index]) if index < len(documents) else [])
+               for index, (role, content) in enumerate(turns)]
         if new and new[-1].role == "user":
             new[-1].token_end = len(prompt_ids)  # like `send`: a user message's span ends after the reply's opening
         if new:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from infinigen_core.config import SamplingConfig
+from infinigen_core.generation import chat_token_ids
 from sessions import (
     ChatSession,
     ContextWindowError,
@@ -21,6 +22,7 @@ from sessions import (
     SessionStore,
     StorageConfig,
 )
+from sessions.chat import conversation
 
 SHORT = SamplingConfig(max_new_tokens=6)
 ROOT = Path(__file__).resolve().parents[1]
@@ -532,6 +534,13 @@ def test_extend_stores_a_clients_messages_in_one_go_and_answers_the_whole_conver
         messages = chat.messages
         assert [(m.role, m.content) for m in messages] == turns + [("assistant", reply)]
         assert messages[0].token_start > 0 and messages[-1].token_end == real_engine.num_tokens
+        # each message's span, as the conversation up to it tokenizes (the tokenizations made together)
+        tokenizer = real_engine.tokenizer
+        ends = [len(chat_token_ids(tokenizer, conversation("You are terse.", turns[:count]), False))
+                for count in range(len(turns) + 1)]
+        prompt = len(chat_token_ids(tokenizer, conversation("You are terse.", turns), add_generation_prompt=True))
+        assert [(m.token_start, m.token_end) for m in messages[:3]] == [(ends[0], ends[1]), (ends[1], ends[2]),
+                                                                        (ends[2], prompt)]
         with pytest.raises(ContextWindowError):
             list(chat.extend([("user", "word " * 9000)], SHORT))
         assert len(chat.messages) == 4  # refused before anything was stored
