@@ -114,7 +114,12 @@ def reply_prompt_ids(tokenizer, turns: list[dict], window: int) -> list[int]:
 
         ids = reply_prompt_ids(engine.tokenizer, conversation("Be brief.", [("user", "Hi")]), engine.max_context)
     """
-    prompt_ids = chat_token_ids(tokenizer, turns, add_generation_prompt=True)
+    return checked_reply_prompt(chat_token_ids(tokenizer, turns, add_generation_prompt=True), turns, window)
+
+
+def checked_reply_prompt(prompt_ids: list[int], turns: list[dict], window: int) -> list[int]:
+    """`prompt_ids` (`turns` templated for the reply) if they and a short reply fit the window, else
+    ContextWindowError."""
     check = WindowCheck.of(len(prompt_ids), window, sum(1 for turn in turns if turn["role"] == "user"))
     if not check.fits:
         raise ContextWindowError(check)
@@ -289,10 +294,7 @@ class ChatSession(StoredConversation):
         # the conversation before, after each new message, and the reply's prompt: tokenized together
         asked = [(before, False)] * bool(before) + [(after, False) for after in conversations] + [(turns_so_far, True)]
         *spans, prompt_ids = chat_token_ids_many(self.engine.tokenizer, asked)
-        check = WindowCheck.of(len(prompt_ids), self.engine.max_context,
-                               sum(1 for turn in turns_so_far if turn["role"] == "user"))
-        if not check.fits:
-            raise ContextWindowError(check)
+        checked_reply_prompt(prompt_ids, turns_so_far, self.engine.max_context)
         ends = [len(ids) for ids in spans] if before else [0] + [len(ids) for ids in spans]
         new = [NewMessage(role, content, ends[index], ends[index + 1],
                           self._records(documents[index]) if index < len(documents) else [])
