@@ -270,8 +270,9 @@ class ChatSession(StoredConversation):
         text, records = self.user_message(text, attachments)
         if not text:
             raise SessionError("the message is empty: type something first")
-        prompt_ids, before = self._conversations_ids([(None, text, True), (None, None, False)])
-        check = self.check_window(text)
+        messages = self.messages  # read once: each read queries every stored message
+        prompt_ids, before = self._conversations_ids([(messages, text, True), (messages, None, False)])
+        check = self.check_window(text, messages)  # the prompt's ids, remembered just above
         if not check.fits:
             raise ContextWindowError(check, attached=bool(attachments))
         start = len(before)
