@@ -37,6 +37,8 @@ def _base_config(args, engine=None) -> EngineConfig:
     config, chosen = engine_settings(args)
     if getattr(args, "uniform_budget", False):
         config = config.with_changes(budget_by_layer=False)
+    if getattr(args, "uniform_heads", False):
+        config = config.with_changes(budget_by_head=False)
     if engine is None:
         return config
     from infinigen_core.loading import settings_for_model
@@ -58,6 +60,9 @@ def _common(parser: argparse.ArgumentParser, policies: str | None, text: bool = 
     parser.add_argument("--uniform-budget", action="store_true",
                         help="every sparse layer fetches the same share of its KV (default: InfiniGen spreads the "
                              "budget over the layers by how flat their attention was at calibration)")
+    parser.add_argument("--uniform-heads", action="store_true",
+                        help="every KV head of a sparse layer fetches the same rows' count (default on the CPU: the "
+                             "heads share the layer's budget, a head whose attention spreads reading more)")
     add_model_flags(parser, device_default="cpu", quantize=False)
     _output_flags(parser)
 

@@ -98,8 +98,8 @@ class PoolAttention:
         kv_heads, dim = keys.shape[0], keys.shape[-1]
         if rows is not None:
             if self._kernels_attend(query, keys):
-                mask = None if valid is None else valid.view(-1)
-                out = self.kernels.attend_rows(query.reshape(kv_heads, -1, dim), keys, values, rows, mask, scaling)
+                # valid: [1, rows] (every head alike) or [kv_heads, rows] (heads sharing a budget)
+                out = self.kernels.attend_rows(query.reshape(kv_heads, -1, dim), keys, values, rows, valid, scaling)
                 return out.view(1, 1, -1, dim)
             keys, values = self.pool.gather(layer, rows, shape=(kv_heads, 1, rows.shape[1], dim))
         window = self.adapter.sliding_window(layer)
@@ -120,7 +120,7 @@ class PoolAttention:
         if self.policy.needs_attention_weights or softcap is not None:  # SDPA cannot soft-cap
             if keys.dim() == 4:
                 keys, values = keys[:, 0], values[:, 0]
-            mask = None if valid is None else valid.view(1, 1, 1, -1)
+            mask = None if valid is None else valid.view(valid.shape[0], 1, 1, -1)  # per KV head, or all alike
             out, probs = grouped_attention(query[0], keys, values, scaling, mask, softcap)
             if self.policy.needs_attention_weights:
                 self.policy.on_attention(layer, selected, probs, new_slots)
@@ -128,7 +128,8 @@ class PoolAttention:
             if keys.dim() == 3:
                 keys, values = keys.unsqueeze(1), values.unsqueeze(1)
             grouped = query.view(kv_heads, 1, -1, dim)  # [kv, 1, group, dim]: a query group per KV head
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid, scale=scaling)
+            mask = None if valid is None else valid.view(valid.shape[0], 1, 1, -1)  # per KV head, or all alike
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scaling)
         return out.view(1, 1, -1, dim)
 
     def _kernels_attend(self, query, keys) -> bool:
@@ -149,8 +150,10 @@ class PoolAttention:
         chosen = torch.zeros(probs.shape[0], probs.shape[-1], dtype=torch.bool, device=probs.device)
         row_index = torch.full((self.pool.size(layer),), -1, dtype=torch.long, device=probs.device)
         row_index[slot_of_row] = torch.arange(slot_of_row.numel(), device=probs.device)
-        attended = selection.slots if selection.valid is None else selection.slots[:, selection.valid[0, 1:]]
-        chosen.scatter_(1, row_index[attended.to(probs.device)], True)
+        slots = selection.slots.to(probs.device)
+        used = (torch.ones_like(slots, dtype=torch.bool) if selection.valid is None  # per head: what attention read
+                else selection.valid[:, 1:].to(probs.device).expand_as(slots))
+        chosen.scatter_(1, row_index[slots], used)
         chosen[:, -1] = True  # the new token is always attended
         covered = (probs * chosen.unsqueeze(1)).sum(-1)
         stats.attention_recall = float(covered.mean())

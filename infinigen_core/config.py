@@ -64,6 +64,12 @@ class EngineConfig:
     budget_by_layer: InfiniGen spreads a fractional budget over its sparse layers by how flat each layer's
         attention was at calibration (budget_shares.py): a flat layer fetches more, a peaked one less, all of
         them together no more than the uniform budget; False gives every sparse layer the same budget.
+    budget_by_head: InfiniGen's KV heads of a sparse layer draw their rows from one budget (kv_heads x k): the
+        rows with the largest rehearsed weights across the layer's heads, at most `HEAD_SHARE_CAP` times k for
+        one head, so a head whose query group spreads its attention reads more than one that looks at a few
+        tokens. Only where attention reads the rows where they lie (the pool in the compute device's memory:
+        the CPU); where rows are copied to the compute device every head's copy would carry its most rows, so
+        there each head reads k. False: k rows in every head.
     """
 
     policy: str = "infinigen"
@@ -85,6 +91,7 @@ class EngineConfig:
     zero_copy_fetch: bool = True
     selects_ahead: bool | None = None
     budget_by_layer: bool = True
+    budget_by_head: bool = True
 
     def __post_init__(self) -> None:
         if self.selects_ahead not in (None, True, False):
@@ -125,8 +132,9 @@ class EngineConfig:
         if self.selected_rows_cache < 0 or self.selected_rows_cache != int(self.selected_rows_cache):
             raise ConfigError(f"selected_rows_cache must be a whole number of rows >= 0 (0: off), got "
                               f"{self.selected_rows_cache}")
-        if not isinstance(self.budget_by_layer, bool):
-            raise ConfigError(f"budget_by_layer must be True or False, got {self.budget_by_layer!r}")
+        for name in ("budget_by_layer", "budget_by_head"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.zero_copy_fetch, bool):
             raise ConfigError(f"zero_copy_fetch must be True or False, got {self.zero_copy_fetch!r}")
 

@@ -85,18 +85,23 @@ class CpuKernels:
         return group <= self.max_group and dim <= self.max_dim
 
     @staticmethod
-    def rehearse_select(partial_query: torch.Tensor, partial_keys: torch.Tensor, past: int, k: int, alpha: float):
+    def rehearse_select(partial_query: torch.Tensor, partial_keys: torch.Tensor, past: int, k: int, alpha: float,
+                        width: int | None = None):
         """partial_query [kv, group, r], partial_keys [kv, r, >= past] float32 or float16, or int8 codes with each
         slot's exponent as one more row [kv, r + 1, >= past] (policies/partial_codes.py); slots contiguous ->
         (slots [kv, k] with each head's best `kept` first, their weights [kv, k], valid [1, k + 1] bool over the
-        new token then the k slots, alpha_total: query heads x mean tokens within alpha, a 0-dim int64)."""
-        return torch.ops.infinigen_cpu.rehearse_select(partial_query, partial_keys, past, k, alpha)
+        new token then the k slots, alpha_total: query heads x mean tokens within alpha, a 0-dim int64).
+        With a `width` > k the heads share kv x k rows (EngineConfig.budget_by_head): each head's best `width`
+        slots come back [kv, width], the rows it reads first, and `valid` is [kv, width + 1], one mask per head."""
+        return torch.ops.infinigen_cpu.rehearse_select(partial_query, partial_keys, past, k, alpha,
+                                                       k if width is None else width)
 
     @staticmethod
     def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                     valid: torch.Tensor | None, scale: float) -> torch.Tensor:
         """One token's attention: query [kv, group, dim] over the rows `rows` [kv, m] of keys/values
-        [kv, slots, dim] (each row contiguous), `valid` [m] bool or None -> [kv, group, dim]."""
+        [kv, slots, dim] (each row contiguous), `valid` [m] or [1, m] bool (every head alike), [kv, m] (a mask
+        per head) or None -> [kv, group, dim]."""
         return torch.ops.infinigen_cpu.attend_rows(query, keys, values, rows, valid, scale)
 
     @staticmethod

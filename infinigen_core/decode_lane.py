@@ -98,8 +98,9 @@ class DecodeLane:
         torch.ops.infinigen_cpu.lane_begin(
             [store.keys for store in storage], [store.values for store in storage],
             [policy.partial_keys_t[layer] if is_sparse else None for layer, is_sparse in enumerate(self.sparse)],
-            self._query_projections, self._key_projections, self._window_sizes, past, budgets, work.config.alpha,
-            projects_keys)
+            self._query_projections, self._key_projections, self._window_sizes, past, budgets,
+            [policy.width_of(budget, past) if budget else 0 for budget in budgets],
+            work.config.alpha, projects_keys)
         self._budgets = budgets
         step.lane = self
         return True
@@ -116,11 +117,11 @@ class DecodeLane:
         """Close the lane: the layers' statistics into the step (what LayerWork.attend records). The sparse layers'
         new partial keys are in the policy's cache already (written by each layer in C++), or, after a dense step,
         left for the policy to make when something reads the cache."""
-        slots, scores, totals, times = torch.ops.infinigen_cpu.lane_end()
+        slots, scores, totals, times, read = torch.ops.infinigen_cpu.lane_end()
         past, budgets = step.past_len, self._budgets
         if any(self.sparse) and not any(budgets):  # a dense step: its partial keys are made when next read
             self.work.policy.step_keys.defer(past)
-        selected = iter(zip(slots, scores, totals))
+        selected = iter(zip(slots, scores, totals, read))
         layers = step.stats.layers
         for layer, ((select_ns, attend_ns), window) in enumerate(zip(times.tolist(), self.windows)):
             stats = LayerStats(layer=layer, context_len=past, fetched=past if window is None else min(past, window - 1),
@@ -128,7 +129,7 @@ class DecodeLane:
             if step.dense_reason is not None and self.sparse[layer]:
                 stats.dense_reason = step.dense_reason
             if budgets[layer]:
-                stats.selected_positions, stats.selected_scores, total = next(selected)
+                stats.selected_positions, stats.selected_scores, total, stats.selected_read = next(selected)
                 stats.sparse, stats.fetched, stats.speculate_ms = True, budgets[layer], select_ns / 1e6
                 stats.deferred_from = step.stats
                 step.device_values.append((stats, total))

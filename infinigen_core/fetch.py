@@ -119,11 +119,19 @@ class _GatherAtWait(PendingFetch):
 
 
 class _RowsInPlace(_GatherAtWait):
-    """Selected rows left where they are: attention (the CPU kernels) reads them from the pool by slot."""
+    """Selected rows left where they are: attention (the CPU kernels) reads them from the pool by slot (where the
+    heads share a budget, `per_head` of the slots each on average: the rows it counts)."""
+
+    def __init__(self, pool: KVPool, layer: int, slots: torch.Tensor, on_gather, new_slot_columns,
+                 per_head: int | None) -> None:
+        super().__init__(pool, layer, slots, on_gather, new_slot_columns)
+        self.per_head = per_head
 
     def _rows(self, new_keys, new_values, new_slots):
-        index = torch.cat([self.new_slot_columns(new_slots), self.slots], dim=1)
-        self.on_gather(index.numel())
+        new_columns = self.new_slot_columns(new_slots)
+        index = torch.cat([new_columns, self.slots], dim=1)
+        heads, named = self.slots.shape
+        self.on_gather(heads * (new_columns.shape[1] + (named if self.per_head is None else self.per_head)))
         return self.pool.keys(self.layer), self.pool.values(self.layer), index
 
 
@@ -152,10 +160,13 @@ class DirectFetcher:
     def device_bytes(self) -> int:
         return 0
 
-    def start_rows(self, layer: int, slots: torch.Tensor) -> PendingFetch:
+    def start_rows(self, layer: int, slots: torch.Tensor, per_head: int | None = None) -> PendingFetch:
+        """The rows `slots` [kv_heads, width] names; `per_head`: the mean a head reads where the heads share a
+        budget (policies/infinigen.py), which only rows read in place can take: a gather copies every slot."""
         # a pool that evicts counts every fetch of a row, which its gather does
-        in_place = self.rows_in_place and not self.pool.counts_fetches
-        return (_RowsInPlace if in_place else _GatherAtWait)(self.pool, layer, slots, self.count_rows, self._new_slot_columns)
+        if self.rows_in_place and not self.pool.counts_fetches:
+            return _RowsInPlace(self.pool, layer, slots, self.count_rows, self._new_slot_columns, per_head)
+        return _GatherAtWait(self.pool, layer, slots, self.count_rows, self._new_slot_columns)
 
     def start_layer(self, layer: int) -> PendingFetch:
         return _PoolView(self.pool, layer)
@@ -304,7 +315,9 @@ class StreamFetcher:
         self.cache.forget(layer, slots)
 
     # -- selected rows: indices -> host, gather into staging, upload on the side stream
-    def start_rows(self, layer: int, slots: torch.Tensor) -> PendingFetch:
+    def start_rows(self, layer: int, slots: torch.Tensor, per_head: int | None = None) -> PendingFetch:
+        """Every slot of `slots` crosses to the compute device (`per_head` is DirectFetcher's: heads share a budget
+        only where rows are read in place)."""
         if self.mapped is not None and layer not in self.cache and not devices.is_host_tensor(slots):
             self.bytes_fetched += slots.numel() * self._row_bytes
             return _GatheredInPlace(self.ops, self.mapped.start(layer, slots))

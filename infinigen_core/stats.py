@@ -30,6 +30,9 @@ class LayerStats:
     tokens_for_90: int | None = None  # tokens the true attention needs for 90% of its mass
     selected_positions: torch.Tensor | None = None  # [kv_heads, k] token positions (compute device)
     selected_scores: torch.Tensor | None = None  # [kv_heads, k] rehearsed score of each (compute device)
+    # [1 or kv_heads, k] bool: which of them attention read (InfiniGen's alpha mask, and where the KV heads share a
+    # budget each head's count: its selection is then 2k wide); None: every one
+    selected_read: torch.Tensor | None = None
     # Only with record_recall: the dense attention over past tokens (mean over heads) and their positions.
     true_attention: torch.Tensor | None = None  # [past]
     true_attention_positions: torch.Tensor | None = None  # [past]
@@ -96,7 +99,7 @@ class StepStats:
     def drop_selections(self) -> None:
         """Forget the per-layer selected positions (they stay on the device and are large at long contexts)."""
         for layer in self.layers:
-            layer.selected_positions = layer.selected_scores = None
+            layer.selected_positions = layer.selected_scores = layer.selected_read = None
 
     @property
     def is_decode(self) -> bool:

@@ -145,7 +145,8 @@ class LayerWork:
             selection = self.policy.speculate(layer, layer_input, position_embeddings, step.query_positions,
                                               step.past_len, new_slots)
             if selection is not None:
-                step.prefetched[target] = (self.fetcher.start_rows(target, selection.slots), selection)
+                fetch = self.fetcher.start_rows(target, selection.slots, selection.per_head)
+                step.prefetched[target] = (fetch, selection)
         elif not self.policy.keeps_pool_on_device:
             step.prefetched[target] = self.start_fetch(target, step)
 
@@ -154,26 +155,27 @@ class LayerWork:
         new_slots = None if self.pool.last_reserved_contiguous else step.device_slots[layer]
         selection = self.policy.select_from_query(layer, query, step.past_len, new_slots)
         if selection is not None:
-            step.prefetched[layer] = (self.fetcher.start_rows(layer, selection.slots), selection)
+            step.prefetched[layer] = (self.fetcher.start_rows(layer, selection.slots, selection.per_head), selection)
 
     def start_fetch(self, layer: int, step: Step) -> tuple[PendingFetch, Selection | None]:
         """Start the fetch of a layer that nothing speculated for: its selected rows, or all of it."""
         if step.selects(layer):
             selection = self.policy.select(layer, step.past_len, step.first_position)
             if selection is not None:
-                return self.fetcher.start_rows(layer, selection.slots), selection
+                return self.fetcher.start_rows(layer, selection.slots, selection.per_head), selection
         return self.fetcher.start_layer(layer), None
 
     def _record_selection(self, layer, query, key, scaling, selection, stats, step) -> None:
         """What a sparse layer fetched, for the panels and the inspector: no host read here."""
         stats.sparse = True
-        stats.fetched = selection.slots.shape[1]
+        stats.fetched = selection.rows_per_head
         stats.speculate_ms = selection.speculate_ms
         if self.pool.slots_are_positions:
             stats.selected_positions = selection.slots
         else:  # the slot-to-position map lives on the host: looked up once the step has run, for all layers
             step.selected_slots.append((stats, layer, selection.slots))
         stats.selected_scores = selection.scores
+        stats.selected_read = None if selection.valid is None else selection.valid[:, 1:]
         if selection.alpha_total is not None:
             stats.deferred_from = step.stats
             step.device_values.append((stats, selection.alpha_total))

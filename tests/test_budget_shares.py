@@ -85,7 +85,7 @@ def _skewed_curves(tiny_llama, flat_layer: int):
 @pytest.mark.parametrize("flat_layer", [2, 3])
 def test_each_sparse_layer_fetches_its_share_and_together_no_more_than_the_budget(tiny_llama, kernels, flat_layer):
     model, skew = _skewed_curves(tiny_llama, flat_layer)
-    settings = dict(policy="infinigen", budget=0.2, alpha=1e9, min_fetch_tokens=0)
+    settings = dict(policy="infinigen", budget=0.2, alpha=1e9, min_fetch_tokens=0, budget_by_head=False)  # k per head
     fetched, coded = {}, False
     for name, with_kernels in (("kernels", kernels), ("eager", None)):
         engine = InfiniGenEngine(model, None, EngineConfig(**settings), skew_set=skew, fingerprint="tiny",

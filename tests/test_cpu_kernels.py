@@ -19,13 +19,71 @@ from infinigen_core.policies import partial_codes
 from conftest import greedy_logits, hold_int8_partial_codes, make_tiny_engine, random_tokens
 
 
-def _eager_selection(partial_query, partial_keys, past, k, alpha):
+def _eager_selection(partial_query, partial_keys, past, k, alpha, width=None):
     """What the eager ops choose from the same query and cache (int8 codes: scored as partial_codes.logits does)."""
     chooser = _chooser(alpha=alpha, budget=1.0)
     chooser.ctx.adapter.num_heads = partial_query.shape[0] * partial_query.shape[1]
     keys = partial_keys[:, :, :past]
     logits = partial_codes.logits(partial_query, keys) if keys.dtype == torch.int8 else torch.bmm(partial_query, keys.float())
-    return chooser.choose(logits, k)
+    return chooser.choose(logits, k, width=width)
+
+
+def _same_rows_per_head(slots, valid, eager) -> bool:
+    """Whether each head of a kernel's selection reads the rows the eager one reads (the slots its mask keeps)."""
+    def read(selection_slots, mask, head):
+        row = mask[head if mask.shape[0] > 1 else 0, 1:]
+        return set(selection_slots[head, row].tolist())
+    return all(read(slots, valid, head) == read(eager.slots, eager.valid, head) for head in range(slots.shape[0]))
+
+
+@pytest.mark.parametrize("alpha", [3.0, 1e6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("past, spreads, capped", [
+    (650, (3.0, 1.0, 0.05), False),  # too short a past for the sample: each head's best 2k first, then the shares
+    (3000, (3.0, 1.0, 0.05), True),  # head 1 would take more than 2k: the same exact way
+    (3000, (1.0, 0.8, 0.5), False),  # the shares from one sample of every head
+])
+def test_heads_sharing_a_budget_read_the_rows_the_eager_ops_read(kernels, alpha, dtype, past, spreads, capped):
+    """The heads' shared budget (EngineConfig.budget_by_head): each head's best 2k, of all of them the kv x k
+    largest weights. The heads' queries differ in scale, so their weights spread differently: they read different
+    counts, together kv x k (one of them at the 2k cap where `capped`), each head's rows first in its slots and its
+    mask its own. Whichever way the kernel finds them, the eager ops read the same rows."""
+    torch.manual_seed(1)
+    kv, group, r, k = 3, 4, 16, 60
+    partial_query = torch.randn(kv, group, r) * torch.tensor(spreads).view(kv, 1, 1)  # peaked .. flat
+    partial_keys, _ = _as_stored(torch.randn(kv, r, past + 50), dtype)
+    slots, scores, valid, alpha_total = kernels.rehearse_select(partial_query, partial_keys, past, k, alpha, 2 * k)
+    eager = _eager_selection(partial_query, partial_keys, past, k, alpha, width=2 * k)
+    assert slots.shape == (kv, 2 * k) and valid.shape == eager.valid.shape == (kv, 2 * k + 1)
+    assert int(alpha_total) == int(eager.alpha_total) and torch.equal(valid, eager.valid)
+    assert _same_rows_per_head(slots, valid, eager)
+    counts = valid[:, 1:].sum(dim=1).tolist()
+    if alpha > 1e3:  # nothing cut by alpha: the counts are the heads' shares of the budget
+        assert sum(counts) == kv * k and len(set(counts)) == kv
+        assert (max(counts) == 2 * k) == capped
+    for head in range(kv):  # the rows read come first, whatever the order after them
+        assert valid[head, 1:].tolist() == sorted(valid[head, 1:].tolist(), reverse=True)
+    assert int(slots.max()) < past and int(slots.min()) >= 0
+
+
+def test_attend_rows_masks_each_head_by_its_own_row(kernels):
+    """A mask per KV head [kv, rows]: each head attends over its own kept rows, as SDPA with that mask does."""
+    torch.manual_seed(2)
+    kv, group, dim, slots_held = 3, 4, 64, 500
+    query = torch.randn(kv, group, dim)
+    keys, values = torch.randn(kv, slots_held, dim), torch.randn(kv, slots_held, dim)
+    rows = torch.stack([torch.randperm(slots_held)[:300] for _ in range(kv)])
+    valid = torch.zeros(kv, 300, dtype=torch.bool)
+    for head, count in enumerate((5, 300, 260)):  # a chunk of 256 rows, two of them, and a part of the second
+        valid[head, :count] = True
+    out = kernels.attend_rows(query, keys, values, rows, valid, 0.125)
+    gathered_k = keys.gather(1, rows.unsqueeze(-1).expand(-1, -1, dim)).unsqueeze(1)
+    gathered_v = values.gather(1, rows.unsqueeze(-1).expand(-1, -1, dim)).unsqueeze(1)
+    expected = F.scaled_dot_product_attention(query.unsqueeze(1), gathered_k, gathered_v,
+                                              attn_mask=valid.view(kv, 1, 1, -1), scale=0.125).squeeze(1)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    alike = kernels.attend_rows(query, keys, values, rows, valid[1:2], 0.125)  # [1, rows]: every head the same
+    torch.testing.assert_close(alike, kernels.attend_rows(query, keys, values, rows, None, 0.125))
 
 
 @pytest.mark.parametrize("alpha", [3.0, 1e6])  # the alpha mask cuts inside the k rows / keeps all of them
@@ -293,7 +351,7 @@ def test_every_selection_of_a_real_compiled_reply_is_the_eager_ops_choice(real_e
 
     monkeypatch.setattr(DecodeLane, "for_work", staticmethod(lambda work: None))
 
-    kernels, seen = real_engine.kernels, []
+    kernels, seen, widths = real_engine.kernels, [], []
     assert kernels is not None and real_engine.decode_step.is_compiled
 
     class Checked:
@@ -301,14 +359,14 @@ def test_every_selection_of_a_real_compiled_reply_is_the_eager_ops_choice(real_e
         fit = kernels.fit
 
         @staticmethod
-        def rehearse_select(query, keys, past, k, alpha):
-            slots, scores, valid, alpha_total = kernels.rehearse_select(query, keys, past, k, alpha)
+        def rehearse_select(query, keys, past, k, alpha, width=None):
+            slots, scores, valid, alpha_total = kernels.rehearse_select(query, keys, past, k, alpha, width)
+            widths.append((k, width))
             chooser = _chooser(alpha=alpha, budget=1.0)
             chooser.ctx.adapter.num_heads = query.shape[0] * query.shape[1]
-            eager = chooser.choose(partial_codes.logits(query, keys[:, :, :past]), k)
-            kept = int(valid[0, 1:].sum())
-            seen.append(torch.equal(valid, eager.valid) and int(alpha_total) == int(eager.alpha_total) and all(
-                set(slots[h, :kept].tolist()) == set(eager.slots[h, :kept].tolist()) for h in range(query.shape[0])))
+            eager = chooser.choose(partial_codes.logits(query, keys[:, :, :past]), k, width=width)
+            seen.append(torch.equal(valid, eager.valid) and int(alpha_total) == int(eager.alpha_total)
+                        and _same_rows_per_head(slots, valid, eager))
             return slots, scores, valid, alpha_total
 
     ids = real_engine.tokenizer(calibration_text())["input_ids"]
@@ -317,6 +375,7 @@ def test_every_selection_of_a_real_compiled_reply_is_the_eager_ops_choice(real_e
     real_engine.score(ids[300:306])
     assert len(seen) == 6 * len(real_engine.policy.sparse_layers) and all(seen)
     assert real_engine.policy.partial_store_dtype == torch.int8
+    assert sum(width > k for k, width in widths) > len(widths) // 2  # most layers' heads share their budget
 
 
 def test_a_build_killed_before_it_ended_does_not_stop_the_next_start(kernels):

@@ -58,7 +58,8 @@ def _assert_within_one_code(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 def _layer_record(step):
     return [(layer.layer, layer.sparse, layer.fetched, layer.window, layer.dense_reason, layer.attended,
-             None if layer.selected_positions is None else layer.selected_positions.tolist())
+             None if layer.selected_positions is None else layer.selected_positions.tolist(),
+             None if layer.selected_read is None else layer.selected_read.tolist())
             for layer in step.layers]
 
 
@@ -66,6 +67,7 @@ def _layer_record(step):
     SELECTING,  # every step selects (from the first one the budget leaves rows out)
     dict(SELECTING, dense_under_budget=True, budget=230, budget_is_tokens=True),  # dense up to 230 tokens, then selects
     dict(SELECTING, budget_by_layer=False),  # the uniform budget
+    dict(SELECTING, budget_by_head=False),  # k rows in every KV head (SELECTING: the heads share the budget)
     dict(policy="full"),
     dict(policy="offload"),
 ])
@@ -212,7 +214,7 @@ def test_a_lane_whose_layers_did_not_all_attend_is_refused_at_its_end(kernels):
     so (and closes the lane) rather than hand the engine another layer's results."""
     keys = [torch.zeros(1, 8, 4) for _ in range(2)]
     torch.ops.infinigen_cpu.lane_begin(keys, [torch.zeros(1, 8, 4) for _ in range(2)], [None, None], [None, None],
-                                       [None, None], [0, 0], 3, [0, 0], 1.0, True)
+                                       [None, None], [0, 0], 3, [0, 0], [0, 0], 1.0, True)
     query, new = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 1, 4)
     out = torch.ops.infinigen_cpu.attend_layer(query, new, new, None, None, None, 0, 0.5)
     assert out.shape == (1, 1, 2, 4) and torch.equal(keys[0][:, 3], new[0, :, 0])  # layer 0 ran: its row written

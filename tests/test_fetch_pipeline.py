@@ -81,6 +81,7 @@ def run(model, monkeypatch, attended, delay_s=None, restore=False, zero_copy=Fal
             patch.delenv(SEPARATE_DEVICES_ENV, raising=False)
         attended.clear()
         settings.setdefault("selects_ahead", True)  # direct and streamed select alike, one layer ahead
+        settings.setdefault("budget_by_head", False)  # and every head k rows (a streamed fetch's heads never share)
         with make_tiny_engine(model, prefill_chunk=40, **settings) as engine:
             assert type(engine.fetcher) is (DirectFetcher if delay_s is None else StreamFetcher)
             assert getattr(engine.fetcher, "mapped", None) is not None or not zero_copy

@@ -104,6 +104,24 @@ def test_heat_colours_run_from_the_first_anchor_to_the_last_and_clip():
     assert colours[2].tolist() == np.rint(halfway).astype(int).tolist()
 
 
+
+def test_the_inspector_shows_the_rows_each_head_read_not_every_slot_named():
+    """Where the KV heads share a budget a selection names 2k slots per head and each head reads its own count
+    (and the alpha rank cuts them): the inspector's fetched set is the slots read, in any head."""
+    import torch
+
+    from ui.inspector import read_positions
+
+    stats = LayerStats(layer=2, context_len=100, fetched=3, sparse=True)
+    stats.selected_positions = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
+    stats.selected_scores = torch.tensor([[0.9, 0.5, 0.1, 0.0], [0.8, 0.7, 0.6, 0.2]])
+    stats.selected_read = torch.tensor([[True, False, False, False], [True, True, True, True]])
+    assert read_positions(stats) == pytest.approx({10: 0.9, 20: 0.8, 21: 0.7, 22: 0.6, 23: 0.2})
+    stats.selected_read = torch.tensor([[True, True, False, False]])  # one mask for every head (the alpha rank)
+    assert set(read_positions(stats)) == {10, 11, 20, 21}
+    stats.selected_read = None  # nothing masked
+    assert len(read_positions(stats)) == 8
+
 def test_timing_table_splits_the_mean_step(data):
     frame, caption = panels.timing_table(data)
     parts = dict(zip(frame["part"], frame["ms per decode step"]))

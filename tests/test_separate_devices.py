@@ -121,8 +121,10 @@ def test_worker_threads_keep_the_rules():
 # ------------------------------------------------------------------ the engine under the mode
 def plain(monkeypatch, model, **settings):
     """An engine on the plain CPU (the reference a separated run must match): its layers select one layer
-    ahead, as the separated run's do (on the plain CPU they would use their own query)."""
+    ahead, as the separated run's do (on the plain CPU they would use their own query), and every KV head reads
+    k rows, as they do where the pool is apart (on the plain CPU the heads would share the layer's budget)."""
     settings.setdefault("selects_ahead", True)
+    settings.setdefault("budget_by_head", False)
     with monkeypatch.context() as patch:
         patch.delenv(SEPARATE_DEVICES_ENV)
         return make_tiny_engine(model, prefill_chunk=40, **settings)
@@ -131,6 +133,8 @@ def plain(monkeypatch, model, **settings):
 def separated(model, **settings):
     engine = make_tiny_engine(model, prefill_chunk=40, **settings)
     assert engine.device == EMULATED_COMPUTE and engine.kernels is None
+    # a copy to the compute device would carry every head's widest selection: the heads never share the budget
+    assert not getattr(engine.policy, "heads_share_budget", False)
     return engine
 
 

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -58,9 +59,9 @@ def test_the_slot_being_written_is_never_chosen_even_when_weights_underflow():
 def test_full_channel_rehearsal_finds_the_true_top_k(tiny_llama):
     """Fed layer 4's own attention input, speculation with all channels reproduces its true attention."""
     model, _ = tiny_llama
-    # a uniform budget: the test checks the rehearsal against the true top k of a known size
+    # a uniform budget, k in every head: the test checks the rehearsal against the true top k of a known size
     engine = make_tiny_engine(tiny_llama, policy="infinigen", partial_ratio=1.0, budget=0.1, alpha=1e9,
-                              budget_by_layer=False)
+                              budget_by_layer=False, budget_by_head=False)
     target = 3
     captured = {}
 
@@ -141,3 +142,41 @@ def test_a_step_never_reuses_the_previous_steps_rope_factors(tiny_llama):
     engine.close()
     assert not torch.equal(first, fresh)
     torch.testing.assert_close(second, fresh, rtol=0, atol=0)
+
+
+def test_heads_sharing_a_budget_read_by_their_weights_kv_times_k_rows():
+    """The heads' shared budget (EngineConfig.budget_by_head): head 0's group puts its weight on 2 tokens, head 1's
+    spreads it over 12; with k = 5 each and a width of 10, head 0 reads 2 rows and head 1 8, together 2 x 5. Each
+    head's mask is its own (the new token, column 0, always kept), and the alpha rank cuts them as before."""
+    logits = torch.full((2, 2, 40), -20.0)
+    logits[0, :, [3, 9]] = 10.0
+    logits[1, :, 10:22] = torch.linspace(10.0, 9.0, 12)  # 12 tokens of nearly equal weight
+    selection = _chooser(alpha=1e9, budget=1.0).choose(logits, k=5, width=10)
+    assert selection.slots.shape == (2, 10) and selection.valid.shape == (2, 11)
+    assert selection.per_head == selection.rows_per_head == 5
+    assert selection.valid[:, 1:].sum(dim=1).tolist() == [2, 8] and bool(selection.valid[:, 0].all())
+    assert set(selection.slots[0, :2].tolist()) == {3, 9}
+    assert set(selection.slots[1, :8].tolist()) == set(range(10, 18))  # head 1's eight best
+    # alpha 2: 2 tokens within it for each of head 0's two queries, 12 for head 1's: 28 over 4 query heads, so the
+    # rows ranked 7th and after are cut, head 1's eighth among them
+    cut = _chooser(alpha=2.0, budget=1.0).choose(logits, k=5, width=10)
+    assert int(cut.alpha_total) == 28 and cut.valid[:, 1:].sum(dim=1).tolist() == [2, 7]
+
+
+@pytest.mark.one_device  # the heads share a budget only where the pool is the compute device's memory
+def test_heads_sharing_a_budget_read_as_many_rows_as_the_uniform_budget(tiny_llama, kernels):
+    """On the CPU the heads share each layer's budget: the selections change, but each layer still reads k rows per
+    head on average, in the statistics and in the bytes counted (lane or Python path alike)."""
+    settings = dict(policy="infinigen", budget=0.3, alpha=1e9)
+    seen = {}
+    for share in (True, False):
+        engine = make_tiny_engine(tiny_llama, kernels=kernels, budget_by_head=share, **settings)
+        assert engine.policy.heads_share_budget == share
+        engine.prefill(random_tokens(120, seed=3))
+        logits = engine.score(random_tokens(4, seed=4))
+        steps = [step for step in engine.history if step.is_decode]
+        seen[share] = ([layer.fetched for step in steps for layer in step.sparse_layers()],
+                       engine.fetcher.bytes_fetched, logits)
+        engine.close()
+    assert seen[True][:2] == seen[False][:2] and len(seen[True][0]) > 0
+    assert not torch.equal(seen[True][2], seen[False][2])  # the heads did read other rows

@@ -44,6 +44,21 @@ def _shaded_text(pieces: list[str], first_position: int, weights: dict[int, floa
     return "".join(spans)
 
 
+def read_positions(stats) -> dict[int, float]:
+    """The past positions a sparse layer's attention read at a step (in any KV head), each with its highest
+    rehearsed score: the selection's slots less those masked (InfiniGen's alpha rank, and where the heads share a
+    budget each head's own count)."""
+    positions = stats.selected_positions
+    scores = stats.selected_scores if stats.selected_scores is not None else torch.ones_like(positions, dtype=torch.float32)
+    read = (torch.ones_like(positions, dtype=torch.bool) if stats.selected_read is None
+            else stats.selected_read.expand_as(positions))
+    fetched: dict[int, float] = {}
+    for position, score, used in zip(positions.flatten().tolist(), scores.flatten().tolist(), read.flatten().tolist()):
+        if used:
+            fetched[position] = max(fetched.get(position, 0.0), float(score))
+    return fetched
+
+
 def _global_layers(engine) -> str:
     adapter = engine.adapter
     return ", ".join(str(layer) for layer in range(adapter.num_layers) if adapter.is_global(layer))
@@ -73,11 +88,7 @@ def render(engine, step_index: int, layer: int) -> str:
     if stats.selected_positions is None:
         return (f"<p>Layer {layer} fetched {stats.fetched} of {stats.context_len} past tokens at this step; which "
                 f"ones is kept for the last {KEEP_SELECTIONS_STEPS} decode steps only. Pick a newer step.</p>")
-    fetched: dict[int, float] = {}
-    scores = stats.selected_scores if stats.selected_scores is not None else torch.ones_like(
-        stats.selected_positions, dtype=torch.float32)
-    for position, score in zip(stats.selected_positions.flatten().tolist(), scores.flatten().tolist()):
-        fetched[position] = max(fetched.get(position, 0.0), float(score))
+    fetched = read_positions(stats)
     true: dict[int, float] = {}
     if stats.true_attention is not None:
         true = dict(zip(stats.true_attention_positions.tolist(), stats.true_attention.tolist()))

@@ -36,7 +36,9 @@
 namespace {
 
 struct LayerResult {
-  at::Tensor slots, scores, alpha_total;  // a selecting layer's: [kv, k] int64, [kv, k] float, 0-dim int64
+  // a selecting layer's: [kv, width] int64, [kv, width] float, 0-dim int64, and which of its slots attention read
+  // ([1 or kv, width] bool: the alpha mask, and where the heads share a budget each head's count)
+  at::Tensor slots, scores, alpha_total, read;
   int64_t select_ns = 0, attend_ns = 0;
   bool ran = false;
 };
@@ -49,6 +51,7 @@ struct Lane {
   std::vector<at::Tensor> key_projections;  // [kv, dim, r] float32 (undefined: not sparse)
   std::vector<int64_t> windows;  // a sliding layer's window, 0 for a global one
   std::vector<int64_t> budgets;  // rows to select, 0 to attend to every slot (a sliding layer: its window)
+  std::vector<int64_t> widths;  // slots each head's selection names (> budget: the heads share kv x budget rows)
   int64_t slot = 0;  // the new token's slot in every layer (the pool appends: slot i holds position i)
   double alpha = 0.0;
   bool project_keys = true;  // false: a dense step, whose partial keys the policy makes later (project_slots)
@@ -267,11 +270,11 @@ void lane_begin(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                 std::vector<std::optional<at::Tensor>> partial_keys,
                 std::vector<std::optional<at::Tensor>> query_projections,
                 std::vector<std::optional<at::Tensor>> key_projections, std::vector<int64_t> windows, int64_t slot,
-                std::vector<int64_t> budgets, double alpha, bool project_keys) {
+                std::vector<int64_t> budgets, std::vector<int64_t> widths, double alpha, bool project_keys) {
   const size_t layers = keys.size();
   TORCH_CHECK(layers > 0 && values.size() == layers && partial_keys.size() == layers &&
                   query_projections.size() == layers && key_projections.size() == layers && windows.size() == layers &&
-                  budgets.size() == layers,
+                  budgets.size() == layers && widths.size() == layers,
               "lane_begin: one entry per layer in every list");
   auto lane = std::make_unique<Lane>();
   const int64_t kv = keys[0].size(0);
@@ -284,8 +287,9 @@ void lane_begin(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
     TORCH_CHECK(is_sparse == query_projections[layer].has_value() && is_sparse == key_projections[layer].has_value(),
                 "lane_begin: partial keys need their query and key projections");
     if (is_sparse) check_partial_keys(*partial_keys[layer], *key_projections[layer], kv, keys[layer].size(2), slot);
-    TORCH_CHECK(budgets[layer] == 0 || (is_sparse && budgets[layer] <= slot),
-                "lane_begin: layer ", layer, " cannot select ", budgets[layer], " of ", slot, " past rows");
+    TORCH_CHECK(budgets[layer] == 0 || (is_sparse && budgets[layer] <= widths[layer] && widths[layer] <= slot),
+                "lane_begin: layer ", layer, " cannot select ", budgets[layer], " (", widths[layer], " wide) of ", slot,
+                " past rows");
     lane->keys.push_back(std::move(keys[layer]));
     lane->values.push_back(std::move(values[layer]));
     lane->partial_keys.push_back(is_sparse ? *partial_keys[layer] : at::Tensor());
@@ -294,6 +298,7 @@ void lane_begin(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
   }
   lane->windows = std::move(windows);
   lane->budgets = std::move(budgets);
+  lane->widths = std::move(widths);
   lane->slot = slot;
   lane->alpha = alpha;
   lane->project_keys = project_keys;
@@ -302,13 +307,14 @@ void lane_begin(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
   running = std::move(lane);
 }
 
-// What the step's selecting layers left: (slots, scores, alpha totals) of each in layer order, and per layer
-// the nanoseconds spent selecting and attending [layers, 2] (0 for a layer the lane did not run). Closes the
-// lane of this thread.
-std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor> lane_end() {
+// What the step's selecting layers left: (slots, scores, alpha totals) of each in layer order, per layer the
+// nanoseconds spent selecting and attending [layers, 2] (0 for a layer the lane did not run), and the selecting
+// layers' masks of the slots read. Closes the lane of this thread.
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
+           std::vector<at::Tensor>> lane_end() {
   std::unique_ptr<Lane> lane = std::move(running);
-  std::vector<at::Tensor> slots, scores, totals;
-  if (!lane) return {slots, scores, totals, at::zeros({0, 2}, at::TensorOptions().dtype(at::kLong))};
+  std::vector<at::Tensor> slots, scores, totals, read;
+  if (!lane) return {slots, scores, totals, at::zeros({0, 2}, at::TensorOptions().dtype(at::kLong)), read};
   at::Tensor times = at::empty({static_cast<int64_t>(lane->results.size()), 2}, at::TensorOptions().dtype(at::kLong));
   int64_t* t = times.data_ptr<int64_t>();
   for (const auto& result : lane->results) {
@@ -318,11 +324,12 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Ten
       slots.push_back(result.slots);
       scores.push_back(result.scores);
       totals.push_back(result.alpha_total);
+      read.push_back(result.read);
     }
     *t++ = result.select_ns;
     *t++ = result.attend_ns;
   }
-  return {slots, scores, totals, times};
+  return {slots, scores, totals, times, read};
 }
 
 // A step that failed: the lane closes with nothing handed over.
@@ -348,7 +355,7 @@ at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at
   static auto rehearse_select = c10::Dispatcher::singleton()
       .findSchemaOrThrow("infinigen_cpu::rehearse_select", "")
       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t,
-                                                                       int64_t, double)>();
+                                                                       int64_t, double, int64_t)>();
   static auto attend_rows = c10::Dispatcher::singleton()
       .findSchemaOrThrow("infinigen_cpu::attend_rows", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -374,15 +381,16 @@ at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at
     // 2a. select: the query through the layer's partial skew (scale folded in), then the kernels
     const at::Tensor partial_query = at::bmm(grouped, lane->query_projections[layer]);
     auto [slots, scores, valid, alpha_total] =
-        rehearse_select.call(partial_query, lane->partial_keys[layer], slot, budget, lane->alpha);
+        rehearse_select.call(partial_query, lane->partial_keys[layer], slot, budget, lane->alpha, lane->widths[layer]);
     const auto selected = std::chrono::steady_clock::now();
     result.select_ns = elapsed_ns(started);
     const at::Tensor rows = at::cat({lane->new_slot_column, slots}, 1);
     const at::Tensor live_keys = keys.slice(1, 0, size), live_values = values.slice(1, 0, size);
-    out = attend_rows.call(grouped, live_keys, live_values, rows, valid.view({-1}), scaling);
+    out = attend_rows.call(grouped, live_keys, live_values, rows, valid, scaling);  // valid: [1 or kv, rows]
     result.slots = slots;
     result.scores = scores;
     result.alpha_total = alpha_total;
+    result.read = valid.slice(1, 1);  // the slots', after the new token's column
     result.attend_ns = elapsed_ns(selected);
   } else {
     // 2b. every slot (a sliding layer: its last `window`), as the Python path reads them
@@ -413,9 +421,10 @@ TORCH_LIBRARY_FRAGMENT(infinigen_cpu, m) {
         "int layer, float scaling) -> Tensor");
   // the lane's opening and closing: plain functions of the engine's, not tensor ops (one kernel for all keys)
   m.def("lane_begin(Tensor[] keys, Tensor[] values, Tensor?[] partial_keys, Tensor?[] query_projections, "
-        "Tensor?[] key_projections, int[] windows, int slot, int[] budgets, float alpha, bool project_keys) -> ()",
+        "Tensor?[] key_projections, int[] windows, int slot, int[] budgets, int[] widths, float alpha, "
+        "bool project_keys) -> ()",
         &lane_begin);
-  m.def("lane_end() -> (Tensor[], Tensor[], Tensor[], Tensor)", &lane_end);
+  m.def("lane_end() -> (Tensor[], Tensor[], Tensor[], Tensor, Tensor[])", &lane_end);
   m.def("lane_abort() -> ()", &lane_abort);
   m.def("write_step_partial_keys(Tensor keys, Tensor projections, Tensor(a!) cache, int slot) -> ()");
   m.def("project_slots(Tensor[] keys, Tensor projections, Tensor(a!) cache, int first, int end) -> ()");

@@ -2,9 +2,11 @@
 //
 //   rehearse_select: rehearsed logits of every past slot against the partial keys, the paper's alpha count,
 //     each KV head's query-group sum of softmax weights, and its top-k slots (partitioned, not sorted: the
-//     first `kept` slots are the `kept` best, which is all the alpha mask needs).
+//     first `kept` slots are the `kept` best, which is all the alpha mask needs). With a `width` > k the heads
+//     share kv x k rows: each head's best `width`, its share of the kv x k best of them first, a mask per head.
 //   attend_rows: one token's grouped-query attention over pool rows picked by slot, read where they lie
-//     (no gathered copy), split into chunks that are combined by their softmax maxima and sums.
+//     (no gathered copy), split into chunks that are combined by their softmax maxima and sums; a mask per
+//     head leaves each head its own count of rows.
 // And two products for decoding (weights.py), one float32 row times a weight at a GGUF file's own codes in groups
 // of 32 input channels: q8_matvec, int8 codes with a float32 scale each (Q8_0), one byte per weight; q4_matvec,
 // 4-bit codes two a byte with a float32 scale and minimum each (Q4_1), the row never rounded to bf16.
@@ -356,12 +358,9 @@ int64_t coded_block_logits(float*, const QueryCodes&, int64_t, const int8_t*, in
 constexpr int kDigitBits = 11;
 constexpr int64_t kSmallPartition = 64;
 
-inline void put_largest_first(uint64_t* a, int64_t n, int64_t m, uint64_t* scratch) {
-  if (m <= 0 || m >= n) return;
-  if (n <= kSmallPartition) {
-    std::nth_element(a, a + (m - 1), a + n, std::greater<uint64_t>());
-    return;
-  }
+// The m-th largest of a[0, n) (0 < m <= n), by the radix passes described above; `scratch` holds 2n values. Equal
+// values may occur (two KV heads can hold the same weight at the same slot): they count as often as they occur.
+inline uint64_t nth_largest(const uint64_t* a, int64_t n, int64_t m, uint64_t* scratch) {
   constexpr uint64_t mask = (uint64_t{1} << kDigitBits) - 1;
   uint64_t* buffers[2] = {scratch, scratch + n};
   int next = 0;
@@ -374,7 +373,8 @@ inline void put_largest_first(uint64_t* a, int64_t n, int64_t m, uint64_t* scrat
       low = std::min(low, values[i]);
       high = std::max(high, values[i]);
     }
-    const int shift = std::max(0, 63 - __builtin_clzll(low ^ high) - (kDigitBits - 1));  // distinct: low != high
+    if (low == high) return low;  // every value left is the same one
+    const int shift = std::max(0, 63 - __builtin_clzll(low ^ high) - (kDigitBits - 1));
     uint32_t counts[mask + 1] = {};
     for (int64_t i = 0; i < count; ++i) ++counts[(values[i] >> shift) & mask];
     uint64_t digit = mask;
@@ -391,14 +391,23 @@ inline void put_largest_first(uint64_t* a, int64_t n, int64_t m, uint64_t* scrat
     count = passed;
     need -= above;
   }
-  uint64_t nth;  // the m-th largest of all
-  if (need < count) {
-    uint64_t* left = const_cast<uint64_t*>(values);  // a scratch buffer: the loop ran at least once
-    std::nth_element(left, left + (need - 1), left + count, std::greater<uint64_t>());
-    nth = left[need - 1];
-  } else {
-    nth = *std::min_element(values, values + count);
+  if (need == count) return *std::min_element(values, values + count);
+  if (values == a) {  // too few for a pass: chosen among in scratch, `a` left as it is
+    std::copy(a, a + count, scratch);
+    values = scratch;
   }
+  uint64_t* left = const_cast<uint64_t*>(values);  // a scratch buffer
+  std::nth_element(left, left + (need - 1), left + count, std::greater<uint64_t>());
+  return left[need - 1];
+}
+
+inline void put_largest_first(uint64_t* a, int64_t n, int64_t m, uint64_t* scratch) {
+  if (m <= 0 || m >= n) return;
+  if (n <= kSmallPartition) {
+    std::nth_element(a, a + (m - 1), a + n, std::greater<uint64_t>());
+    return;
+  }
+  const uint64_t nth = nth_largest(a, n, m, scratch);  // the m-th largest of all
   uint64_t* first = scratch;
   uint64_t* rest = scratch + n;
   int64_t firsts = 0, others = 0;
@@ -456,9 +465,121 @@ inline void scale_by_exponents(float* acc, const int8_t* exponents, int64_t n, i
     for (int64_t j = 0; j < n; ++j) acc[g * kSlotBlock + j] *= powers[j];
 }
 
+// Each KV head's count of rows where kv heads draw on one budget of kv x k rows: the kv x k largest of the heads'
+// candidates (each head's best `width`, first in `ranked`'s row of `past`), counted by head. A value (weight and
+// slot) is distinct within a head; two heads can hold the same one, and of those at the cut the lower heads count
+// first, so the counts always sum to kv x k.
+std::vector<int64_t> shares_of_budget(uint64_t* ranked, int64_t kv, int64_t past, int64_t width, int64_t k) {
+  const int64_t candidates = kv * width, budget = kv * k;
+  const std::unique_ptr<uint64_t[]> all(new uint64_t[3 * candidates]);  // the candidates, then scratch: written first
+  for (int64_t h = 0; h < kv; ++h) std::copy(ranked + h * past, ranked + h * past + width, &all[h * width]);
+  const uint64_t cut = nth_largest(all.get(), candidates, budget, all.get() + candidates);  // the budget's smallest
+  std::vector<int64_t> counts(kv, 0);
+  int64_t above = 0;
+  std::vector<uint8_t> holds_cut(kv, 0);
+  for (int64_t h = 0; h < kv; ++h) {
+    for (int64_t i = 0; i < width; ++i) {
+      const uint64_t value = ranked[h * past + i];
+      counts[h] += value > cut;
+      holds_cut[h] |= value == cut;
+    }
+    above += counts[h];
+  }
+  for (int64_t h = 0; h < kv && above < budget; ++h)
+    if (holds_cut[h]) ++counts[h], ++above;
+  return counts;
+}
+
+// The heads' shares of kv x k rows as shares_of_budget counts them, without each head's best `width` first: a
+// floor from a sample of every head's weights (every 16th slot), under which, with a margin, about kv x k values and
+// a few more lie; the values at or above it, per head; the kv x k largest of those. Where no head holds more than
+// `width` of them (the cap binds for ~2% of SmolLM2's heads) these are the kv x k largest of the heads' best
+// `width` each too, and each head's row is arranged: its `counts[h]` best first, then the rest of the values above
+// the floor, then slots left as they were (masked: never read). Returns false, with `ranked` as it was, where the
+// sample was too small, the floor let fewer than kv x k values pass, or a head passed `width`: the exact way then.
+bool shares_from_sample(uint64_t* ranked, int64_t kv, int64_t past, int64_t width, int64_t k,
+                        std::vector<int64_t>& counts) {
+  constexpr int64_t kMinSample = 64;
+  const int64_t per_head = past / kSampleStride, samples = kv * per_head, budget = kv * k;
+  if (per_head < kMinSample) return false;
+  uint64_t floor;
+  {
+    const std::unique_ptr<uint64_t[]> sample(new uint64_t[3 * samples]);  // the sample, then scratch
+    for (int64_t h = 0; h < kv; ++h)
+      for (int64_t i = 0; i < per_head; ++i) sample[h * per_head + i] = ranked[h * past + i * kSampleStride];
+    const double expected = static_cast<double>(budget) * per_head / past;  // sampled values among the kv x k
+    const int64_t rank = std::min<int64_t>(samples, static_cast<int64_t>(expected + 3.0 * std::sqrt(expected) + 5.0));
+    floor = nth_largest(sample.get(), samples, rank, sample.get() + samples);
+  }
+  // per head, the values at or above the floor (copied out with no branch: which pass is a coin toss)
+  const std::unique_ptr<uint64_t[]> picked(new uint64_t[kv * past]);  // head h's from h * past: written before read
+  std::vector<int64_t> picked_count(kv);
+  at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      const uint64_t* row = ranked + h * past;
+      uint64_t* out = &picked[h * past];
+      int64_t n = 0;
+      for (int64_t j = 0; j < past; ++j) {
+        out[n] = row[j];
+        n += row[j] >= floor;
+      }
+      picked_count[h] = n;
+    }
+  });
+  int64_t total = 0;
+  for (int64_t h = 0; h < kv; ++h) total += picked_count[h];
+  if (total < budget) return false;
+  uint64_t cut;  // the budget's smallest value
+  {
+    const std::unique_ptr<uint64_t[]> all(new uint64_t[3 * total]);  // every head's picked, then scratch
+    int64_t at = 0;
+    for (int64_t h = 0; h < kv; ++h) {
+      std::copy(&picked[h * past], &picked[h * past] + picked_count[h], &all[at]);
+      at += picked_count[h];
+    }
+    cut = nth_largest(all.get(), total, budget, all.get() + total);
+  }
+  // per head, one pass: the values above the cut, then the cut's own value if the head holds it (at most once: a
+  // head's values are distinct), then the others
+  std::vector<int64_t> shares(kv);  // each head's count at or above the cut
+  std::vector<uint8_t> holds_cut(kv);
+  at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      uint64_t* values = &picked[h * past];
+      const int64_t n = picked_count[h];
+      const std::unique_ptr<uint64_t[]> rest(new uint64_t[n]);  // written before read
+      int64_t above = 0, below = 0;
+      bool holds = false;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t value = values[i];
+        holds |= value == cut;
+        values[above] = value;  // i >= above: a value not yet read is never overwritten
+        rest[below] = value;
+        above += value > cut;
+        below += value < cut;
+      }
+      if (holds) values[above] = cut;
+      std::copy(rest.get(), rest.get() + below, values + above + holds);
+      shares[h] = above + holds;
+      holds_cut[h] = holds;
+    }
+  });
+  // the cut's value held by several heads (the same weight at the same slot): the lower heads read it first
+  int64_t held = 0;
+  for (int64_t h = 0; h < kv; ++h) held += shares[h];
+  for (int64_t h = kv - 1; h >= 0 && held > budget; --h)
+    if (holds_cut[h]) --shares[h], --held;  // its value right after the ones it reads: it is masked
+  for (int64_t h = 0; h < kv; ++h)
+    if (shares[h] > width) return false;
+  for (int64_t h = 0; h < kv; ++h)
+    std::copy(&picked[h * past], &picked[h * past] + std::min(picked_count[h], width), ranked + h * past);
+  counts = std::move(shares);
+  return true;
+}
+
 template <typename Key>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed(
-    const at::Tensor& query, const at::Tensor& partial_keys, int64_t past, int64_t k, double alpha) {
+    const at::Tensor& query, const at::Tensor& partial_keys, int64_t past, int64_t k, double alpha, int64_t width) {
   TORCH_CHECK(partial_keys.stride(2) == 1, "partial keys must be contiguous along slots");
   const at::Tensor q_contig = query.contiguous();
   const int64_t kv = q_contig.size(0), group = q_contig.size(1), r = q_contig.size(2);
@@ -466,11 +587,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
   TORCH_CHECK(partial_keys.size(0) == kv && partial_keys.size(1) == r + (has_exponents ? 1 : 0),
               "query and partial keys disagree");
   TORCH_CHECK(group <= kMaxGroup && 0 < k && k <= past && past <= partial_keys.size(2), "bad sizes");
+  TORCH_CHECK(k <= width && width <= past, "a width of ", width, " for ", k, " rows per head over ", past);
   TORCH_CHECK(!has_exponents || r <= kMaxDim, "int8 partial keys of at most ", kMaxDim, " channels");
+  const bool spread = width > k;  // the heads' rows drawn from one budget of kv x k: a mask per head
 
-  auto slots = at::empty({kv, k}, q_contig.options().dtype(at::kLong));
-  auto scores = at::empty({kv, k}, q_contig.options());
-  auto valid = at::empty({1, k + 1}, q_contig.options().dtype(at::kBool));
+  auto slots = at::empty({kv, width}, q_contig.options().dtype(at::kLong));
+  auto scores = at::empty({kv, width}, q_contig.options());
+  auto valid = at::empty({spread ? kv : 1, width + 1}, q_contig.options().dtype(at::kBool));
   const float* q_all = q_contig.data_ptr<float>();
   const Key* keys_all = partial_keys.data_ptr<Key>();
   const int64_t head_stride = partial_keys.stride(0), channel_stride = partial_keys.stride(1);
@@ -562,23 +685,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
   int64_t total = 0;
   for (int64_t t = 0; t < kv * blocks; ++t) total += block_counts[t];
   const int64_t heads = kv * group;
-  bool* mask = valid.data_ptr<bool>();
+  std::vector<uint8_t> alpha_mask(width + 1);
   int64_t kept = 0;
-  for (int64_t m = 0; m <= k; ++m) {
-    mask[m] = (m - 1) * heads < total;
-    kept += m > 0 && mask[m];
+  for (int64_t m = 0; m <= width; ++m) {
+    alpha_mask[m] = (m - 1) * heads < total;
+    kept += m > 0 && alpha_mask[m];
   }
 
-  // 4. per head: its top k, partitioned once more where the mask cuts them, so its best `kept` come first
+  // 4. per head: its top `width` (k where the heads read alike), and 5. how many of them it reads: k each, or where
+  //    the heads draw on one budget, its share of the kv x k best of the heads' candidates. Mostly the shares come
+  //    from one sample of every head, each head's rows read then first in its row (`arranged`)
+  std::vector<int64_t> counts(kv, k);
+  const bool arranged = spread && shares_from_sample(ranked.get(), kv, past, width, k, counts);
+  if (!arranged) {
+    at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
+      const std::unique_ptr<uint64_t[]> scratch(new uint64_t[largest_first_scratch(past)]);  // written before read
+      for (int64_t h = begin; h < end; ++h)
+        if (width < past) largest_first(&ranked[h * past], past, width, scratch.get());
+    });
+    if (spread) counts = shares_of_budget(ranked.get(), kv, past, width, k);
+  }
+  // 6. per head: its rows partitioned where its count and the alpha mask cut them, so the rows kept come first
+  bool* mask = valid.data_ptr<bool>();
   at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
-    const std::unique_ptr<uint64_t[]> scratch(new uint64_t[largest_first_scratch(past)]);  // written before read
+    const std::unique_ptr<uint64_t[]> scratch(new uint64_t[2 * width]);  // written before read
     for (int64_t h = begin; h < end; ++h) {
       uint64_t* head = &ranked[h * past];
-      if (k < past) largest_first(head, past, k, scratch.get());
-      if (0 < kept && kept < k) put_largest_first(head, k, kept, scratch.get());
-      float* score_out = scores.data_ptr<float>() + h * k;
-      int64_t* slot_out = slots.data_ptr<int64_t>() + h * k;
-      for (int64_t i = 0; i < k; ++i) {
+      const int64_t count = counts[h], used = std::min(kept, count);
+      if (count < width && !arranged) put_largest_first(head, width, count, scratch.get());
+      if (0 < used && used < count) put_largest_first(head, count, used, scratch.get());
+      if (spread || h == 0)
+        for (int64_t m = 0; m <= width; ++m) mask[(spread ? h : 0) * (width + 1) + m] = alpha_mask[m] && m - 1 < count;
+      float* score_out = scores.data_ptr<float>() + h * width;
+      int64_t* slot_out = slots.data_ptr<int64_t>() + h * width;
+      for (int64_t i = 0; i < width; ++i) {
         score_out[i] = __builtin_bit_cast(float, static_cast<uint32_t>(head[i] >> 32));
         slot_out[i] = static_cast<int64_t>(~static_cast<uint32_t>(head[i]));
       }
@@ -588,13 +728,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select(
-    const at::Tensor& query, const at::Tensor& partial_keys, int64_t past, int64_t k, double alpha) {
+    const at::Tensor& query, const at::Tensor& partial_keys, int64_t past, int64_t k, double alpha, int64_t width) {
   TORCH_CHECK(query.dim() == 3 && partial_keys.dim() == 3, "query [kv, group, r] and partial keys [kv, r, slots]");
   TORCH_CHECK(query.scalar_type() == at::kFloat, "a float32 query");
-  if (partial_keys.scalar_type() == at::kHalf) return rehearse_select_typed<at::Half>(query, partial_keys, past, k, alpha);
-  if (partial_keys.scalar_type() == at::kChar) return rehearse_select_typed<int8_t>(query, partial_keys, past, k, alpha);
+  if (partial_keys.scalar_type() == at::kHalf)
+    return rehearse_select_typed<at::Half>(query, partial_keys, past, k, alpha, width);
+  if (partial_keys.scalar_type() == at::kChar)
+    return rehearse_select_typed<int8_t>(query, partial_keys, past, k, alpha, width);
   TORCH_CHECK(partial_keys.scalar_type() == at::kFloat, "float32, float16 or int8 partial keys");
-  return rehearse_select_typed<float>(query, partial_keys, past, k, alpha);
+  return rehearse_select_typed<float>(query, partial_keys, past, k, alpha, width);
 }
 
 // ---------------------------------------------------------------------------------------------- attention
@@ -642,9 +784,12 @@ void check_pool_attention(const at::Tensor& query, const at::Tensor& keys, const
   TORCH_CHECK(query.size(1) <= kMaxGroup && query.size(2) <= kMaxDim, "bad sizes");
 }
 
+// `order` holds each KV head's slots in the order they are read, head h's `used[h]` of them from h * stride
 at::Tensor attend_in_order(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                           const std::vector<int64_t>& order, int64_t used, double scale);
+                           const std::vector<int64_t>& order, const std::vector<int64_t>& used, int64_t stride,
+                           double scale);
 
+// `valid`: [rows] or [1, rows] (the same rows of every head masked), or [kv, rows] (a mask per head)
 at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                        const at::Tensor& rows, const c10::optional<at::Tensor>& valid, double scale) {
   check_pool_attention(query, keys, values);
@@ -653,23 +798,32 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& keys, const at
   const int64_t kv = query.size(0), dim = query.size(2), m = row_contig.size(1), slot_count = keys.size(1);
   TORCH_CHECK(row_contig.size(0) == kv && m > 0, "rows and pool disagree");
   const bool* use = nullptr;
+  int64_t use_stride = 0;  // between one head's mask and the next: 0 where every head has the same
   at::Tensor valid_contig;
   if (valid.has_value()) {
     valid_contig = valid->contiguous();
-    TORCH_CHECK(valid_contig.scalar_type() == at::kBool && valid_contig.numel() == m, "valid: [rows] bool");
+    const bool per_head = valid_contig.dim() == 2 && valid_contig.size(0) == kv && kv > 1;
+    TORCH_CHECK(valid_contig.scalar_type() == at::kBool && valid_contig.numel() == (per_head ? kv * m : m),
+                "valid: [rows] or [kv, rows] bool");
     use = valid_contig.data_ptr<bool>();
+    use_stride = per_head ? m : 0;
   }
   const int64_t* row_all = row_contig.data_ptr<int64_t>();
   for (int64_t i = 0; i < kv * m; ++i) TORCH_CHECK(0 <= row_all[i] && row_all[i] < slot_count, "slot out of range");
-  const int64_t used = use == nullptr ? m : std::count(use, use + m, true);  // rows attended, the same per head
-  TORCH_CHECK(used > 0, "attend_rows: every row of a head is masked");
-  std::vector<int64_t> order(kv * used);
+  std::vector<int64_t> used(kv, m);  // rows each head attends to
+  for (int64_t h = 0; h < kv && use != nullptr; ++h) {
+    used[h] = std::count(use + h * use_stride, use + h * use_stride + m, true);
+    TORCH_CHECK(used[h] > 0, "attend_rows: every row of a head is masked");
+  }
+  std::vector<int64_t> order(kv * m);
   {
     std::vector<uint64_t> seen;
     const bool sort = dim * static_cast<int64_t>(sizeof(float)) >= kSortedRowBytes;
-    for (int64_t h = 0; h < kv; ++h) visiting_order(row_all + h * m, m, use, slot_count, sort, seen, &order[h * used]);
+    for (int64_t h = 0; h < kv; ++h)
+      visiting_order(row_all + h * m, m, use == nullptr ? nullptr : use + h * use_stride, slot_count, sort, seen,
+                     &order[h * m]);
   }
-  return attend_in_order(query, keys, values, order, used, scale);
+  return attend_in_order(query, keys, values, order, used, m, scale);
 }
 
 // Every slot of [first, end), in every KV head: a dense layer's attention (the new token's slot included) with
@@ -684,7 +838,7 @@ at::Tensor attend_span(const at::Tensor& query, const at::Tensor& keys, const at
   std::vector<int64_t> order(kv * used);
   for (int64_t h = 0; h < kv; ++h)
     for (int64_t i = 0; i < used; ++i) order[h * used + i] = first + i;
-  return attend_in_order(query, keys, values, order, used, scale);
+  return attend_in_order(query, keys, values, order, std::vector<int64_t>(kv, used), used, scale);
 }
 
 // One chunk of rows in one KV head, for its query group: each row's logits (max in `peak`), the chunk's softmax
@@ -840,21 +994,30 @@ ChunkKernel chunk_kernel(int64_t group, int64_t dim) {
 
 // One token's attention in each KV head over the `used` slots order[h * used, (h + 1) * used)
 at::Tensor attend_in_order(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                           const std::vector<int64_t>& order, int64_t used, double scale) {
+                           const std::vector<int64_t>& order, const std::vector<int64_t>& used, int64_t stride,
+                           double scale) {
   const at::Tensor q_contig = query.contiguous();
   const int64_t kv = q_contig.size(0), group = q_contig.size(1), dim = q_contig.size(2);
   const int64_t head_stride = keys.stride(0), row_stride = keys.stride(1);
-  const int64_t chunks = (used + kRowChunk - 1) / kRowChunk;
-  std::vector<float> peaks(kv * chunks * group), sums(kv * chunks * group), partial(kv * chunks * group * dim);
+  // as many chunks per head as the head reading most rows needs; another head's last ones stay empty
+  const int64_t chunks = (*std::max_element(used.begin(), used.end()) + kRowChunk - 1) / kRowChunk;
+  std::vector<float> peaks(kv * chunks * group, kNegInf), sums(kv * chunks * group, 0.0f);
+  std::vector<float> partial(kv * chunks * group * dim);
   const float* q_all = q_contig.data_ptr<float>();
   const float* k_all = keys.data_ptr<float>();
   const float* v_all = values.data_ptr<float>();
   const ChunkKernel attend_one = chunk_kernel(group, dim);
-  at::parallel_for(0, kv * chunks, 1, [&](int64_t begin, int64_t end) {
+  // the chunks that hold rows, so that the threads share the rows read and not the (head, chunk) pairs: where the
+  // heads read different counts, a head's chunks past its rows are empty (their peaks stay -inf, left out below)
+  std::vector<int64_t> tasks;
+  tasks.reserve(kv * chunks);
+  for (int64_t h = 0; h < kv; ++h)
+    for (int64_t c = 0; c * kRowChunk < used[h]; ++c) tasks.push_back(h * chunks + c);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     float weights[kMaxGroup][kRowChunk];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / chunks, r0 = (task % chunks) * kRowChunk;
-      const RowChunk chunk{q_all + h * group * dim, &order[h * used + r0], std::min(kRowChunk, used - r0),
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t task = tasks[index], h = task / chunks, r0 = (task % chunks) * kRowChunk;
+      const RowChunk chunk{q_all + h * group * dim, &order[h * stride + r0], std::min(kRowChunk, used[h] - r0),
                            k_all + h * head_stride, v_all + h * head_stride, row_stride, group, dim,
                            static_cast<float>(scale)};
       attend_one(chunk, weights, &peaks[task * group], &sums[task * group], &partial[task * group * dim]);
@@ -1090,7 +1253,8 @@ at::Tensor q4_matvec_meta(const at::Tensor& row, const at::Tensor& packed, const
 }  // namespace
 
 TORCH_LIBRARY(infinigen_cpu, m) {
-  m.def("rehearse_select(Tensor query, Tensor partial_keys, int past, int k, float alpha) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("rehearse_select(Tensor query, Tensor partial_keys, int past, int k, float alpha, int width) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
   m.def("attend_rows(Tensor query, Tensor keys, Tensor values, Tensor rows, Tensor? valid, float scale) -> Tensor");
   m.def("attend_span(Tensor query, Tensor keys, Tensor values, int first, int end, float scale) -> Tensor");
   m.def("q8_matvec(Tensor row, Tensor codes, Tensor scales) -> Tensor");

@@ -27,9 +27,17 @@ class Selection:
     # [1, k + 1] bool over the new token then the slots: which rows attention may use. InfiniGen fetches k rows
     # and masks those past its alpha count, so no shape depends on a device value; its slots come ranked (eager)
     # or partitioned (CPU kernels), either way with the rows the mask keeps first.
+    # Where the KV heads share one budget (EngineConfig.budget_by_head) `slots` is wider than each head reads and
+    # `valid` is [kv_heads, width + 1], one mask per head; `per_head` is then the mean rows a head reads.
     valid: torch.Tensor | None = None
     alpha_total: torch.Tensor | None = None  # device scalar: query heads x mean tokens within alpha
     speculate_ms: float = 0.0
+    per_head: int | None = None
+
+    @property
+    def rows_per_head(self) -> int:
+        """Past rows a KV head reads, on average over the heads."""
+        return self.slots.shape[1] if self.per_head is None else self.per_head
 
 
 @dataclass
@@ -70,10 +78,18 @@ class KVPolicy:
         every layer unless the policy spreads it (InfiniGen, budget_shares.py)."""
         return self.config.budget_tokens_for(past_len)
 
+    def width_for(self, layer: int, past_len: int) -> int:
+        """The slots a selection of `layer` names per KV head: its budget, or more where the heads share one."""
+        return self.width_of(self.budget_for(layer, past_len), past_len)
+
+    def width_of(self, rows: int, past_len: int) -> int:
+        """The slots a selection of `rows` rows per KV head names per head (InfiniGen: more where heads share)."""
+        return rows
+
     def max_rows_for(self, context: int) -> int:
         """The most rows any sparse layer fetches over a past of `context` tokens (what fetch buffers hold)."""
         layers = [layer for layer in range(self.ctx.adapter.num_layers) if self.is_sparse(layer)]
-        return max((self.budget_for(layer, context) for layer in layers), default=self.config.budget_tokens_for(context))
+        return max((self.width_for(layer, context) for layer in layers), default=self.config.budget_tokens_for(context))
 
     def speculate(self, layer: int, hidden_states, position_embeddings, positions: torch.Tensor, past_len: int,
                   new_slots: torch.Tensor | None) -> Selection | None:

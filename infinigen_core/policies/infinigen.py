@@ -11,6 +11,13 @@ Nothing is read back to the host: k is the budget (a length the host knows), the
 and the paper's alpha rule (keep as many tokens as lie, on average over query heads, within alpha of a
 head's top rehearsed logit) becomes a mask over the ranks that attention applies on the device.
 
+Where attention reads the rows where they lie (the CPU), the KV heads of a layer share one budget of
+kv_heads x k rows (EngineConfig.budget_by_head): the (head, slot) pairs with the largest summed weights of
+all the heads' best 2k, so a head whose group spreads its attention reads more rows and one that looks at a
+few tokens fewer. The selection is then 2k wide, its mask one per head (the rows past a head's count masked
+like those past the alpha count). On SmolLM2 at 4k this took perplexity over `full` from +1.05% to +0.79%
+at the default budget (docs/BENCHMARKS.md).
+
 On the CPU with the kernels built (cpu_kernels.py), the score product, the alpha count, the group sum and
 the top-k are one `rehearse_select` call instead; its slots are partitioned rather than ranked (each head's
 best `kept` first, which is all the mask needs), and the partial key cache holds int8 codes with a power-of-two
@@ -32,6 +39,7 @@ from . import partial_codes
 from .base import KVPolicy, Selection
 
 PARTIAL_ROW_PADDING_BYTES = 64  # one cache line between a channel's row of partial keys and the next
+HEAD_SHARE_CAP = 2  # where the KV heads share a budget (budget_by_head), one head reads at most 2k rows
 
 
 def padded_partial_key_cache(shape: tuple[int, int, int], capacity: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -81,6 +89,10 @@ class InfiniGenPolicy(KVPolicy):
         self._stacked_key_projections = (torch.cat([self.key_projections[layer] for layer in self.sparse_layers])
                                          if self.sparse_layers else None)
         self.budget_shares = self._budget_shares()  # {sparse layer: multiple of the uniform budget}, {}: uniform
+        # the heads share a layer's budget only where attention reads just the rows each head keeps: a copy to
+        # the compute device would carry every head's widest selection
+        self.heads_share_budget = (self.config.budget_by_head and adapter.num_kv_heads > 1
+                                   and ctx.pool.device == device)
         self._digests = {layer: projection_digest(ctx.skew_set.partial_projection(layer, self.config.partial_ratio))
                          for layer in self.sparse_layers}
         self._partial_all: torch.Tensor | None = None  # [sparse layers, kv_heads, r, capacity]
@@ -101,6 +113,10 @@ class InfiniGenPolicy(KVPolicy):
         rows = self.config.budget_tokens_for(past_len)
         share = self.budget_shares.get(layer)
         return rows if share is None else max(1, min(past_len, int(share * rows + 1e-9)))
+
+    def width_of(self, rows: int, past_len: int) -> int:
+        """k rows per head, or where the heads share the budget up to HEAD_SHARE_CAP x k slots named per head."""
+        return min(past_len, HEAD_SHARE_CAP * rows) if self.heads_share_budget else rows
 
     # ---------------------------------------------------------------- partial key cache
     # Stored channel-major, [kv_heads, r, capacity]: the score product then reads a plain strided slice
@@ -298,12 +314,14 @@ class InfiniGenPolicy(KVPolicy):
         self.step_keys.complete()
         kernels = self.ctx.kernels
         k = self.budget_for(target, past_len)
+        width = self.width_of(k, past_len)
         if (kernels is not None and new_slots is None and self.ctx.adapter.softcap is None and k <= past_len
                 and partial_query.dtype == torch.float32 and kernels.fit(partial_query.shape[1], 0)):
             # the CPU's one-pass kernel: the same logits, mask and top-k as below, without a dozen eager ops
             slots, scores, valid, alpha_total = kernels.rehearse_select(
-                partial_query, self.partial_keys_t[target], past_len, k, self.config.alpha)
-            selection = Selection(slots, scores=scores, valid=valid, alpha_total=alpha_total)
+                partial_query, self.partial_keys_t[target], past_len, k, self.config.alpha, width)
+            selection = Selection(slots, scores=scores, valid=valid, alpha_total=alpha_total,
+                                  per_head=k if width > k else None)
             selection.speculate_ms = (time.perf_counter() - started) * 1e3
             return selection
         # the new token's slot is the last one: the past is the slots before it; after eviction the new token
@@ -320,17 +338,21 @@ class InfiniGenPolicy(KVPolicy):
         softcap = self.ctx.adapter.softcap
         if softcap is not None:  # rehearse the family's soft-capping too (Gemma 2)
             logits = torch.tanh(logits / softcap) * softcap
-        selection = self.choose(logits, k, new_slots)
+        selection = self.choose(logits, k, new_slots, width)
         selection.speculate_ms = (time.perf_counter() - started) * 1e3
         return selection
 
-    def choose(self, logits: torch.Tensor, k: int, new_slots: torch.Tensor | None = None) -> Selection:
-        """Top-k slots per KV head, ranked, from rehearsed logits [kv_heads, group, slots] and a rank mask."""
+    def choose(self, logits: torch.Tensor, k: int, new_slots: torch.Tensor | None = None,
+               width: int | None = None) -> Selection:
+        """Top-k slots per KV head, ranked, from rehearsed logits [kv_heads, group, slots] and a rank mask; with a
+        `width` > k the heads' kv_heads x k best of their best `width` each (see `_shared`)."""
         peak = logits.amax(dim=-1, keepdim=True)
         alpha_total = (logits > peak - self.config.alpha).sum()  # over every query head
         weights = torch.softmax(logits, dim=-1).sum(dim=1)  # [kv_heads, slots]
         if new_slots is not None:  # weights that underflow to 0 must still never pick the slot being written
             weights.index_fill_(1, new_slots, -1.0)
+        if width is not None and width > k:
+            return self._shared(weights, k, width, alpha_total)
         # ranked: an unsorted top-k then a sort of its k values is several times cheaper than a sorted top-k
         top = weights.topk(k, dim=-1, sorted=False)
         scores, order = top.values.sort(dim=-1, descending=True)
@@ -339,6 +361,21 @@ class InfiniGenPolicy(KVPolicy):
             self.ensure_capacity(k)
         valid = self._rank_thresholds[:, : k + 1] < alpha_total  # [1, k + 1]
         return Selection(slots, scores=scores, valid=valid, alpha_total=alpha_total)
+
+    def _shared(self, weights: torch.Tensor, k: int, width: int, alpha_total: torch.Tensor) -> Selection:
+        """The KV heads' shared budget: each head's best `width` slots, ranked, and of all of them the kv_heads x k
+        with the largest weights; a head reads those of its own, past the alpha rank masked as before. The mask
+        is one per head [kv_heads, width + 1]: rank r is kept while r < the head's count and r x heads < the
+        alpha total, i.e. r x heads < the smaller of the two (the new token, rank -1, always)."""
+        kv_heads = weights.shape[0]
+        top = weights.topk(width, dim=-1)  # sorted
+        cut = top.values.reshape(-1).topk(kv_heads * k, sorted=False).values.min()
+        counts = (top.values >= cut).sum(dim=1, keepdim=True)  # [kv_heads, 1], summing to kv_heads x k (ties aside)
+        if self._rank_thresholds.shape[1] < width + 1:
+            self.ensure_capacity(width)
+        limit = torch.minimum(counts * self.ctx.adapter.num_heads, alpha_total)
+        valid = self._rank_thresholds[:, : width + 1] < limit  # [kv_heads, width + 1]
+        return Selection(top.indices, scores=top.values, valid=valid, alpha_total=alpha_total, per_head=k)
 
 
 class StepPartialKeys:
