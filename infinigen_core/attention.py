@@ -147,13 +147,11 @@ class PoolAttention:
         _, probs = grouped_attention(query[0], torch.cat([keys, key[0]], dim=1), torch.cat([keys, key[0]], dim=1), scaling,
                                      softcap=self.adapter.softcap)
         probs = probs[:, :, 0, :]  # [kv, group, rows+1]
-        chosen = torch.zeros(probs.shape[0], probs.shape[-1], dtype=torch.bool, device=probs.device)
         row_index = torch.full((self.pool.size(layer),), -1, dtype=torch.long, device=probs.device)
         row_index[slot_of_row] = torch.arange(slot_of_row.numel(), device=probs.device)
-        slots = selection.slots.to(probs.device)
-        used = (torch.ones_like(slots, dtype=torch.bool) if selection.valid is None  # per head: what attention read
-                else selection.valid[:, 1:].to(probs.device).expand_as(slots))
-        chosen.scatter_(1, row_index[slots], used)
+        chosen = rows_read(row_index[selection.slots.to(probs.device)],
+                           None if selection.valid is None else selection.valid[:, 1:].to(probs.device),
+                           probs.shape[-1])
         chosen[:, -1] = True  # the new token is always attended
         covered = (probs * chosen.unsqueeze(1)).sum(-1)
         stats.attention_recall = float(covered.mean())
@@ -163,6 +161,15 @@ class PoolAttention:
         # Kept for the prefetch inspector: the dense attention of this step, averaged over heads.
         stats.true_attention = probs[:, :, :-1].mean(dim=(0, 1)).cpu()
         stats.true_attention_positions = self.pool.positions(layer)[slot_of_row.to(self.pool.device)].cpu()
+
+
+def rows_read(rows: torch.Tensor, read: torch.Tensor | None, count: int) -> torch.Tensor:
+    """[kv_heads, count] bool: the rows (indices [kv_heads, width]) a selection's attention read, `read` its mask
+    ([1 or kv_heads, width], None: every one). A masked slot may name a row that is read too (past a head's share
+    the kernel's slots can repeat): it never unmarks it."""
+    kept = torch.ones_like(rows, dtype=torch.int8) if read is None else read.expand_as(rows).to(torch.int8)
+    marks = torch.zeros(rows.shape[0], count, dtype=torch.int8, device=rows.device)
+    return marks.scatter_reduce_(1, rows, kept, reduce="amax") > 0
 
 
 def _newest_position(pool: KVPool, layer: int) -> int:

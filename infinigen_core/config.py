@@ -67,9 +67,10 @@ class EngineConfig:
     budget_by_head: InfiniGen's KV heads of a sparse layer draw their rows from one budget (kv_heads x k): the
         rows with the largest rehearsed weights across the layer's heads, at most `HEAD_SHARE_CAP` times k for
         one head, so a head whose query group spreads its attention reads more than one that looks at a few
-        tokens. Only where attention reads the rows where they lie (the pool in the compute device's memory:
-        the CPU); where rows are copied to the compute device every head's copy would carry its most rows, so
-        there each head reads k. False: k rows in every head.
+        tokens. Only where the CPU kernels read the rows where they lie (float32 rows, no soft-capping, no pool
+        limit); where rows are gathered or copied to the compute device every head's copy would carry its most
+        rows, so there each head reads k. False: k rows in every head. Where InfiniGen's alpha rank cuts a
+        selection, a head reads the smaller of its share and the alpha count.
     """
 
     policy: str = "infinigen"

@@ -91,8 +91,9 @@ class CpuKernels:
         slot's exponent as one more row [kv, r + 1, >= past] (policies/partial_codes.py); slots contiguous ->
         (slots [kv, k] with each head's best `kept` first, their weights [kv, k], valid [1, k + 1] bool over the
         new token then the k slots, alpha_total: query heads x mean tokens within alpha, a 0-dim int64).
-        With a `width` > k the heads share kv x k rows (EngineConfig.budget_by_head): each head's best `width`
-        slots come back [kv, width], the rows it reads first, and `valid` is [kv, width + 1], one mask per head."""
+        With a `width` > k the heads share kv x k rows (EngineConfig.budget_by_head): slots [kv, width] with the rows
+        each head reads first (after them masked slots, which may repeat those), and `valid` [kv, width + 1], one
+        mask per head."""
         return torch.ops.infinigen_cpu.rehearse_select(partial_query, partial_keys, past, k, alpha,
                                                        k if width is None else width)
 

@@ -28,10 +28,10 @@ class LayerStats:
     compute_ms: float = 0.0
     attention_recall: float | None = None  # true attention mass covered by the fetched set
     tokens_for_90: int | None = None  # tokens the true attention needs for 90% of its mass
-    selected_positions: torch.Tensor | None = None  # [kv_heads, k] token positions (compute device)
-    selected_scores: torch.Tensor | None = None  # [kv_heads, k] rehearsed score of each (compute device)
-    # [1 or kv_heads, k] bool: which of them attention read (InfiniGen's alpha mask, and where the KV heads share a
-    # budget each head's count: its selection is then 2k wide); None: every one
+    selected_positions: torch.Tensor | None = None  # [kv_heads, width] token positions (compute device)
+    selected_scores: torch.Tensor | None = None  # [kv_heads, width] rehearsed score of each (compute device)
+    # [1 or kv_heads, width] bool: which of them attention read (InfiniGen's alpha mask, and where the KV heads share
+    # a budget each head's count: the width is then 2k, past a head's rows masked slots that may repeat them)
     selected_read: torch.Tensor | None = None
     # Only with record_recall: the dense attention over past tokens (mean over heads) and their positions.
     true_attention: torch.Tensor | None = None  # [past]

@@ -1,8 +1,9 @@
 """Milliseconds per decode step that InfiniGen's two CPU kernels take at a model's long-context shapes, with
 nothing else around them: `rehearse_select` over every sparse layer's int8 partial keys, and `attend_rows` over
-the rows it would choose, placed at random in pools on huge pages as the engine's are (also: the same number of
-rows side by side, a dense layer's `attend_span`, and `encode_partial_keys` coding every past row's partial key of
-every sparse layer: a restore's or a long prefill's batch). Random values: the times, not the choices, are the
+the rows it would choose, placed at random in pools on huge pages as the engine's are (also: the same with the KV
+heads sharing the budget, 2k slots named per head and a mask per head; the same number of rows side by side, a
+dense layer's `attend_span`, and `encode_partial_keys` coding every past row's partial key of every sparse layer: a
+restore's or a long prefill's batch). Random values: the times, not the choices, are the
 point.
 For changes to infinigen_cpu.cpp, run it for each build one after the other, alternating, a few times: the
 machine's memory speed drifts from minute to minute.
@@ -72,14 +73,22 @@ def main() -> None:
     side_by_side = torch.cat([new_slot, torch.arange(k).expand(kv, -1)], 1)
     scale = dim ** -0.5
 
-    def select():
-        for layer in range(layers):
-            kernels.rehearse_select(partial_query, partial_keys[layer], past, k, 12.0)
-
-    def attend(rows):
+    def select(width: int):
         def step():
             for layer in range(layers):
-                kernels.attend_rows(query, keys[layer][:, : past + 1], values[layer][:, : past + 1], rows(layer), None,
+                kernels.rehearse_select(partial_query, partial_keys[layer], past, k, 12.0, width)
+        return step
+
+    # the heads sharing the budget: 2k slots named per head, uneven counts (kv x k in all) in a mask per head
+    shares = [round(k * share) for share in (0.5, 1.5, 1.0)[:kv]]
+    shares[-1] += kv * k - sum(shares)
+    wide = [torch.cat([new_slot, torch.stack([torch.randperm(past)[:2 * k] for _ in range(kv)])], 1) for _ in keys]
+    per_head_mask = torch.arange(2 * k + 1).view(1, -1) <= torch.tensor(shares).view(-1, 1)
+
+    def attend(rows, mask=None):
+        def step():
+            for layer in range(layers):
+                kernels.attend_rows(query, keys[layer][:, : past + 1], values[layer][:, : past + 1], rows(layer), mask,
                                     scale)
         return step
 
@@ -94,7 +103,9 @@ def main() -> None:
             torch.ops.infinigen_cpu.encode_partial_keys(float_partial[layer], partial_keys[layer], past_slots)
 
     print(f"{args.shape}, {torch.get_num_threads()} threads, {layers} layers, {k} of {past} rows each:")
-    for name, step in (("rehearse_select", select), ("attend_rows, rows at random", attend(lambda layer: chosen[layer])),
+    for name, step in (("rehearse_select", select(k)), ("rehearse_select, heads sharing", select(min(past, 2 * k))),
+                       ("attend_rows, rows at random", attend(lambda layer: chosen[layer])),
+                       ("attend_rows, a mask per head", attend(lambda layer: wide[layer], per_head_mask)),
                        ("attend_rows, rows side by side", attend(lambda layer: side_by_side)),
                        ("attend_span, one dense layer", dense), ("encode_partial_keys, all rows", encode)):
         print(f"  {name:32s} {milliseconds(step, args.repeats):8.3f} ms")

@@ -66,6 +66,24 @@ def test_heads_sharing_a_budget_read_the_rows_the_eager_ops_read(kernels, alpha,
     assert int(slots.max()) < past and int(slots.min()) >= 0
 
 
+@pytest.mark.parametrize("past", [650, 3000])  # each head's best 2k first / the shares from one sample
+def test_heads_holding_the_same_weights_share_the_budget_exactly(kernels, past):
+    """Two KV heads with the same query and keys hold the same (weight, slot) values: at the cut, the lower head
+    reads the value first, so the heads still read kv x k rows in all, as the exact way and the sample agree."""
+    torch.manual_seed(3)
+    kv, group, r, k = 3, 4, 16, 60
+    partial_query = torch.randn(kv, group, r) * torch.tensor([0.6, 0.6, 0.3]).view(kv, 1, 1)
+    partial_query[1] = partial_query[0]
+    keys = torch.randn(kv, r, past + 50)
+    keys[1] = keys[0]
+    slots, _, valid, _ = kernels.rehearse_select(partial_query, keys, past, k, 1e6, 2 * k)
+    counts = valid[:, 1:].sum(dim=1).tolist()
+    assert sum(counts) == kv * k and abs(counts[0] - counts[1]) <= 1  # the twins split the cut's value, lower first
+    assert counts[0] >= counts[1]
+    read = [set(slots[head, :count].tolist()) for head, count in enumerate(counts)]
+    assert read[1] <= read[0]  # the same weights: the higher twin reads the lower one's rows, less at most one
+
+
 def test_attend_rows_masks_each_head_by_its_own_row(kernels):
     """A mask per KV head [kv, rows]: each head attends over its own kept rows, as SDPA with that mask does."""
     torch.manual_seed(2)
@@ -302,6 +320,10 @@ def test_the_engine_decodes_the_same_with_the_kernels(tiny_llama, kernels, setti
         kernels = dataclasses.replace(kernels, max_group=1)  # the tiny Llama has 2 query heads per KV head
     fast = make_tiny_engine(tiny_llama, kernels, **config)
     assert fast.kernels is kernels and eager.kernels is None
+    # the heads share each layer's budget only where the kernels read the rows in place; the eager path can share
+    # too (its gather then copies each head's 2k slots, masked): set alike, it must give the kernels' logits
+    assert not eager.policy.heads_share_budget and fast.policy.heads_share_budget == (not settings and not narrow)
+    eager.policy.heads_share_budget = fast.policy.heads_share_budget
     assert fast.policy.coded == (not settings and not narrow)  # int8 only where every selection takes the kernels
     if fast.policy.coded:
         hold_int8_partial_codes(eager)

@@ -163,11 +163,27 @@ def test_heads_sharing_a_budget_read_by_their_weights_kv_times_k_rows():
     assert int(cut.alpha_total) == 28 and cut.valid[:, 1:].sum(dim=1).tolist() == [2, 7]
 
 
+def test_the_rows_a_selection_read_are_marked_even_where_a_masked_slot_repeats_them():
+    """Past a head's share the kernel's slots may repeat rows the head read (masked): recall's mark of the rows read
+    keeps them, and masked rows alone stay unmarked."""
+    from infinigen_core.attention import rows_read
+
+    rows = torch.tensor([[3, 5, 3, 5, 6], [1, 2, 4, 0, 1]])
+    read = torch.tensor([[True, True, False, False, False], [True, True, True, False, False]])
+    marked = rows_read(rows, read, 7)
+    assert marked[0].nonzero().squeeze(1).tolist() == [3, 5] and marked[1].nonzero().squeeze(1).tolist() == [1, 2, 4]
+    assert rows_read(rows, read[:1], 7)[1].nonzero().squeeze(1).tolist() == [1, 2]  # one mask for every head
+    assert rows_read(rows, None, 7)[0].nonzero().squeeze(1).tolist() == [3, 5, 6]
+
+
 @pytest.mark.one_device  # the heads share a budget only where the pool is the compute device's memory
 def test_heads_sharing_a_budget_read_as_many_rows_as_the_uniform_budget(tiny_llama, kernels):
     """On the CPU the heads share each layer's budget: the selections change, but each layer still reads k rows per
     head on average, in the statistics and in the bytes counted (lane or Python path alike)."""
     settings = dict(policy="infinigen", budget=0.3, alpha=1e9)
+    for without_kernels_reading_in_place in (dict(kernels=None), dict(kernels=kernels, pool_limit_tokens=500)):
+        with make_tiny_engine(tiny_llama, **without_kernels_reading_in_place, **settings) as engine:
+            assert not engine.policy.heads_share_budget  # rows gathered: every head's copy would be 2k wide
     seen = {}
     for share in (True, False):
         engine = make_tiny_engine(tiny_llama, kernels=kernels, budget_by_head=share, **settings)

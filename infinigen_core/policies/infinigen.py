@@ -11,7 +11,7 @@ Nothing is read back to the host: k is the budget (a length the host knows), the
 and the paper's alpha rule (keep as many tokens as lie, on average over query heads, within alpha of a
 head's top rehearsed logit) becomes a mask over the ranks that attention applies on the device.
 
-Where attention reads the rows where they lie (the CPU), the KV heads of a layer share one budget of
+Where the CPU kernels read the rows where they lie, the KV heads of a layer share one budget of
 kv_heads x k rows (EngineConfig.budget_by_head): the (head, slot) pairs with the largest summed weights of
 all the heads' best 2k, so a head whose group spreads its attention reads more rows and one that looks at a
 few tokens fewer. The selection is then 2k wide, its mask one per head (the rows past a head's count masked
@@ -89,10 +89,11 @@ class InfiniGenPolicy(KVPolicy):
         self._stacked_key_projections = (torch.cat([self.key_projections[layer] for layer in self.sparse_layers])
                                          if self.sparse_layers else None)
         self.budget_shares = self._budget_shares()  # {sparse layer: multiple of the uniform budget}, {}: uniform
-        # the heads share a layer's budget only where attention reads just the rows each head keeps: a copy to
-        # the compute device would carry every head's widest selection
-        self.heads_share_budget = (self.config.budget_by_head and adapter.num_kv_heads > 1
-                                   and ctx.pool.device == device)
+        # the heads share a layer's budget only where the kernels read just the rows each head keeps where they lie:
+        # a gather, a copy to a GPU or a pool that counts fetches would carry every head's widest selection
+        self.heads_share_budget = (self.config.budget_by_head and adapter.num_kv_heads > 1 and kernels_always
+                                   and ctx.pool.device == device and ctx.pool.dtype == torch.float32
+                                   and ctx.kernels.fit(adapter.group_size, adapter.head_dim))
         self._digests = {layer: projection_digest(ctx.skew_set.partial_projection(layer, self.config.partial_ratio))
                          for layer in self.sparse_layers}
         self._partial_all: torch.Tensor | None = None  # [sparse layers, kv_heads, r, capacity]
