@@ -88,7 +88,10 @@ class InfiniGenPolicy(KVPolicy):
         # every sparse layer's key projection in one batch: a decode step's new partial keys are one product
         self._stacked_key_projections = (torch.cat([self.key_projections[layer] for layer in self.sparse_layers])
                                          if self.sparse_layers else None)
-        self.budget_shares = self._budget_shares()  # {sparse layer: multiple of the uniform budget}, {}: uniform
+        # {sparse layer: multiple of the uniform budget} from the calibrated attention curves (a flat layer reads
+        # more, a peaked one less, their mean at most 1); {} (uniform) for a token budget, `budget_by_layer` off, or
+        # a skew set calibrated without curves
+        self.budget_shares = spread_for(self.config, ctx.skew_set.attention_curves, self.sparse_layers)
         # the heads share a layer's budget only where the kernels read just the rows each head keeps where they lie:
         # a gather, a copy to a GPU or a pool that counts fetches would carry every head's widest selection
         self.heads_share_budget = (self.config.budget_by_head and adapter.num_kv_heads > 1 and kernels_always
@@ -101,12 +104,6 @@ class InfiniGenPolicy(KVPolicy):
         self.step_keys = StepPartialKeys(self)  # each decode step's new partial keys
         self._rank_thresholds = torch.empty(1, 0, dtype=torch.int64, device=device)
         self.rebuild()
-
-    def _budget_shares(self) -> dict[int, float]:
-        """Each sparse layer's multiple of a fractional budget, from the calibrated attention curves (a flat
-        layer reads more, a peaked one less, their mean at most 1); {} (uniform) for a token budget, with
-        `budget_by_layer` off, or a skew set calibrated without curves."""
-        return spread_for(self.config, self.ctx.skew_set.attention_curves, self.sparse_layers)
 
     def budget_for(self, layer: int, past_len: int) -> int:
         """The uniform budget (its floor included) times the layer's share, rounded down (so the layers together
@@ -251,17 +248,9 @@ class InfiniGenPolicy(KVPolicy):
 
     # ---------------------------------------------------------------- speculation
     def _init_rotary_rehearsal(self, device) -> None:
-        """RoPE and the skew in two small products instead of a dozen ops per layer.
-
-        RoPE is q * cos + rotate_half(q) * sin, and rotate_half is a signed permutation R. So with
-        q2 = q @ [I | R] and c = [cos | sin], the rotated, skewed query is (q2 * c) @ [A; A]: one product
-        with a [dim, 2 dim] matrix, one multiply by this step's c, one product with the stacked skew.
-        """
-        dim, half = self.ctx.adapter.head_dim, self.ctx.adapter.head_dim // 2
-        rotate = torch.zeros(dim, dim)
-        rotate[torch.arange(half) + half, torch.arange(half)] = -1.0  # out[c] = -q[c + half]   (c < half)
-        rotate[torch.arange(half), torch.arange(half) + half] = 1.0  # out[c] = q[c - half]    (c >= half)
-        self._rotate_pairs = torch.cat([torch.eye(dim), rotate], dim=1).to(device=device, dtype=self.partial_dtype)
+        """RoPE and the skew in two small products instead of a dozen ops per layer (`rotate_half_pairs`)."""
+        pairs = rotate_half_pairs(self.ctx.adapter.head_dim)
+        self._rotate_pairs = pairs.to(device=device, dtype=self.partial_dtype)
         self.query_projections = [torch.cat([p, p], dim=1) for p in self.query_projections]  # [kv, 2 dim, r]
         self._rope_source: torch.Tensor | None = None
         self._rope_factors: torch.Tensor | None = None
@@ -346,14 +335,16 @@ class InfiniGenPolicy(KVPolicy):
     def choose(self, logits: torch.Tensor, k: int, new_slots: torch.Tensor | None = None,
                width: int | None = None) -> Selection:
         """Top-k slots per KV head, ranked, from rehearsed logits [kv_heads, group, slots] and a rank mask; with a
-        `width` > k the heads' kv_heads x k best of their best `width` each (see `_shared`)."""
+        `width` > k the heads' kv_heads x k best of their best `width` each (see `shared_selection`)."""
         peak = logits.amax(dim=-1, keepdim=True)
         alpha_total = (logits > peak - self.config.alpha).sum()  # over every query head
         weights = torch.softmax(logits, dim=-1).sum(dim=1)  # [kv_heads, slots]
         if new_slots is not None:  # weights that underflow to 0 must still never pick the slot being written
             weights.index_fill_(1, new_slots, -1.0)
         if width is not None and width > k:
-            return self._shared(weights, k, width, alpha_total)
+            if self._rank_thresholds.shape[1] < width + 1:
+                self.ensure_capacity(width)
+            return shared_selection(weights, k, width, alpha_total, self._rank_thresholds, self.ctx.adapter.num_heads)
         # ranked: an unsorted top-k then a sort of its k values is several times cheaper than a sorted top-k
         top = weights.topk(k, dim=-1, sorted=False)
         scores, order = top.values.sort(dim=-1, descending=True)
@@ -362,21 +353,6 @@ class InfiniGenPolicy(KVPolicy):
             self.ensure_capacity(k)
         valid = self._rank_thresholds[:, : k + 1] < alpha_total  # [1, k + 1]
         return Selection(slots, scores=scores, valid=valid, alpha_total=alpha_total)
-
-    def _shared(self, weights: torch.Tensor, k: int, width: int, alpha_total: torch.Tensor) -> Selection:
-        """The KV heads' shared budget: each head's best `width` slots, ranked, and of all of them the kv_heads x k
-        with the largest weights; a head reads those of its own, past the alpha rank masked as before. The mask
-        is one per head [kv_heads, width + 1]: rank r is kept while r < the head's count and r x heads < the
-        alpha total, i.e. r x heads < the smaller of the two (the new token, rank -1, always)."""
-        kv_heads = weights.shape[0]
-        top = weights.topk(width, dim=-1)  # sorted
-        cut = top.values.reshape(-1).topk(kv_heads * k, sorted=False).values.min()
-        counts = (top.values >= cut).sum(dim=1, keepdim=True)  # [kv_heads, 1], summing to kv_heads x k (ties aside)
-        if self._rank_thresholds.shape[1] < width + 1:
-            self.ensure_capacity(width)
-        limit = torch.minimum(counts * self.ctx.adapter.num_heads, alpha_total)
-        valid = self._rank_thresholds[:, : width + 1] < limit  # [kv_heads, width + 1]
-        return Selection(top.indices, scores=top.values, valid=valid, alpha_total=alpha_total, per_head=k)
 
 
 class StepPartialKeys:
@@ -447,6 +423,32 @@ class StepPartialKeys:
         if first < end:
             keys = [pool.keys(layer) for layer in policy.sparse_layers]
             torch.ops.infinigen_cpu.project_slots(keys, policy._stacked_key_projections, policy._partial_all, first, end)
+
+
+def shared_selection(weights: torch.Tensor, k: int, width: int, alpha_total: torch.Tensor,
+                     rank_thresholds: torch.Tensor, heads: int) -> Selection:
+    """The KV heads' shared budget from their summed weights [kv_heads, slots]: each head's best `width` slots,
+    ranked, and of all of them the kv_heads x k with the largest weights; a head reads those of its own, past the
+    alpha rank masked as before. The mask is one per head [kv_heads, width + 1]: rank r is kept while r < the
+    head's count and r x heads < the alpha total, i.e. r x heads < the smaller of the two (`rank_thresholds` [1,
+    >= width + 1] holds r x heads from r = -1: the new token, always kept)."""
+    kv_heads = weights.shape[0]
+    top = weights.topk(width, dim=-1)  # sorted
+    cut = top.values.reshape(-1).topk(kv_heads * k, sorted=False).values.min()
+    counts = (top.values >= cut).sum(dim=1, keepdim=True)  # [kv_heads, 1], summing to kv_heads x k (ties aside)
+    valid = rank_thresholds[:, : width + 1] < torch.minimum(counts * heads, alpha_total)  # [kv_heads, width + 1]
+    return Selection(top.indices, scores=top.values, valid=valid, alpha_total=alpha_total, per_head=k)
+
+
+def rotate_half_pairs(dim: int) -> torch.Tensor:
+    """[I | R] [dim, 2 dim], R the signed permutation of rotate_half. RoPE is q * cos + rotate_half(q) * sin, so with
+    q2 = q @ [I | R] and c = [cos | sin] the rotated, skewed query is (q2 * c) @ [A; A]: one product with this
+    matrix, one multiply by the step's c, one product with the stacked skew, instead of a dozen ops per layer."""
+    half = dim // 2
+    rotate = torch.zeros(dim, dim)
+    rotate[torch.arange(half) + half, torch.arange(half)] = -1.0  # out[c] = -q[c + half]   (c < half)
+    rotate[torch.arange(half), torch.arange(half) + half] = 1.0  # out[c] = q[c - half]    (c >= half)
+    return torch.cat([torch.eye(dim), rotate], dim=1)
 
 
 def stored_partial(partial: torch.Tensor, store_dtype: torch.dtype) -> torch.Tensor:
