@@ -117,10 +117,10 @@ class PoolAttention:
                 positions = self.pool.positions(layer).to(self.device).view(1, -1)
                 valid = positions > self.pool.total_tokens - 1 - window
         softcap = self.adapter.softcap
+        mask = None if valid is None else valid.view(valid.shape[0], 1, 1, -1)  # per KV head, or all alike
         if self.policy.needs_attention_weights or softcap is not None:  # SDPA cannot soft-cap
             if keys.dim() == 4:
                 keys, values = keys[:, 0], values[:, 0]
-            mask = None if valid is None else valid.view(valid.shape[0], 1, 1, -1)  # per KV head, or all alike
             out, probs = grouped_attention(query[0], keys, values, scaling, mask, softcap)
             if self.policy.needs_attention_weights:
                 self.policy.on_attention(layer, selected, probs, new_slots)
@@ -128,7 +128,6 @@ class PoolAttention:
             if keys.dim() == 3:
                 keys, values = keys.unsqueeze(1), values.unsqueeze(1)
             grouped = query.view(kv_heads, 1, -1, dim)  # [kv, 1, group, dim]: a query group per KV head
-            mask = None if valid is None else valid.view(valid.shape[0], 1, 1, -1)  # per KV head, or all alike
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scaling)
         return out.view(1, 1, -1, dim)
 

@@ -99,7 +99,7 @@ class DecodeLane:
             [store.keys for store in storage], [store.values for store in storage],
             [policy.partial_keys_t[layer] if is_sparse else None for layer, is_sparse in enumerate(self.sparse)],
             self._query_projections, self._key_projections, self._window_sizes, past, budgets,
-            [policy.width_of(budget, past) if budget else 0 for budget in budgets],
+            [policy.width_of(budget, past) if budget else 0 for budget in budgets] if projects_keys else budgets,
             work.config.alpha, projects_keys)
         self._budgets = budgets
         step.lane = self

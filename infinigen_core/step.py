@@ -145,8 +145,7 @@ class LayerWork:
             selection = self.policy.speculate(layer, layer_input, position_embeddings, step.query_positions,
                                               step.past_len, new_slots)
             if selection is not None:
-                fetch = self.fetcher.start_rows(target, selection.slots, selection.per_head)
-                step.prefetched[target] = (fetch, selection)
+                step.prefetched[target] = self._start_rows(target, selection)
         elif not self.policy.keeps_pool_on_device:
             step.prefetched[target] = self.start_fetch(target, step)
 
@@ -155,15 +154,18 @@ class LayerWork:
         new_slots = None if self.pool.last_reserved_contiguous else step.device_slots[layer]
         selection = self.policy.select_from_query(layer, query, step.past_len, new_slots)
         if selection is not None:
-            step.prefetched[layer] = (self.fetcher.start_rows(layer, selection.slots, selection.per_head), selection)
+            step.prefetched[layer] = self._start_rows(layer, selection)
 
     def start_fetch(self, layer: int, step: Step) -> tuple[PendingFetch, Selection | None]:
         """Start the fetch of a layer that nothing speculated for: its selected rows, or all of it."""
         if step.selects(layer):
             selection = self.policy.select(layer, step.past_len, step.first_position)
             if selection is not None:
-                return self.fetcher.start_rows(layer, selection.slots, selection.per_head), selection
+                return self._start_rows(layer, selection)
         return self.fetcher.start_layer(layer), None
+
+    def _start_rows(self, layer: int, selection: Selection) -> tuple[PendingFetch, Selection]:
+        return self.fetcher.start_rows(layer, selection.slots, selection.per_head), selection
 
     def _record_selection(self, layer, query, key, scaling, selection, stats, step) -> None:
         """What a sparse layer fetched, for the panels and the inspector: no host read here."""

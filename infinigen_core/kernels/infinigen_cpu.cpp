@@ -465,38 +465,60 @@ inline void scale_by_exponents(float* acc, const int8_t* exponents, int64_t n, i
     for (int64_t j = 0; j < n; ++j) acc[g * kSlotBlock + j] *= powers[j];
 }
 
-// Each KV head's count of rows where kv heads draw on one budget of kv x k rows: the kv x k largest of the heads'
-// candidates (each head's best `width`, first in `ranked`'s row of `past`), counted by head. A value (weight and
-// slot) is distinct within a head; two heads can hold the same one, and of those at the cut the lower heads count
-// first, so the counts always sum to kv x k.
-std::vector<int64_t> shares_of_budget(uint64_t* ranked, int64_t kv, int64_t past, int64_t width, int64_t k) {
-  const int64_t candidates = kv * width, budget = kv * k;
-  const std::unique_ptr<uint64_t[]> all(new uint64_t[3 * candidates]);  // the candidates, then scratch: written first
-  for (int64_t h = 0; h < kv; ++h) std::copy(ranked + h * past, ranked + h * past + width, &all[h * width]);
-  const uint64_t cut = nth_largest(all.get(), candidates, budget, all.get() + candidates);  // the budget's smallest
-  std::vector<int64_t> counts(kv, 0);
-  int64_t above = 0;
-  std::vector<uint8_t> holds_cut(kv, 0);
-  for (int64_t h = 0; h < kv; ++h) {
-    for (int64_t i = 0; i < width; ++i) {
-      const uint64_t value = ranked[h * past + i];
-      counts[h] += value > cut;
-      holds_cut[h] |= value == cut;
-    }
-    above += counts[h];
+// The KV heads' shares of one budget of rows from their candidates: head h's `counts[h]` values at `candidates +
+// h * stride`, distinct within a head. The budget's smallest value is the cut: a head reads its values above it,
+// and the cut's own value where it holds it (two heads can hold the same one, the same weight at the same slot:
+// the lower heads first), so the shares sum to the budget. Each head's candidates are arranged in place, in one
+// pass: the values it reads first, then the others.
+std::vector<int64_t> arrange_shares(uint64_t* candidates, int64_t stride, const std::vector<int64_t>& counts,
+                                    int64_t budget) {
+  const int64_t kv = static_cast<int64_t>(counts.size());
+  int64_t total = 0;
+  for (int64_t h = 0; h < kv; ++h) total += counts[h];
+  uint64_t cut;
+  {
+    const std::unique_ptr<uint64_t[]> all(new uint64_t[3 * total]);  // every head's candidates, then scratch
+    for (int64_t h = 0, at = 0; h < kv; at += counts[h++])
+      std::copy(candidates + h * stride, candidates + h * stride + counts[h], &all[at]);
+    cut = nth_largest(all.get(), total, budget, all.get() + total);
   }
-  for (int64_t h = 0; h < kv && above < budget; ++h)
-    if (holds_cut[h]) ++counts[h], ++above;
-  return counts;
+  std::vector<int64_t> shares(kv);
+  std::vector<uint8_t> holds_cut(kv);
+  at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      uint64_t* values = candidates + h * stride;
+      const int64_t n = counts[h];
+      const std::unique_ptr<uint64_t[]> rest(new uint64_t[n]);  // written before read
+      int64_t above = 0, below = 0;
+      bool holds = false;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t value = values[i];
+        holds |= value == cut;
+        values[above] = value;  // i >= above: a value not yet read is never overwritten
+        rest[below] = value;
+        above += value > cut;
+        below += value < cut;
+      }
+      if (holds) values[above] = cut;
+      std::copy(rest.get(), rest.get() + below, values + above + holds);
+      shares[h] = above + holds;
+      holds_cut[h] = holds;
+    }
+  });
+  int64_t held = 0;
+  for (int64_t h = 0; h < kv; ++h) held += shares[h];
+  for (int64_t h = kv - 1; h >= 0 && held > budget; --h)
+    if (holds_cut[h]) --shares[h], --held;  // its copy of the cut's value, right after the ones it reads: masked
+  return shares;
 }
 
-// The heads' shares of kv x k rows as shares_of_budget counts them, without each head's best `width` first: a
-// floor from a sample of every head's weights (every 16th slot), under which, with a margin, about kv x k values and
-// a few more lie; the values at or above it, per head; the kv x k largest of those. Where no head holds more than
-// `width` of them (the cap binds for ~2% of SmolLM2's heads) these are the kv x k largest of the heads' best
-// `width` each too, and each head's row is arranged: its `counts[h]` best first, then the rest of the values above
-// the floor, then slots left as they were (masked: never read). Returns false, with `ranked` as it was, where the
-// sample was too small, the floor let fewer than kv x k values pass, or a head passed `width`: the exact way then.
+// The heads' shares of kv x k rows without each head's best `width` first: a floor from a sample of every head's
+// weights (every 16th slot), under which, with a margin, about kv x k values and a few more lie; the values at or
+// above it, per head; their shares (arrange_shares). Where no head's share passes `width` (the cap binds for ~2% of
+// SmolLM2's heads) these are the shares of the heads' best `width` each too, and each head's row is arranged: its
+// share first, then the rest of its values above the floor, then slots left as they were (masked: never read).
+// Returns false, with `ranked` as it was, where the sample was too small, the floor let fewer than kv x k values
+// pass, or a head passed `width`: the exact way then.
 bool shares_from_sample(uint64_t* ranked, int64_t kv, int64_t past, int64_t width, int64_t k,
                         std::vector<int64_t>& counts) {
   constexpr int64_t kMinSample = 64;
@@ -529,46 +551,7 @@ bool shares_from_sample(uint64_t* ranked, int64_t kv, int64_t past, int64_t widt
   int64_t total = 0;
   for (int64_t h = 0; h < kv; ++h) total += picked_count[h];
   if (total < budget) return false;
-  uint64_t cut;  // the budget's smallest value
-  {
-    const std::unique_ptr<uint64_t[]> all(new uint64_t[3 * total]);  // every head's picked, then scratch
-    int64_t at = 0;
-    for (int64_t h = 0; h < kv; ++h) {
-      std::copy(&picked[h * past], &picked[h * past] + picked_count[h], &all[at]);
-      at += picked_count[h];
-    }
-    cut = nth_largest(all.get(), total, budget, all.get() + total);
-  }
-  // per head, one pass: the values above the cut, then the cut's own value if the head holds it (at most once: a
-  // head's values are distinct), then the others
-  std::vector<int64_t> shares(kv);  // each head's count at or above the cut
-  std::vector<uint8_t> holds_cut(kv);
-  at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h) {
-      uint64_t* values = &picked[h * past];
-      const int64_t n = picked_count[h];
-      const std::unique_ptr<uint64_t[]> rest(new uint64_t[n]);  // written before read
-      int64_t above = 0, below = 0;
-      bool holds = false;
-      for (int64_t i = 0; i < n; ++i) {
-        const uint64_t value = values[i];
-        holds |= value == cut;
-        values[above] = value;  // i >= above: a value not yet read is never overwritten
-        rest[below] = value;
-        above += value > cut;
-        below += value < cut;
-      }
-      if (holds) values[above] = cut;
-      std::copy(rest.get(), rest.get() + below, values + above + holds);
-      shares[h] = above + holds;
-      holds_cut[h] = holds;
-    }
-  });
-  // the cut's value held by several heads (the same weight at the same slot): the lower heads read it first
-  int64_t held = 0;
-  for (int64_t h = 0; h < kv; ++h) held += shares[h];
-  for (int64_t h = kv - 1; h >= 0 && held > budget; --h)
-    if (holds_cut[h]) --shares[h], --held;  // its value right after the ones it reads: it is masked
+  std::vector<int64_t> shares = arrange_shares(picked.get(), past, picked_count, budget);
   for (int64_t h = 0; h < kv; ++h)
     if (shares[h] > width) return false;
   for (int64_t h = 0; h < kv; ++h)
@@ -693,26 +676,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rehearse_select_typed
   }
 
   // 4. per head: its top `width` (k where the heads read alike), and 5. how many of them it reads: k each, or where
-  //    the heads draw on one budget, its share of the kv x k best of the heads' candidates. Mostly the shares come
-  //    from one sample of every head, each head's rows read then first in its row (`arranged`)
+  //    the heads draw on one budget, its share of the kv x k best of the heads' candidates, read first in its row.
+  //    Mostly the shares come from one sample of every head; else from each head's best `width`
   std::vector<int64_t> counts(kv, k);
-  const bool arranged = spread && shares_from_sample(ranked.get(), kv, past, width, k, counts);
-  if (!arranged) {
+  if (!spread || !shares_from_sample(ranked.get(), kv, past, width, k, counts)) {
     at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
       const std::unique_ptr<uint64_t[]> scratch(new uint64_t[largest_first_scratch(past)]);  // written before read
       for (int64_t h = begin; h < end; ++h)
         if (width < past) largest_first(&ranked[h * past], past, width, scratch.get());
     });
-    if (spread) counts = shares_of_budget(ranked.get(), kv, past, width, k);
+    if (spread) counts = arrange_shares(ranked.get(), past, std::vector<int64_t>(kv, width), kv * k);
   }
-  // 6. per head: its rows partitioned where its count and the alpha mask cut them, so the rows kept come first
+  // 6. per head: its rows partitioned once more where the alpha mask cuts them, so the rows kept come first
   bool* mask = valid.data_ptr<bool>();
   at::parallel_for(0, kv, 1, [&](int64_t begin, int64_t end) {
     const std::unique_ptr<uint64_t[]> scratch(new uint64_t[2 * width]);  // written before read
     for (int64_t h = begin; h < end; ++h) {
       uint64_t* head = &ranked[h * past];
       const int64_t count = counts[h], used = std::min(kept, count);
-      if (count < width && !arranged) put_largest_first(head, width, count, scratch.get());
       if (0 < used && used < count) put_largest_first(head, count, used, scratch.get());
       if (spread || h == 0)
         for (int64_t m = 0; m <= width; ++m) mask[(spread ? h : 0) * (width + 1) + m] = alpha_mask[m] && m - 1 < count;
