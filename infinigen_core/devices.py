@@ -17,10 +17,11 @@ computed from) and the mode refuses, with the op's name:
   copies are the only crossing; an explicit `.to(device)` is a copy too and allowed);
 - a host read of a compute tensor inside `decode_step()` (the engine's one-token forward): no exemption,
   so a decode step that passes under the mode makes no host wait on a GPU;
-- anything but a gather through a `mapped_view` of host memory (on CUDA: pinned memory the GPU reads in
-  place over UVA, zero-copy). The compute side may read such a view with a gather (`index_select`,
-  `index`, `embedding`) whose indices are compute tensors, and take views of it; a write through it, any
-  other op that reads it, and a gather with host indices are refused.
+- anything but a gather from, or a row write into, a `mapped_view` of host memory (on CUDA: pinned memory
+  the GPU reads and writes in place over UVA, zero-copy). The compute side may read such a view with a
+  gather (`index_select`, `index`, `embedding`) whose indices are compute tensors, write rows into it with
+  `index_copy_` whose indices and rows are compute tensors (the pool's new rows), and take views of it; any
+  other write through it, any other op that reads it, and host indices or rows are refused.
 
 Tensors made outside the mode or on the plain CPU carry no tag and mix with either side.
 
@@ -53,6 +54,7 @@ _local = threading.local()
 aten = torch.ops.aten
 # what the compute side may do with a mapped view: gather rows out of it, or take a view of it
 _MAPPED_GATHERS = {aten.index_select.default, aten.index_select.out, aten.index.Tensor, aten.embedding.default}
+_MAPPED_WRITES = {aten.index_copy_.default}  # rows written into it, by the compute side
 # ops that read a tensor's values on the host (on a GPU: wait for it, then copy)
 _HOST_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
                aten.equal.default, aten.is_nonzero.default, aten._unique2.default, aten.unique_consecutive.default,
@@ -292,13 +294,18 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
 
 
 def _check_mapped_read(func, args, kwargs, inputs) -> None:
-    """An op touching a mapped view: only a gather with compute-side indices, or a view of it, passes."""
+    """An op touching a mapped view: only a gather with compute-side indices, a row write of compute-side rows at
+    compute-side indices into it, or a view of it, passes."""
     def describe() -> str:
         return ", ".join(f"{side_of(t) or 'untagged'} {tuple(t.shape)}" for t in inputs)
 
-    if any(side_of(t) == MAPPED for t in _written(func, args, kwargs)):
+    written = [t for t in _written(func, args, kwargs) if side_of(t) == MAPPED]
+    if written:
+        others = [t for t in inputs if all(t is not w for w in written)]
+        if func in _MAPPED_WRITES and not any(side_of(t) in (HOST, MAPPED) for t in others):
+            return
         raise SeparateDevicesError(f"{func} writes through a mapped view of host memory ({describe()}): the compute "
-                                   "side only reads it; new rows reach the pool through the transfer layer")
+                                   "side writes only rows of its own at indices of its own into it (index_copy_)")
     if func in _MAPPED_GATHERS:
         if any(side_of(t) == HOST for t in inputs):
             raise SeparateDevicesError(f"{func} gathers from a mapped view with host memory in the op ({describe()}): "

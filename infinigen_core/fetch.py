@@ -7,10 +7,11 @@ the new token was written), a whole layer with the new token in its reserved slo
 
 - `DirectFetcher`: the pool lives on the compute device (the CPU; `full` on a GPU). A whole layer is the
   pool's own view, selected rows are one gather, done at `wait`, after the new token has been written.
-- `StreamFetcher`: the pool lives in host memory and the model on another device. One worker thread does
-  all host-side work in order: it copies new K/V into the pool once their copy to the host has landed.
-  Selected rows are gathered by the compute side straight from the pool (zero_copy.py: no host gather, no
-  host round trip) where `zero_copy` allows; otherwise (staged) the worker gathers them into
+- `StreamFetcher`: the pool lives in host memory and the model on another device. Where `zero_copy` allows
+  (zero_copy.py), the compute side writes the new K/V into the pool itself and gathers selected rows straight
+  from it: no copy to the host, no host gather, no host round trip. Otherwise one worker thread does all
+  host-side work in order: it copies new K/V into the pool once their copy to the host has landed, and
+  (staged) gathers selected rows into
   double-buffered staging (`index_select(..., out=)`) once their indices have reached the host, then
   copies them up on a side stream. Whole layers (the `offload` baseline and the
   dense layers under sparse policies) are copied contiguously, one layer ahead. The compute side waits for
@@ -271,6 +272,7 @@ class StreamFetcher:
         self.cache = SelectedRowCache(pool, ops.device, keep.cached_layers, keep.cache_lines)
         self._plan_staging = ops.host_empty((2, 3, pool.num_kv_heads * max_rows), torch.int64) if keep.cache_lines else None
         self._last_write: Future | None = None
+        self._written_on_device = False  # rows the compute side wrote into the pool since the last flush
         # selected rows gathered by the compute side in place (zero_copy.py); eviction counts each fetch on
         # the host, so a limited pool keeps the staged path, as the cached layers and host-chosen slots do
         self.zero_copy_reason = self._zero_copy_refused(zero_copy)
@@ -289,11 +291,17 @@ class StreamFetcher:
             return reason
         return None
 
-    # -- writes: device -> host (non-blocking) -> pool, in the worker once the copy has landed
+    # -- writes: by the compute side into the pool in place (zero-copy), or device -> host (non-blocking) -> pool,
+    #    in the worker once the copy has landed (staged, and the layers the selected-row cache holds)
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               device_slots: torch.Tensor | None = None) -> None:
         if layer in self.resident:
             self.resident.write(layer, device_slots, keys, values)
+        if (self.mapped is not None and layer not in self.cache and device_slots is not None
+                and not devices.is_host_tensor(device_slots)):
+            self.mapped.write(layer, device_slots, keys, values)
+            self._written_on_device = True
+            return
         host_keys, _ = self.host.to_host(keys)
         host_values, ready = self.host.to_host(values)  # the later copy on the same stream: both have landed
         written = self._worker.submit(self._write_rows, layer, slots, host_keys, host_values, ready)
@@ -302,9 +310,9 @@ class StreamFetcher:
             written.result()
 
     def settle(self) -> None:
-        """Before a decode step: the rows written so far are in the pool, where the compute side gathers in
-        place (zero_copy.py). Host work only, once per step: the previous step's copies to the host landed
-        when its token was sampled."""
+        """Before a decode step: the rows the worker wrote so far are in the pool, where the compute side gathers
+        in place (zero_copy.py; the rows it wrote itself are ordered before its gathers by the streams). Host
+        work only, once per step: the previous step's copies to the host landed when its token was sampled."""
         if self.mapped is not None and self._last_write is not None:
             self._last_write.result()
 
@@ -322,6 +330,8 @@ class StreamFetcher:
             self.bytes_fetched += slots.numel() * self._row_bytes
             return _GatheredInPlace(self.ops, self.mapped.start(layer, slots))
         host_slots, ready = self.host.to_host(slots)
+        if ready is None and self._written_on_device:  # slots chosen on the host: the worker reads the pool after
+            ready = self.ops.compute_done()            # the rows the compute side wrote into it
         if layer in self.cache:  # the worker counts what crosses: only the misses
             return _StreamedThroughCache(self.ops, self.cache, layer,
                                          self._worker.submit(self._upload_misses, layer, host_slots, ready))
@@ -381,6 +391,8 @@ class StreamFetcher:
         if layer in self.resident:
             return _ResidentView(self.resident, layer)
         size = self.pool.size()
+        if self._written_on_device:  # the upload reads rows the compute side wrote into the pool
+            self.ops.follow(self._stream)
         self.bytes_fetched += size * self.pool.num_kv_heads * self._row_bytes
         reserved = self.pool.last_reserved[layer]
         contiguous_new = size - reserved.numel() if self.pool.last_reserved_contiguous else None
@@ -417,6 +429,9 @@ class StreamFetcher:
         to the device was still reading (on a GPU the last step's DMAs need not have finished)."""
         if not self._closed:
             self._worker.submit(lambda: None).result()
+            if self._written_on_device:  # the rows the compute side wrote into the pool have landed
+                self.ops.compute_done().synchronize()
+                self._written_on_device = False
             self.ops.record(self._stream).synchronize()
             if self.mapped is not None:  # the in-place gathers still reading the pool
                 self.ops.record(self.mapped.stream).synchronize()

@@ -4,12 +4,14 @@ The fetch pipeline (`fetch.StreamFetcher`) decides *what* moves and in which ord
 what a copy, a stream and an event are:
 
 - `CudaOps`: CUDA side streams and events, pinned host staging. Nothing in it makes the host wait except
-  an event's `synchronize()`, which only the fetch worker (and the stats reader) calls.
+  an event's `synchronize()`, which only the fetch worker, a flush (and the stats reader) call.
 - `ThreadedCpuOps`: the same ordering on the CPU, so the pipeline runs and is tested without a GPU. Each
   stream is a thread that runs its copies in order, each after an injectable delay; an event is set once
   every copy enqueued on its stream before it has run. The compute side is the calling thread, so its
   `wait` blocks. Buffers it hands out are poisoned (NaN, or -1 for integers) until a copy fills them, so
-  a read that skips a wait shows up as wrong numbers instead of passing by luck.
+  a read that skips a wait shows up as wrong numbers instead of passing by luck. The compute side's writes
+  into mapped host memory (`scatter`) land late too, on the thread of its copies towards the host, as a
+  kernel's writes land in its stream's order: whatever reads the pool must be ordered after them.
 
 >>> ops = ThreadedCpuOps(delay_s=0.001)
 >>> side = ops.stream()
@@ -74,10 +76,18 @@ class DeviceOps(Protocol):
 
     def mapped(self, host: torch.Tensor) -> torch.Tensor:
         """A compute-side view of contiguous host memory that gathers read in place (on CUDA: pinned memory
-        over UVA, zero-copy); valid while `host` lives, never written to."""
+        over UVA, zero-copy); valid while `host` lives, written only by `scatter`."""
+
+    def scatter(self, target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Enqueue `target.index_copy_(0, index, rows)` on the compute side (target: a `mapped` view; index and
+        rows compute tensors): the compute device writes rows into host memory where they lie; returns at once."""
+
+    def compute_done(self) -> Event:
+        """An event reached once the compute side's work enqueued so far (its `scatter`s too) has run."""
 
     def follow(self, stream: object) -> None:
-        """Work enqueued on `stream` from now on runs after the compute side's work enqueued so far."""
+        """Work enqueued on `stream` from now on runs after the compute side's work enqueued so far (its
+        `scatter`s too)."""
 
     def gather(self, stream: object, source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
         """Enqueue `index_select(source, 0, index, out=out)` on `stream` (source: a `mapped` view); returns at once."""
@@ -205,6 +215,12 @@ class CudaOps:
         raw = torch.as_tensor(_DeviceBytes(host.data_ptr(), size), device=self.device)
         return raw.view(host.dtype).view(host.shape)
 
+    def scatter(self, target, index, rows) -> None:
+        target.index_copy_(0, index, rows)  # a kernel on the compute stream, writing over UVA into pinned memory
+
+    def compute_done(self) -> torch.cuda.Event:
+        return self.record(torch.cuda.current_stream(self.device))
+
     def follow(self, stream) -> None:
         stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -214,6 +230,9 @@ class CudaOps:
         index.record_stream(stream)  # made on the compute stream, read on this one
 
     def close(self) -> bool:
+        # what the streams enqueued still runs: kernels that read or write the pool's pinned memory through a mapped
+        # view (`gather`, `scatter`) are unknown to the host allocator, so they finish before the pool goes
+        torch.cuda.synchronize(self.device)
         return True
 
 
@@ -267,6 +286,7 @@ class ThreadedCpuOps:
         self._stopping = threading.Event()  # cuts every delay short
         self._streams: list[_CpuStream] = []
         self._compute_to_host = self.stream("cpu-ops-to-host")  # the copies a compute stream enqueues towards the host
+        self._last_scatter: Future | None = None  # the compute side's last write into host memory
 
     def stream(self, name: str | None = None) -> _CpuStream:
         """A stream's thread is named after it, so a delay function can tell streams apart."""
@@ -327,8 +347,25 @@ class ThreadedCpuOps:
     def mapped(self, host) -> torch.Tensor:
         return devices.mapped_view(host)
 
+    def scatter(self, target, index, rows) -> None:
+        # the compute stream's write lands late, as a kernel's: on the thread of its copies to the host, in
+        # order with them (a `to_host` event after it is reached only once it has landed); the values as they
+        # are now (a snapshot: the compute side may reuse their memory, which a stream's order would forbid)
+        self._last_scatter = self._compute_to_host.worker.submit(
+            self._late, self._compute_to_host, self._scatter, target, index.detach().clone(), rows.detach().clone())
+
+    @staticmethod
+    def _scatter(target, index, rows) -> None:
+        target.index_copy_(0, index, rows)  # a write through a mapped view: the mode allows it without a crossing
+
+    def compute_done(self) -> _CpuEvent:
+        return self.record(self._compute_to_host)
+
     def follow(self, stream) -> None:
-        pass  # the compute side is this thread: what it enqueued has run
+        # the compute side is this thread: what it computed has run; its writes to host memory may not have
+        if self._last_scatter is not None:
+            self._last_scatter.result()
+            self._compute_to_host.check()
 
     def gather(self, stream, source, index, out) -> None:
         stream.worker.submit(self._late, stream, self._gather, source, index, out)

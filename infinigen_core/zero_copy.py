@@ -1,5 +1,6 @@
 """Selected rows read by the compute device straight from the pool in host memory: no host gather, no staging,
-no host round trip (ShadowKV's and ParisKV's way, our own code).
+no host round trip (ShadowKV's and ParisKV's way, our own code); and the new tokens' rows written into it the
+same way.
 
 On CUDA the pool is pinned, and pinned memory is mapped into the GPU's address space under unified
 addressing: `CudaOps.mapped` makes a CUDA tensor over a layer's flat [kv_heads * capacity, dim] rows, and
@@ -9,15 +10,17 @@ gather's event, the host for nothing. Under INFINIGEN_SEPARATE_DEVICES the same 
 `devices.mapped_view`, which the checking mode lets the compute side gather from and nothing else.
 
     rows = MappedRows(pool, ops, max_rows)
+    rows.write(layer, new_slots, keys, values)  # new rows [kv_heads, n, dim] into slots [n], on the compute stream
     gathered = rows.start(layer, slots)       # slots [kv_heads, k] on the compute device; returns at once
     ops.wait(gathered.ready, gathered.keys, gathered.values)   # the compute side reads them after this
 
 What keeps it exact:
-- the pool's new rows are written by the fetch worker once their copy to the host has landed, so a gather
-  could overtake the previous token's write: the engine calls `StreamFetcher.settle` once per decode step,
-  which waits for the writes already submitted (host work after the previous step, which the sampling of
-  its token already waited for on a GPU). The token being decoded is never gathered: it comes first, from
-  the compute side;
+- the pool's new rows are written by the compute side itself (`write`, an `index_copy_` through the view on
+  the compute stream: no copy to the host, no fetch worker, no event), and every gather waits for the compute
+  stream first (`follow`), so a gather never overtakes a write. What reads the pool elsewhere is ordered
+  after them too: a whole layer's upload follows the compute stream, a flush waits for it (before the host
+  reads, truncates, saves or grows the pool). The token being decoded is never gathered: it comes first,
+  from the compute side;
 - a pool that reallocates (growth, release) gets new views before the next gather (`_views_for`);
   growth and release happen only after a flush, which waits for the gathers in flight on their stream;
 - the gathers have a stream of their own: it waits for the compute stream before each gather (the indices
@@ -59,6 +62,10 @@ class MappedRows:
         self._source: weakref.ref[PoolStorage] | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._offsets: torch.Tensor | None = None
+        # the flat rows of the last new slots written (`write`), for the tensors they were made from
+        self._written_slots: torch.Tensor | None = None
+        self._written_offsets: torch.Tensor | None = None
+        self._written_rows: torch.Tensor | None = None
 
     def _views_for(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         storage = self.pool.storage
@@ -68,6 +75,19 @@ class MappedRows:
             self._offsets = storage.head_offsets.to(self.ops.device)
             self._source = weakref.ref(storage)
         return self._views[layer]
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write new rows [kv_heads, n, dim] into slots [n] (compute device) of `layer`, where they lie in the pool,
+        on the compute stream."""
+        keys_view, values_view = self._views_for(layer)
+        if slots is not self._written_slots or self._written_offsets is not self._offsets:
+            # [kv_heads * n], row-major over (head, token); one per step: a step's layers share the slots' tensor
+            self._written_rows = (slots.view(1, -1) + self._offsets).view(-1)
+            self._written_slots, self._written_offsets = slots, self._offsets
+        rows = self._written_rows
+        dim, dtype = self.pool.head_dim, self.pool.dtype
+        self.ops.scatter(keys_view, rows, keys.to(dtype).reshape(-1, dim))
+        self.ops.scatter(values_view, rows, values.to(dtype).reshape(-1, dim))
 
     def start(self, layer: int, slots: torch.Tensor) -> Gathered:
         """Gather the rows of `slots` [kv_heads, k] (compute device) on the side stream."""
@@ -96,8 +116,8 @@ class Gathered:
 
 
 def validate(ops: DeviceOps, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Whether gathers through a mapped view give what the staged path gives: None, or why not (a probe of
-    64 rows in host memory from `ops.host_empty`, pinned on CUDA)."""
+    """Whether gathers through a mapped view give what the staged path gives, and rows written through it land in
+    host memory: None, or why not (a probe of 64 rows in host memory from `ops.host_empty`, pinned on CUDA)."""
     try:
         host = ops.host_empty((64, head_dim), dtype)
         host.copy_(torch.randn(64, head_dim, generator=torch.Generator().manual_seed(0)).to(dtype))
@@ -105,13 +125,20 @@ def validate(ops: DeviceOps, dtype: torch.dtype, head_dim: int) -> str | None:
         staged = host.index_select(0, index_host).to(ops.device)
         stream = ops.stream()
         out = ops.empty((index_host.numel(), head_dim), dtype, stream)
+        view = ops.mapped(host)
         ops.follow(stream)
-        ops.gather(stream, ops.mapped(host), index_host.to(ops.device), out)
+        ops.gather(stream, view, index_host.to(ops.device), out)
         ops.wait(ops.record(stream), out)
         same = bool(torch.equal(out, staged))
+        written = torch.randn(2, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+        ops.scatter(view, torch.tensor([3, 60]).to(ops.device), written.to(ops.device))
+        ops.compute_done().synchronize()
+        landed = bool(torch.equal(host[[3, 60]], written))
     except Exception as error:  # any failure of the view: the staged fetch serves
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no message'}"
-    return None if same else "rows gathered through the mapped view differ from the staged path's"
+    if not same:
+        return "rows gathered through the mapped view differ from the staged path's"
+    return None if landed else "rows written through the mapped view did not land in host memory"
 
 
 def refuse_reason_logged(reason: str) -> None:

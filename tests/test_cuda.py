@@ -80,8 +80,9 @@ def test_the_paths_the_first_run_would_have_broken(case):
 
 
 def test_selected_rows_gathered_in_place_on_the_card():
-    """zero_copy.py on a real card: the CUDA view of the pinned pool passes its check at load, and the logits
-    are the staged path's (indices to the host, host gather, copy up), through a pool that grows."""
+    """zero_copy.py on a real card: the CUDA view of the pinned pool passes its check at load (a gather and a write
+    through it), and the logits are the staged path's (indices to the host, host gather, copy up; new rows copied
+    down and written by the worker), through a pool that grows."""
     results, reasons = {}, {}
     for zero_copy in (False, True):
         with cuda_engine(_tiny_llama, policy="infinigen", budget=0.2, dense_under_budget=False,
@@ -91,6 +92,23 @@ def test_selected_rows_gathered_in_place_on_the_card():
             results[zero_copy] = torch.cat([first.unsqueeze(0), engine.score(random_tokens(12, seed=4))]).cpu()
     assert reasons[True] is None, f"the zero-copy fetch fell back: {reasons[True]}"
     torch.testing.assert_close(results[True], results[False], rtol=0, atol=1e-5)
+
+
+def test_rows_written_through_the_pinned_view_land_in_host_memory():
+    """transfer.CudaOps.scatter: a kernel on the compute stream writes rows into pinned host memory over UVA; once
+    the compute side's event is reached the host reads them, and the rows it did not write are as they were."""
+    from infinigen_core.transfer import CudaOps
+
+    ops = CudaOps("cuda")
+    host = ops.host_empty((64, 8), torch.float16)
+    host.copy_(torch.arange(64 * 8, dtype=torch.float16).view(64, 8))
+    before = host.clone()
+    rows = torch.randn(3, 8, device="cuda", dtype=torch.float16)
+    ops.scatter(ops.mapped(host), torch.tensor([2, 40, 63], device="cuda"), rows)
+    ops.compute_done().synchronize()
+    assert torch.equal(host[[2, 40, 63]], rows.cpu())
+    untouched = [row for row in range(64) if row not in (2, 40, 63)]
+    assert torch.equal(host[untouched], before[untouched])
 
 
 @pytest.mark.parametrize("policy", ["infinigen", "offload", "full"])

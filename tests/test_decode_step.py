@@ -17,16 +17,19 @@ POLICIES = ["full", "offload", "infinigen", "h2o", "streaming"]
 
 def counted_decode_step(engine, token=5):
     """The step's ops, and its copies to the host besides those of the streamed fetch, where the pool is in
-    host memory (a GPU, or INFINIGEN_SEPARATE_DEVICES=1): the new K/V of each layer on their way to the pool
-    and, where the worker gathers them (the staged fetch; streaming's slots, chosen in host memory), each
-    sparse layer's selected slots. The zero-copy fetch sends no slot (zero_copy.py)."""
+    host memory (a GPU, or INFINIGEN_SEPARATE_DEVICES=1): staged, the new K/V of each layer on their way to the
+    pool and, where the worker gathers them (the staged fetch; streaming's slots, chosen in host memory), each
+    sparse layer's selected slots. The zero-copy fetch writes the new K/V into the pool in place and sends no
+    slot (zero_copy.py)."""
     copies = engine.fetcher.host.copies
     with OpCounter() as ops:
         engine.decode(token)
     streamed = 0
     if engine.pool.device != engine.device:
-        in_place = getattr(engine.fetcher, "mapped", None) is not None and engine.policy.name != "streaming"
-        streamed = 2 * engine.adapter.num_layers + (0 if in_place else len(engine.history[-1].sparse_layers()))
+        mapped = getattr(engine.fetcher, "mapped", None) is not None
+        slots_stay = mapped and engine.policy.name != "streaming"
+        streamed = (0 if mapped else 2 * engine.adapter.num_layers) + (
+            0 if slots_stay else len(engine.history[-1].sparse_layers()))
     return ops, engine.fetcher.host.copies - copies - streamed
 
 

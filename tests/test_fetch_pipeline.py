@@ -118,14 +118,31 @@ def test_restores_interleaved_with_decoding(tiny_llama, monkeypatch, attended, p
 
 
 def test_rows_gathered_in_place_never_overtake_a_delayed_write(tiny_llama, monkeypatch, attended):
-    """The compute side gathers selected rows from the pool itself (zero_copy.py) while the pool's new rows
-    land late (slow copies to the host, instant gathers; every row selected, the previous token's too):
-    every fetch still holds the rows `DirectFetcher` gives, because the fetcher settles the previous step's
-    writes before a step."""
+    """The compute side gathers selected rows from the pool itself (zero_copy.py) while the pool's new rows,
+    which it writes into the pool itself, land late (slow writes, instant gathers; every row selected, the
+    previous token's too): every fetch still holds the rows `DirectFetcher` gives, because a gather follows the
+    compute side's work, its writes included."""
     settings = dict(policy="infinigen", budget=1.0, alpha=1e9, dense_under_budget=False)
     slow_writes = lambda: 0.02 if threading.current_thread().name == "cpu-ops-to-host" else 0.0  # noqa: E731
     direct_logits, direct_rows = run(tiny_llama, monkeypatch, attended, **settings)
     logits, rows = run(tiny_llama, monkeypatch, attended, delay_s=slow_writes, zero_copy=True, **settings)
+    assert_same_rows(direct_rows, rows)
+    torch.testing.assert_close(logits, direct_logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("settings", [dict(policy="offload"), dict(policy="infinigen", budget=1.0),
+                                      dict(policy="streaming", budget=0.3)],
+                         ids=["offload", "infinigen-under-budget", "streaming"])
+def test_whole_layers_and_the_host_read_what_was_written_in_place(tiny_llama, monkeypatch, attended, settings):
+    """The compute side writes the new rows into the pool in place (zero_copy.py) and its writes land late: a
+    whole layer's upload (`offload`, and sparse layers the budget covers) still carries the previous token's rows,
+    because it follows the compute side's work, as does the worker's gather of `streaming`'s slots, chosen on the
+    host; the export, the truncate, the restore and the prefill between
+    decodes read them after a flush, which waits for those writes."""
+    slow_writes = lambda: 0.02 if threading.current_thread().name == "cpu-ops-to-host" else 0.0  # noqa: E731
+    direct_logits, direct_rows = run(tiny_llama, monkeypatch, attended, restore=True, **settings)
+    logits, rows = run(tiny_llama, monkeypatch, attended, delay_s=slow_writes, zero_copy=True, restore=True,
+                       **settings)
     assert_same_rows(direct_rows, rows)
     torch.testing.assert_close(logits, direct_logits, rtol=0, atol=0)
 

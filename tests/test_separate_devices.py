@@ -63,9 +63,10 @@ def test_a_host_read_of_a_compute_tensor_in_the_decode_step_is_refused(read):
         read(torch.arange(4.0, device=EMULATED_HOST))  # host values are the host's to read
 
 
-def test_a_mapped_view_of_host_memory_is_only_gathered_from():
+def test_a_mapped_view_of_host_memory_is_only_gathered_from_and_written_rows_into():
     """The emulation of a CUDA view of pinned memory (zero-copy): the compute side may gather rows out of it
-    with compute-side indices, and take views of it; nothing else, and never a write."""
+    with compute-side indices, write rows of its own into it at indices of its own (the pool's new rows), and
+    take views of it; nothing else."""
     host = torch.arange(12.0, device=EMULATED_HOST).view(6, 2)
     mapped = devices.mapped_view(host)
     index = torch.tensor([4, 0, 4], device=EMULATED_COMPUTE)
@@ -77,7 +78,11 @@ def test_a_mapped_view_of_host_memory_is_only_gathered_from():
     host[0] = -1.0  # the same memory: what the host writes, the next gather reads
     assert mapped.index_select(0, index)[1].tolist() == [-1.0, -1.0]
     compute = torch.ones(6, 2, device=EMULATED_COMPUTE)
-    writes = [lambda: mapped.index_copy_(0, index[:1], compute[:1]), lambda: mapped.copy_(compute),
+    mapped.index_copy_(0, index[1:2], compute[:1] * 7)  # a row of the compute side's, at its index: lands in place
+    assert host[0].tolist() == [7.0, 7.0] and devices.side_of(mapped) == devices.MAPPED
+    host_index, host_rows = torch.arange(1, device=EMULATED_HOST), torch.zeros(1, 2, device=EMULATED_HOST)
+    writes = [lambda: mapped.index_copy_(0, host_index, compute[:1]), lambda: mapped.index_copy_(0, index[:1], host_rows),
+              lambda: mapped.index_copy_(0, index[:1], mapped[:1]), lambda: mapped.copy_(compute),
               lambda: mapped.add_(1.0), lambda: torch.index_select(compute, 0, index, out=mapped[:3])]
     for write in writes:
         with pytest.raises(SeparateDevicesError, match="writes through a mapped view"):
@@ -287,10 +292,11 @@ def test_the_pool_never_grows_under_a_write_in_flight(tiny_llama, monkeypatch):
 
 # ------------------------------------------------------------------ the fetch redesigned for the GPU (issue 29, item 3)
 def test_selected_rows_gathered_in_place_give_the_staged_logits(tiny_llama, monkeypatch):
-    """The compute side gathers the selected rows from the pool in place (zero_copy.py): the logits of the staged
-    path (indices to the host, host gather, copy up) and of the plain CPU, bit for bit, through a pool that grows
-    mid-conversation, a truncate and a restore; the same bytes counted; and no selected slot crosses to the
-    host (one copy to the host fewer per sparse layer and step, the only host read a sparse layer made)."""
+    """The compute side gathers the selected rows from the pool in place and writes the new rows into it
+    (zero_copy.py): the logits of the staged path (indices to the host, host gather, copy up; new rows copied
+    down and written by the worker) and of the plain CPU, bit for bit, through a pool that grows
+    mid-conversation, a truncate and a restore; the same bytes counted; and neither a selected slot nor a new
+    row crosses to the host."""
     def conversation(engine):
         logits = [engine.prefill(random_tokens(250, seed=3))]
         copies = engine.fetcher.host.copies
@@ -316,7 +322,28 @@ def test_selected_rows_gathered_in_place_give_the_staged_logits(tiny_llama, monk
     torch.testing.assert_close(mapped, staged, rtol=0, atol=0)
     (_, _), (staged_bytes, staged_copies), (mapped_bytes, mapped_copies) = counted
     assert mapped_bytes == staged_bytes > 0
-    assert staged_copies - mapped_copies == 8 * 2  # 8 steps, 2 sparse layers: their slots stay on the device
+    # 8 steps: the 2 sparse layers' slots and every layer's new K and V (4 layers x 2) stay on the device, written
+    # into the pool in place; what is left is one copy a step, of its statistics (the alpha counts)
+    assert staged_copies - mapped_copies == 8 * (2 + 4 * 2) and mapped_copies == 8
+
+
+def test_the_load_check_of_the_mapped_view_asks_for_a_gather_and_a_write_that_land():
+    """zero_copy.validate (run once per fetcher on a card): passes where gathers through the view and writes into it
+    work; names the write where a row written through the view never reaches host memory."""
+    from infinigen_core.zero_copy import validate
+
+    class WritesGoNowhere(ThreadedCpuOps):
+        def scatter(self, target, index, rows) -> None:
+            pass
+
+    with devices.SeparateDevicesMode():
+        for ops_class, expected in ((ThreadedCpuOps, None), (WritesGoNowhere, "written through the mapped view")):
+            ops = ops_class(delay_s=0.001, device=EMULATED_COMPUTE)
+            try:
+                reason = validate(ops, torch.float32, 8)
+            finally:
+                ops.close()
+            assert reason == expected if expected is None else expected in reason
 
 
 def test_zero_copy_is_refused_where_the_pool_counts_fetches(tiny_llama):
