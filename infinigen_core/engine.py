@@ -170,7 +170,10 @@ class InfiniGenEngine(SessionRows):
 
     def prepare(self, new_tokens: int) -> None:
         """Make room now for `new_tokens` more tokens, so no step of the coming reply allocates pool memory."""
-        self.pool.ensure_capacity(min(self.pool.total_tokens + new_tokens, self.max_context))
+        tokens = min(self.pool.total_tokens + new_tokens, self.max_context)
+        if self.pool.grows_to_hold(tokens):
+            self.fetcher.flush()  # a growth copies the pool into new storage: every pending write lands first
+        self.pool.ensure_capacity(tokens)
         self.policy.ensure_capacity(self.pool.capacity)
 
     def close(self) -> None:

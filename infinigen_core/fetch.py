@@ -9,7 +9,8 @@ the new token was written), a whole layer with the new token in its reserved slo
   pool's own view, selected rows are one gather, done at `wait`, after the new token has been written.
 - `StreamFetcher`: the pool lives in host memory and the model on another device. Where `zero_copy` allows
   (zero_copy.py), the compute side writes the new K/V into the pool itself and gathers selected rows straight
-  from it: no copy to the host, no host gather, no host round trip. Otherwise one worker thread does all
+  from it: no copy to the host, no host gather, no host round trip (the layers the selected-row cache holds
+  keep the worker's path: it tells the cache). Otherwise one worker thread does all
   host-side work in order: it copies new K/V into the pool once their copy to the host has landed, and
   (staged) gathers selected rows into
   double-buffered staging (`index_select(..., out=)`) once their indices have reached the host, then

@@ -154,7 +154,11 @@ class KVPool(RowRestore):
 
     def grows_for(self, n: int) -> bool:
         """Whether reserving `n` more tokens reallocates the pool (a copy of every layer into new storage)."""
-        return self._rule.capacity_to_hold(self._size + n, self.capacity) is not None
+        return self.grows_to_hold(self._size + n)
+
+    def grows_to_hold(self, tokens: int) -> bool:
+        """Whether `ensure_capacity(tokens)` reallocates the pool."""
+        return self._rule.capacity_to_hold(tokens, self.capacity) is not None
 
     # ------------------------------------------------------------------ writing
     @torch.inference_mode()

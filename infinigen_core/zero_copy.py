@@ -7,7 +7,8 @@ addressing: `CudaOps.mapped` makes a CUDA tensor over a layer's flat [kv_heads *
 torch's own `index_select` on its own side stream gathers the selected rows from it over PCIe. The indices are
 computed on the device (slot + the head's offset) and never leave it; the compute stream waits for the
 gather's event, the host for nothing. Under INFINIGEN_SEPARATE_DEVICES the same code runs on the CPU over
-`devices.mapped_view`, which the checking mode lets the compute side gather from and nothing else.
+`devices.mapped_view`, which the checking mode lets the compute side gather from and write its own rows into,
+and nothing else.
 
     rows = MappedRows(pool, ops, max_rows)
     rows.write(layer, new_slots, keys, values)  # new rows [kv_heads, n, dim] into slots [n], on the compute stream
@@ -22,14 +23,16 @@ What keeps it exact:
   reads, truncates, saves or grows the pool). The token being decoded is never gathered: it comes first,
   from the compute side;
 - a pool that reallocates (growth, release) gets new views before the next gather (`_views_for`);
-  growth and release happen only after a flush, which waits for the gathers in flight on their stream;
+  growth and release happen only after a flush, which waits for the gathers in flight on their stream and
+  for the compute side's writes;
 - the gathers have a stream of their own: it waits for the compute stream before each gather (the indices
   are computed there), which must not hold up the whole-layer uploads on the fetcher's stream;
 - two output buffers per fetcher, each [kv_heads * max_rows, dim], used in turn: a layer's rows are
   consumed (concatenated after the new token) before the buffer comes round again, in stream order.
 
 `validate` runs once per fetcher on CUDA: a small pinned probe gathered through a view and the staged
-way must agree, or the fetch stays staged with the reason logged (the view has never run on a card).
+way must agree, and two rows written through the view must land in it, or the fetch stays staged with the
+reason logged.
 """
 
 from __future__ import annotations
@@ -62,10 +65,6 @@ class MappedRows:
         self._source: weakref.ref[PoolStorage] | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._offsets: torch.Tensor | None = None
-        # the flat rows of the last new slots written (`write`), for the tensors they were made from
-        self._written_slots: torch.Tensor | None = None
-        self._written_offsets: torch.Tensor | None = None
-        self._written_rows: torch.Tensor | None = None
 
     def _views_for(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         storage = self.pool.storage
@@ -80,11 +79,9 @@ class MappedRows:
         """Write new rows [kv_heads, n, dim] into slots [n] (compute device) of `layer`, where they lie in the pool,
         on the compute stream."""
         keys_view, values_view = self._views_for(layer)
-        if slots is not self._written_slots or self._written_offsets is not self._offsets:
-            # [kv_heads * n], row-major over (head, token); one per step: a step's layers share the slots' tensor
-            self._written_rows = (slots.view(1, -1) + self._offsets).view(-1)
-            self._written_slots, self._written_offsets = slots, self._offsets
-        rows = self._written_rows
+        # [kv_heads * n], row-major over (head, token); made from the slots' values every time (no cache keyed on
+        # the tensor: a step whose inputs sit in fixed buffers, as a captured one's must, refills the same tensor)
+        rows = (slots.view(1, -1) + self._offsets).view(-1)
         dim, dtype = self.pool.head_dim, self.pool.dtype
         self.ops.scatter(keys_view, rows, keys.to(dtype).reshape(-1, dim))
         self.ops.scatter(values_view, rows, values.to(dtype).reshape(-1, dim))

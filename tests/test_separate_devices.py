@@ -259,35 +259,49 @@ def test_streaming_selects_in_host_memory(tiny_llama, monkeypatch):
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
 
 
-def test_the_pool_never_grows_under_a_write_in_flight(tiny_llama, monkeypatch):
-    """Decoding past the pool's capacity (no `prepare`) while the worker still writes the last token: the
-    growth copies the pool, so a write landing in the old storage would be lost. Copies to the host land
-    late here, so the worker is always behind when the next step grows the pool."""
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["worker-writes", "compute-side-writes"])
+def test_the_pool_never_grows_under_a_write_in_flight(tiny_llama, monkeypatch, zero_copy):
+    """Decoding past the pool's capacity (no `prepare`), and a prompt that `prepare` makes room for right after a
+    decode step, while the last token's rows are still on their way to the pool (the worker's write, or the
+    compute side's own write through the mapped view, zero_copy.py): a growth copies the pool, so a write landing
+    in the old storage would be lost. Those writes land late here, so they are always behind when the pool grows."""
     late_writes = lambda: 0.05 if threading.current_thread().name == "cpu-ops-to-host" else 0.0  # noqa: E731
     monkeypatch.setattr(engine_module, "make_fetcher", lambda pool, device, max_rows, **_: make_fetcher(
-        pool, device, max_rows, ops=ThreadedCpuOps(late_writes, device=device)))
+        pool, device, max_rows, ops=ThreadedCpuOps(late_writes, device=device), zero_copy=zero_copy))
     in_flight = []
     allocate = engine_module.KVPool._allocate
 
-    def recording_allocate(pool, capacity):
-        fetcher = getattr(engines[-1], "fetcher", None) if engines else None
-        if fetcher is not None and isinstance(fetcher, StreamFetcher):
-            in_flight.append(fetcher.pending_host_work())
+    def recording_allocate(pool, capacity):  # a growth of the pool of the conversation's engine
+        if engines and pool is engines[-1].pool and isinstance(engines[-1].fetcher, StreamFetcher):
+            in_flight.append(engines[-1].fetcher.pending_host_work() or engines[-1].fetcher._written_on_device)
         allocate(pool, capacity)
 
     engines = []
     monkeypatch.setattr(engine_module.KVPool, "_allocate", recording_allocate)
 
-    def conversation(engine):
+    def past_capacity(engine):  # decode steps cross the capacity: the growth comes from `reserve`
         engines.append(engine)
         assert engine.pool.capacity == 256
         logits = prefill_then_decode(engine, tokens=250, steps=10)
         assert engine.pool.capacity > 256
         return logits
 
-    reference, logits = both(monkeypatch, tiny_llama, conversation, policy="offload")
-    assert in_flight and not any(in_flight), "the pool grew while the fetch worker had writes in flight"
-    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+    def prompt_after_a_decode_step(engine):  # `prepare` makes room for the prompt right after a decode step
+        engines.append(engine)
+        logits = prefill_then_decode(engine, tokens=250, steps=3)
+        assert engine.pool.capacity == 256
+        logits.append(engine.prefill(random_tokens(10, seed=5)))
+        assert engine.pool.capacity > 256
+        return logits + list(engine.score(random_tokens(3, seed=6)))
+
+    results = [both(monkeypatch, tiny_llama, past_capacity, policy="offload"),
+               both(monkeypatch, tiny_llama, prompt_after_a_decode_step, policy="infinigen", budget=0.2,
+                    dense_under_budget=False)]
+    assert len(in_flight) == 4 and not any(in_flight), "the pool grew while the last token's writes were in flight"
+    apart = [engine.fetcher for engine in engines if engine.device == EMULATED_COMPUTE]
+    assert len(apart) == 2 and all((fetcher.mapped is not None) == zero_copy for fetcher in apart)
+    for reference, logits in results:
+        torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------------ the fetch redesigned for the GPU (issue 29, item 3)
