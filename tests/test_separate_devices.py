@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_gemma_decode import VOCAB, tiny_gemma
 
+import infinigen_core.compiled as compiled_module
 import infinigen_core.engine as engine_module
 from infinigen_core import devices
 from infinigen_core.config import EngineConfig
@@ -339,6 +340,38 @@ def test_selected_rows_gathered_in_place_give_the_staged_logits(tiny_llama, monk
     # 8 steps: the 2 sparse layers' slots and every layer's new K and V (4 layers x 2) stay on the device, written
     # into the pool in place; what is left is one copy a step, of its statistics (the alpha counts)
     assert staged_copies - mapped_copies == 8 * (2 + 4 * 2) and mapped_copies == 8
+
+
+@pytest.mark.parametrize("policy", ["full", "offload", "infinigen"])
+def test_a_decode_steps_inputs_keep_their_storage_from_step_to_step(tiny_llama, monkeypatch, policy):
+    """docs/CAPTURE.md, piece 1: where the compute device is apart from the host, a one-token step's token, position
+    and slot reach the model and the layers as views of one buffer, refilled at every step (what a captured step
+    replays reads), with the values of that step; the logits stay the plain CPU's."""
+    seen = []
+
+    def conversation(engine):
+        original = engine.decode_step
+
+        def recording_step(**inputs):
+            step = compiled_module._running.step
+            if engine.device == EMULATED_COMPUTE:
+                tensors = (inputs["input_ids"], inputs["position_ids"], step.device_slots[0])
+                with devices.crossing():  # the test reads them (a host wait the step itself never makes)
+                    values = [t.reshape(-1).tolist() for t in tensors]
+                seen.append(([t.untyped_storage().data_ptr() for t in tensors], values, step.first_position,
+                             engine.pool.size() - 1))
+            return original(**inputs)
+
+        engine.decode_step = recording_step
+        logits = [engine.prefill(random_tokens(90, seed=3))]
+        return logits + [engine.decode(token) for token in random_tokens(4, seed=4)]
+
+    reference, logits = both(monkeypatch, tiny_llama, conversation, policy=policy, budget=0.3)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+    assert len(seen) == 4 and len({tuple(pointers) for pointers, *_ in seen}) == 1
+    tokens = random_tokens(4, seed=4)
+    for (_, (token, position, slot), first, last_slot), expected in zip(seen, tokens):
+        assert token == [expected] and position == [first] and slot == [last_slot]
 
 
 def test_the_load_check_of_the_mapped_view_asks_for_a_gather_and_a_write_that_land():
