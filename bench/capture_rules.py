@@ -10,8 +10,13 @@ names every op where two steps part, by kind:
 - `ops`: the steps run different ops at this point (a branch on a host value);
 - `shape`: an input's shape changed (e.g. a read over the pool's size, which grows by one a token);
 - `scalar`: a scalar argument changed (a size, an index or an offset baked into the launch);
-- `storage`: the op reads a tensor made outside the step whose memory changed (a new tensor per step where a
-  captured step needs a buffer refilled in place).
+- `storage`: the op reads a tensor made outside the step at another place (a new tensor per step where a
+  captured step needs a buffer refilled in place, or a view that moved within one), or with other strides or
+  another dtype.
+
+A dispatch mode sees the ops of its own thread only: work the step hands to other threads (on CUDA, launched from
+the step's thread onto side streams) is recorded with `note`. The recorder keeps every storage it saw alive, so
+the allocator cannot hand one step's memory to the next and hide a new tensor at an old address.
 
     recorder = StepRecorder()
     with recorder:
@@ -34,7 +39,8 @@ class RecordedOp:
     name: str
     shapes: tuple[tuple[int, ...], ...]  # every tensor argument's shape, in order
     scalars: tuple[object, ...]  # every int, float and bool argument, in order
-    outside: tuple[int | None, ...]  # per tensor argument: its memory's address if made outside the step, else None
+    # per tensor argument: (address of its first element, strides, dtype) if made outside the step, else None
+    outside: tuple[tuple[int, tuple[int, ...], torch.dtype] | None, ...]
 
 
 class StepRecorder(TorchDispatchMode):
@@ -44,21 +50,33 @@ class StepRecorder(TorchDispatchMode):
         super().__init__()
         self.ops: list[RecordedOp] = []
         self._made: set[int] = set()  # addresses of the memory the step's own ops allocated
+        self._kept: list[torch.UntypedStorage] = []  # every storage seen: no address is handed out twice
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         tensors = [value for value in flat if isinstance(value, torch.Tensor)]
         addresses = [tensor.untyped_storage().data_ptr() for tensor in tensors]
-        scalars = tuple(value for value in flat if isinstance(value, (bool, int, float)))
         out = func(*args, **kwargs)
         for result in tree_flatten(out)[0]:
             # new memory: not an input's (a view, an in-place result), whatever the schema says (`to` may copy)
             if isinstance(result, torch.Tensor) and result.untyped_storage().data_ptr() not in addresses:
                 self._made.add(result.untyped_storage().data_ptr())
-        self.ops.append(RecordedOp(str(func), tuple(tuple(t.shape) for t in tensors), scalars,
-                                   tuple(None if address in self._made else address for address in addresses)))
+                self._kept.append(result.untyped_storage())
+        self._record(str(func), flat)
         return out
+
+    def note(self, name: str, *args) -> None:
+        """Record work the step hands to another thread (a side stream's op on CUDA) as an op of the step."""
+        self._record(name, list(args))
+
+    def _record(self, name: str, flat: list) -> None:
+        tensors = [value for value in flat if isinstance(value, torch.Tensor)]
+        self._kept.extend(tensor.untyped_storage() for tensor in tensors)
+        scalars = tuple(value for value in flat if isinstance(value, (bool, int, float)))
+        self.ops.append(RecordedOp(name, tuple(tuple(t.shape) for t in tensors), scalars, tuple(
+            None if t.untyped_storage().data_ptr() in self._made else (t.data_ptr(), tuple(t.stride()), t.dtype)
+            for t in tensors)))
 
 
 @dataclass(frozen=True)
@@ -79,8 +97,7 @@ def differences(first: list[RecordedOp], second: list[RecordedOp]) -> list[Diffe
             found.append(Difference(index, a.name, "shape"))
         elif a.scalars != b.scalars:
             found.append(Difference(index, a.name, "scalar"))
-        elif any(x is not None and y is not None and x != y for x, y in zip(a.outside, b.outside)) or any(
-                (x is None) != (y is None) for x, y in zip(a.outside, b.outside)):
+        elif a.outside != b.outside:  # made outside in one step only, or at another place, strides or dtype
             found.append(Difference(index, a.name, "storage"))
     if len(first) != len(second):
         found.append(Difference(min(len(first), len(second)), "(one step runs more ops)", "ops"))

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
@@ -28,12 +29,21 @@ from infinigen_core.calibration import calibrate  # noqa: E402
 from infinigen_core.devices import SEPARATE_DEVICES_ENV, SeparateDevicesMode  # noqa: E402
 
 
-def recorded_steps(policy: str, context: int, steps: int = 2) -> list[list]:
-    """The ops of `steps` consecutive decode forwards of `policy` over a `context`-token pool (tiny Llama shape)."""
+@dataclass
+class Recorded:
+    steps: list[list]  # per decode forward, its ops (bench/capture_rules.py)
+    copies_to_host: float  # per step: copies the step sent towards the host (fetch.HostChannel)
+    worker_handoffs: float  # per step: calls handed to the fetch worker thread
+
+
+def recorded_steps(policy: str, context: int, steps: int = 2) -> Recorded:
+    """`steps` consecutive decode forwards of `policy` over a `context`-token pool (tiny Llama shape, fixed seeds)."""
     shape = SHAPES["tiny"]
     generator = torch.Generator().manual_seed(0)
-    # for this engine only (the environment as it was after): the pool and the compute side kept apart
-    with mock.patch.dict(os.environ, {SEPARATE_DEVICES_ENV: "1"}), SeparateDevicesMode():
+    # for this engine only (the environment and the global RNG as they were after): the pool and the compute
+    # side kept apart
+    with mock.patch.dict(os.environ, {SEPARATE_DEVICES_ENV: "1"}), torch.random.fork_rng(), SeparateDevicesMode():
+        torch.manual_seed(0)  # the random weights
         model = random_llama(shape, context + steps + 8, "cpu", torch.float32)
         skew = calibrate(model, torch.randint(0, shape.vocab, (256,), generator=generator).tolist(), "cpu")
         engine = InfiniGenEngine(model, None, bench_config(0.15).with_changes(policy=policy), skew_set=skew,
@@ -43,21 +53,37 @@ def recorded_steps(policy: str, context: int, steps: int = 2) -> list[list]:
             engine.prefill(ids[:context])
             engine.prepare(steps + 2)  # every recorded step within one capacity
             engine.decode(ids[context])  # warm-up: state made lazily by a first step
-            recorded, forward = [], engine.decode_step
+            recorders: list[StepRecorder] = []  # kept alive until every step is recorded (capture_rules.py)
+            forward, fetcher = engine.decode_step, engine.fetcher
 
             def recording_forward(**inputs):
-                recorder = StepRecorder()
-                with recorder:
-                    out = forward(**inputs)
-                recorded.append(recorder.ops)
-                return out
+                recorders.append(StepRecorder())
+                with recorders[-1]:
+                    return forward(**inputs)
 
+            def noted(name, method):  # work on another thread, launched from the step's on a GPU
+                def call(*args):
+                    if recorders:
+                        recorders[-1].note(name, *args)
+                    return method(*args)
+                return call
+
+            ops = getattr(fetcher, "ops", None)
+            if ops is not None:
+                ops.scatter, ops.gather = noted("ops.scatter", ops.scatter), noted("ops.gather", ops.gather)
+            worker = getattr(fetcher, "_worker", None)
+            handoffs = [0]
+            if worker is not None:
+                submit = worker.submit
+                worker.submit = lambda *args: (handoffs.__setitem__(0, handoffs[0] + 1), submit(*args))[1]
             engine.decode_step = recording_forward
+            copies = fetcher.host.copies
             for token in ids[context + 1 : context + 1 + steps]:
                 engine.decode(token)
+            return Recorded([recorder.ops for recorder in recorders], (fetcher.host.copies - copies) / steps,
+                            handoffs[0] / steps)
         finally:
             engine.close()
-    return recorded
 
 
 def main() -> None:
@@ -68,15 +94,20 @@ def main() -> None:
     args = parser.parse_args()
     report = {}
     for policy in args.policies.split(","):
-        first, second = recorded_steps(policy, args.context)
+        recorded = recorded_steps(policy, args.context)
+        first, second = recorded.steps
         kinds = summary(differences(first, second))
         report[policy] = {"ops_per_step": len(first), "differing_ops": sum(sum(c.values()) for c in kinds.values()),
-                          "by_kind": {kind: dict(counts.most_common()) for kind, counts in kinds.items()}}
+                          "by_kind": {kind: dict(counts.most_common()) for kind, counts in kinds.items()},
+                          "copies_to_host_per_step": recorded.copies_to_host,
+                          "worker_handoffs_per_step": recorded.worker_handoffs}
     if args.json:
         print(json.dumps(report, indent=1))
         return
     for policy, row in report.items():
-        print(f"{policy}: {row['ops_per_step']} ops per forward, {row['differing_ops']} would not replay")
+        print(f"{policy}: {row['ops_per_step']} ops per forward, {row['differing_ops']} would not replay; per step "
+              f"{row['copies_to_host_per_step']:g} copies to the host, {row['worker_handoffs_per_step']:g} hand-offs "
+              "to the fetch worker")
         for kind, counts in row["by_kind"].items():
             print(f"  {kind}: " + ", ".join(f"{name} x{count}" for name, count in counts.items()))
 
