@@ -36,6 +36,7 @@ from .prefix import common_prefix_length
 from .session_rows import SessionRows
 from .stats import StepStats
 from .step import LayerWork, Step
+from .step_inputs import StepInputs
 from .weights import plain_fp32_weights, weights_label
 
 ATTENTION_NAME = "infinigen"
@@ -117,9 +118,7 @@ class InfiniGenEngine(SessionRows):
         self.fetcher = None
         self._ones: torch.Tensor | None = None
         self._no_positions = torch.empty(0, dtype=torch.long, device=self.device)  # logits_to_keep: no row
-        # a one-token step's token, position and slot on a device apart from the host: one buffer they are copied
-        # into at every step, so the step's inputs keep their storage (what a captured step replays reads)
-        self._decode_inputs = torch.zeros(3, dtype=torch.long, device=self.device)
+        self.inputs = StepInputs(self.device)  # a step's token ids, positions and slots on the compute device
         self.decode_step = DecodeStep(model)  # one-token steps: compiled by compiled.compile_decode, else eager
         self.configure(config)
 
@@ -295,10 +294,10 @@ class InfiniGenEngine(SessionRows):
         # prefill reads the pool from this thread, and a growth copies it into new storage: pending writes
         # (the fetch worker's, of the previous token) land first, or they would land in the old storage; a
         # one-token step waits at least for the writes that its in-place gathers read (settle)
-        self.fetcher.flush() if n > 1 or self.pool.grows_for(n) else self.fetcher.settle()
+        self.fetcher.flush() if n > 1 or self.pool.grows_to_hold(self.pool.size() + n) else self.fetcher.settle()
         stats = StepStats(step=self.steps_run, position=first, new_tokens=n)
         slots = self.pool.reserve(n)
-        input_ids, query_positions, device_slots = self._step_inputs(token_ids, first, slots)
+        input_ids, query_positions, device_slots = self.inputs.for_step(token_ids, first, slots, self.pool)
         step = Step(
             work=self.work,
             first_position=first,
@@ -351,36 +350,6 @@ class InfiniGenEngine(SessionRows):
             self.history[-KEEP_SELECTIONS_STEPS].drop_selections()
         self.history.append(stats)
         return output.logits[0].float()
-
-    def _step_inputs(self, token_ids: list[int], first: int, slots: list[torch.Tensor]):
-        """The step's token ids [1, n], query positions [n] and per layer the new tokens' slots, on the compute device.
-        A one-token step on a device apart from the host whose layers share one slot (no eviction) gets them as views
-        of one buffer, filled by one copy: the same storage at every step (docs/CAPTURE.md, piece 1)."""
-        n = len(token_ids)
-        if n == 1 and devices.has_separate_host(self.device) and self.pool.last_reserved_contiguous:
-            # contiguous slots: the token's is the pool's last, a host count (the slots may be on the compute device)
-            values = torch.tensor([token_ids[0], first, self.pool.size() - 1])
-            inputs = self._decode_inputs
-            if self.device.type == "cuda":  # one copy from pinned memory, in the compute stream's order: the step
-                inputs.copy_(values.pin_memory(), non_blocking=True)  # before it has read the buffer by then
-            else:
-                inputs.copy_(self._to_device(values))
-            return inputs[0:1].view(1, 1), inputs[1:2], [inputs[2:3]] * len(slots)
-        input_ids = self._to_device(torch.tensor([token_ids]))
-        return input_ids, torch.arange(first, first + n, device=self.device), self._slots_on_device(slots)
-
-    def _slots_on_device(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.pool.device == self.device:
-            return slots
-        if self.pool.last_reserved_contiguous:  # every layer shares one tensor: one copy
-            return [self._to_device(slots[0])] * len(slots)
-        return [self._to_device(layer_slots) for layer_slots in slots]
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor to the compute device without waiting (pinned, non-blocking) on a GPU."""
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor.to(self.device) if devices.is_emulated(self.device) else tensor
 
     def _on_plain_cpu(self) -> bool:
         return self.device.type == "cpu" and not devices.is_emulated(self.device)

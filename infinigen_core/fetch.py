@@ -152,7 +152,7 @@ class DirectFetcher:
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               device_slots: torch.Tensor | None = None) -> None:
         # the pool is on the compute device: the slots' compute-side copy is the same (a step's fixed input buffer
-        # on a GPU, engine._step_inputs, where `slots` is the pool's new tensor)
+        # on a GPU, step_inputs.py, where `slots` is the pool's new tensor)
         self.pool.write(layer, slots if device_slots is None else device_slots, keys, values)
 
     def rebuild(self) -> None:

@@ -152,12 +152,9 @@ class KVPool(RowRestore):
         empty_host_cache_if(self.pin_memory)
         return True
 
-    def grows_for(self, n: int) -> bool:
-        """Whether reserving `n` more tokens reallocates the pool (a copy of every layer into new storage)."""
-        return self.grows_to_hold(self._size + n)
-
     def grows_to_hold(self, tokens: int) -> bool:
-        """Whether `ensure_capacity(tokens)` reallocates the pool."""
+        """Whether holding `tokens` slots (`ensure_capacity`, or a reserve up to them) reallocates the pool: a copy of
+        every layer into new storage."""
         return self._rule.capacity_to_hold(tokens, self.capacity) is not None
 
     # ------------------------------------------------------------------ writing

@@ -77,7 +77,7 @@ def test_a_size_asked_for_rounds_up_to_the_growth_step_not_twice_the_pool():
     assert pool.capacity == 4096
     pool.ensure_capacity(4200)
     assert pool.capacity == 4224  # 66 growth steps
-    assert not pool.grows_for(4224) and pool.grows_for(4225)
+    assert not pool.grows_to_hold(4224) and pool.grows_to_hold(4225)
 
 
 def test_growth_inside_decoding_stays_geometric():
