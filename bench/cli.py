@@ -450,8 +450,8 @@ def run_gpu(args) -> tuple[str, dict]:
         return NO_CUDA_MESSAGE, result
     table = format_table(result["rows"], ["model", "context", "policy", "budget", "fetch", "step", "tokens_per_s", "speedup_vs_offload",
                                           "speedup_vs_hf_offload", "ratio_to_full", "ms_per_token",
-                                          "bytes_fetched_per_token", "fetch_wait_ms_per_step", "h2d_gbps",
-                                          "peak_h2d_gbps", "peak_gpu_bytes"])
+                                          "bytes_fetched_per_token", "fetch_wait_ms_per_step", "host_copies_per_step",
+                                          "worker_calls_per_step", "h2d_gbps", "peak_h2d_gbps", "peak_gpu_bytes"])
     return f"device: {result['device']}\n{table}", result
 
 

@@ -115,8 +115,11 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _decode_ms(engine, tokens: Sequence[int], device: str) -> tuple[list[float], int, float]:
+def _decode_ms(engine, tokens: Sequence[int], device: str) -> tuple[list[float], int, float, dict]:
+    """Each step's ms, the bytes fetched, the median fetch wait, and per step the copies sent to the host and the
+    calls handed to the fetch worker (host work that a captured step could not hold)."""
     fetched_before = engine.fetcher.bytes_fetched
+    copies_before, calls_before = engine.fetcher.host.copies, getattr(engine.fetcher, "worker_calls", 0)
     step_ms, wait_ms = [], []
     for token in tokens:
         _synchronize(device)
@@ -125,7 +128,9 @@ def _decode_ms(engine, tokens: Sequence[int], device: str) -> tuple[list[float],
         _synchronize(device)
         step_ms.append((time.perf_counter() - started) * 1e3)
         wait_ms.append(sum(layer.fetch_wait_ms for layer in engine.history[-1].layers))
-    return step_ms, engine.fetcher.bytes_fetched - fetched_before, statistics.median(wait_ms)
+    host_work = {"host_copies_per_step": (engine.fetcher.host.copies - copies_before) / len(tokens),
+                 "worker_calls_per_step": (getattr(engine.fetcher, "worker_calls", 0) - calls_before) / len(tokens)}
+    return step_ms, engine.fetcher.bytes_fetched - fetched_before, statistics.median(wait_ms), host_work
 
 
 @torch.inference_mode()
@@ -294,9 +299,9 @@ def _measure_context(engine, model, shape, ids, context, policies, budgets, deco
         engine.truncate(context)
         if target.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        step_ms, fetched, wait_ms = _decode_ms(engine, ids[context : context + decode_steps], target.device)
+        step_ms, fetched, wait_ms, host_work = _decode_ms(engine, ids[context : context + decode_steps], target.device)
         writer.add({**_row(shape.name, context, policy, budget, step_ms, fetched / decode_steps, wait_ms, target),
-                    "fetch": _fetch_label(engine) if policy == "infinigen" else None,
+                    **host_work, "fetch": _fetch_label(engine) if policy == "infinigen" else None,
                     "step": engine.decode_step.label})
         progress(f"  {policy} (budget {budget}): {writer.rows[-1]['ms_per_token']:.1f} ms/token")
         if options.trace is not None and budget == budgets[0]:

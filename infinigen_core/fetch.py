@@ -426,6 +426,12 @@ class StreamFetcher:
         """Writes and fetches whose host side has not finished yet."""
         return self._worker.pending
 
+    @property
+    def worker_calls(self) -> int:
+        """Writes and fetches handed to the worker thread so far (a decode step on the GPU makes none where it
+        writes and gathers in place)."""
+        return self._worker.submitted
+
     def flush(self) -> None:
         """Wait until every write and fetch started so far has been done on the host side, and every copy
         they enqueued has run (the in-place gathers too): a truncate or a restore after a flush may overwrite pool rows that a copy

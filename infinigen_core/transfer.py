@@ -107,6 +107,7 @@ class Worker:
         self._lock = threading.Lock()  # a call is either queued before the stop marker or refused
         self._stopped = False
         self._pending = 0  # calls submitted and not finished
+        self.submitted = 0  # calls submitted so far
         # under the separate-devices check the thread keeps the same rules as the thread that made it
         self._mode = devices.active_mode()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -120,6 +121,7 @@ class Worker:
                 raise RuntimeError(f"{self._thread.name} is closed")
             self._calls.put((future, fn, args))
             self._pending += 1
+            self.submitted += 1
         return future
 
     @property

@@ -71,17 +71,12 @@ def recorded_steps(policy: str, context: int, steps: int = 2) -> Recorded:
             ops = getattr(fetcher, "ops", None)
             if ops is not None:
                 ops.scatter, ops.gather = noted("ops.scatter", ops.scatter), noted("ops.gather", ops.gather)
-            worker = getattr(fetcher, "_worker", None)
-            handoffs = [0]
-            if worker is not None:
-                submit = worker.submit
-                worker.submit = lambda *args: (handoffs.__setitem__(0, handoffs[0] + 1), submit(*args))[1]
             engine.decode_step = recording_forward
-            copies = fetcher.host.copies
+            copies, calls = fetcher.host.copies, getattr(fetcher, "worker_calls", 0)
             for token in ids[context + 1 : context + 1 + steps]:
                 engine.decode(token)
             return Recorded([recorder.ops for recorder in recorders], (fetcher.host.copies - copies) / steps,
-                            handoffs[0] / steps)
+                            (getattr(fetcher, "worker_calls", 0) - calls) / steps)
         finally:
             engine.close()
 

@@ -36,6 +36,10 @@ def test_emulated_flow_writes_a_row_per_policy(tmp_path, capsys):
     assert 0 < rows["infinigen"]["bytes_fetched_per_token"] < rows["offload"]["bytes_fetched_per_token"]
     assert rows["infinigen"]["ratio_to_full"] == pytest.approx(rows["full"]["ms_per_token"]
                                                                / rows["infinigen"]["ms_per_token"])
+    # host work per step: InfiniGen writes and gathers in place (one copy to the host: its statistics, no worker
+    # call); the fair offload uploads its 2 whole layers through the worker; `full` moves nothing
+    host_work = {policy: (row["host_copies_per_step"], row["worker_calls_per_step"]) for policy, row in rows.items()}
+    assert host_work == {"full": (0, 0), "offload": (0, 2), "infinigen": (1, 0)}
 
 
 def test_rows_are_saved_as_they_are_measured(tmp_path):
