@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -46,10 +46,11 @@ class _Handover:
     only while it waits for one (`wanted`), not by each item it gathers until its interval is over: a thread
     woken at every token would take the interpreter's lock from the model's thread at every token."""
 
-    def __init__(self) -> None:
+    def __init__(self, urgent: Callable[[Any], bool] | None = None) -> None:
         self.changed = threading.Condition()
         self.arrived: list = []
         self.wanted = False
+        self.urgent, self.hurry = urgent, False  # hurry: an urgent item arrived, the consumer takes it at once
         self.finished = False
         self.error: BaseException | None = None
 
@@ -58,7 +59,10 @@ class _Handover:
             for item in items:
                 with self.changed:
                     self.arrived.append(item)
-                    if self.wanted:
+                    if self.urgent is not None and self.urgent(item):
+                        self.hurry = True
+                        self.changed.notify()
+                    elif self.wanted:
                         self.changed.notify()
         except BaseException as error:  # noqa: BLE001  raised again in the consumer's thread
             self.error = error
@@ -108,11 +112,13 @@ class EngineThread:
             return function(*args)
         return self.submit(function, *args).result()
 
-    def paced(self, items: Iterable[T], interval_s: float,
-              stop: Callable[[], None]) -> Generator[list[T], None, None]:
+    def paced(self, items: Iterable[T], interval_s: float, stop: Callable[[], None],
+              urgent: Callable[[T], bool] | None = None) -> Generator[list[T], None, None]:
         """Iterate `items` here and yield, in the caller's thread, the items that arrived since the last yield
         (a non-empty list, in order): the first at once, the others at most once per `interval_s` (0: as they
-        come), the last ones as soon as `items` ends. Its exception is raised after the items before it.
+        come), the last ones as soon as `items` ends, and an item for which `urgent` is true at once, with those
+        before it (a turn's last event: the reply's end shows before the work that follows it, such as the
+        turn's save). Its exception is raised after the items before it.
 
         Closing this generator early (the page went away) calls `stop`, which must make `items` end soon (a
         turn's cancel flag), and waits for it: the job is over when the close returns.
@@ -122,7 +128,7 @@ class EngineThread:
         if self.here():
             yield from ([item] for item in items)
             return
-        handover = _Handover()
+        handover = _Handover(urgent)
         done = self.submit(handover.produce, items)
         last_yield: float | None = None
         try:
@@ -134,8 +140,8 @@ class EngineThread:
                     if last_yield is not None:  # gather more until the interval is over, unless the job ends
                         remaining = last_yield + interval_s - time.monotonic()
                         if remaining > 0:
-                            handover.changed.wait_for(lambda: handover.finished, timeout=remaining)
-                    batch, handover.arrived = handover.arrived, []
+                            handover.changed.wait_for(lambda: handover.finished or handover.hurry, timeout=remaining)
+                    batch, handover.arrived, handover.hurry = handover.arrived, [], False
                     finished = handover.finished
                 if batch:
                     last_yield = time.monotonic()

@@ -158,7 +158,10 @@ class TurnRunner:
             yield from self.track(generate(chat, self.start("prefill")))
 
         try:
-            updates = self.model_thread.paced(in_model_thread(), interval_s, stop)
+            # the turn's last event (its finish reason) goes out at once: the page shows the reply's end before the
+            # turn is saved, not after
+            updates = self.model_thread.paced(in_model_thread(), interval_s, stop,
+                                              urgent=lambda event: event.finish_reason is not None)
             with contextlib.closing(updates):  # a face that goes away stops the turn and waits for it
                 yield from updates
         except (SessionError, ContextOverflowError, ConfigError) as error:

@@ -1,5 +1,6 @@
 """The app's service without Gradio: start-up beside another app process, settings kept per session."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,38 @@ def test_deleting_the_open_session_opens_the_latest_page_session_not_an_api_one(
         assert service.open_sessions.page.id == doomed
         service.pages.delete_session()
         assert service.open_sessions.page.id == kept and doomed not in [s.id for s in store.list()]
+    finally:
+        service.open_sessions.page.close()
+
+
+def test_the_page_shows_the_end_of_a_reply_before_the_turn_is_saved(tmp_path, real_engine, monkeypatch):
+    from chat_service import page_turns
+    from sessions.chunk_writer import SessionChunks
+
+    service = _service(tmp_path, real_engine)
+    chat_id = service.open_sessions.page.id
+    shown: list[str] = []
+    saw_the_end_before_the_save: list[bool] = []
+    save = SessionChunks.persist
+
+    def watched_save(self, engine, boundary=None, background=False):
+        if not background:  # the turn's end (the stored reply is final by now): has the page shown it?
+            final = service.store.messages(chat_id)[-1].content
+            deadline = time.monotonic() + 5.0
+            while final not in shown and time.monotonic() < deadline:
+                time.sleep(0.01)
+            saw_the_end_before_the_save.append(final in shown)
+        return save(self, engine, boundary, background)
+
+    monkeypatch.setattr(SessionChunks, "persist", watched_save)
+    monkeypatch.setattr(page_turns, "PAGE_UPDATE_SECONDS", 60.0)  # no update falls due: only the end's own
+    try:
+        _settings(service, max_new_tokens=5)
+        for history in service.page_turns.send("Hello"):
+            if history[-1]["role"] == "assistant":
+                shown.append(history[-1]["content"])
+        assert saw_the_end_before_the_save == [True]
+        assert shown[-1] == service.store.messages(chat_id)[-1].content
     finally:
         service.open_sessions.page.close()
 

@@ -111,3 +111,23 @@ def test_a_paced_job_started_inside_the_thread_runs_inline(thread):
         return [batch for batch in thread.paced(iter("abc"), interval_s=1.0, stop=lambda: None)]
 
     assert thread.call(job) == [["a"], ["b"], ["c"]]
+
+
+def test_an_urgent_item_comes_at_once_not_after_the_work_that_follows_it(thread):
+    consumer_has_first, consumer_has_it = threading.Event(), threading.Event()
+
+    def items():
+        yield "first"
+        assert consumer_has_first.wait(WAIT_S)  # then its interval runs: the rest would wait for it
+        yield "token"
+        yield "end"  # a turn's last event
+        # the turn's save: the consumer, whose interval is far from over, must already have the end
+        assert consumer_has_it.wait(WAIT_S), "the urgent item waited for the job to end"
+
+    received = []
+    for batch in thread.paced(items(), interval_s=60.0, stop=lambda: None, urgent=lambda item: item == "end"):
+        received += batch
+        consumer_has_first.set()
+        if "end" in batch:
+            consumer_has_it.set()
+    assert received == ["first", "token", "end"]
