@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ class CpuClock:
     def __init__(self, app_pid: int) -> None:
         self.app_pid = app_pid
         self.tick = os.sysconf("SC_CLK_TCK")
+        self.browser_pids: list[int] = []  # as the last `sample` found them
 
     def _stat(self, pid: int) -> tuple[int, float]:
         with open(f"/proc/{pid}/stat") as file:
@@ -115,9 +117,59 @@ class CpuClock:
             return False
 
         mine = os.getpid()
-        browser = sum(seconds for pid, seconds in cpu.items()
-                      if pid != mine and under(pid, mine) and not under(pid, self.app_pid))
-        return cpu.get(self.app_pid, 0.0), browser
+        self.browser_pids = [pid for pid in cpu if pid != mine and under(pid, mine) and not under(pid, self.app_pid)]
+        return cpu.get(self.app_pid, 0.0), sum(cpu[pid] for pid in self.browser_pids)
+
+    def sample_known(self) -> tuple[float, float]:
+        """(app, browser) CPU seconds of the processes the last `sample` found: a few files, not all of /proc."""
+        def seconds(pid: int) -> float:
+            try:
+                return self._stat(pid)[1]
+            except (OSError, ValueError, IndexError):  # a browser process that has ended
+                return 0.0
+
+        return seconds(self.app_pid), sum(seconds(pid) for pid in self.browser_pids)
+
+
+class CpuTrace:
+    """The app's and the browser's CPU sampled every PERIOD_S by a thread of its own while a page reply streams,
+    so that the CPU can be read over the reply's own window (the page's first and last change of its text, in
+    wall-clock time) afterwards, not over the time the benchmark took to notice the turn's end."""
+
+    PERIOD_S = 0.1
+
+    def __init__(self, clock: CpuClock) -> None:
+        self.clock = clock
+        self.samples: list[tuple[float, float, float]] = []  # (time.time(), app CPU s, browser CPU s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-trace", daemon=True)
+
+    def __enter__(self) -> CpuTrace:
+        self.clock.sample()  # the browser's processes, now that its page is open
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.time(), *self.clock.sample_known()))
+            if self._stop.wait(self.PERIOD_S):
+                return
+
+    def cores_between(self, start: float, end: float) -> tuple[float, float]:
+        """(app, browser) cores from `start` to `end` (time.time()), the CPU at each end interpolated."""
+        def at(moment: float) -> tuple[float, float]:
+            before = max((s for s in self.samples if s[0] <= moment), default=self.samples[0])
+            after = min((s for s in self.samples if s[0] >= moment), default=self.samples[-1])
+            share = 0.0 if after[0] == before[0] else (moment - before[0]) / (after[0] - before[0])
+            return (before[1] + share * (after[1] - before[1]), before[2] + share * (after[2] - before[2]))
+
+        (app_start, browser_start), (app_end, browser_end) = at(start), at(end)
+        seconds = max(end - start, 1e-9)
+        return (app_end - app_start) / seconds, (browser_end - browser_start) / seconds
 
 
 def _api_reply(url: str, case: Case, max_new_tokens: int, clock: CpuClock) -> dict:
@@ -176,26 +228,23 @@ def _page_reply(url: str, case: Case, long_session: str | None, playwright, cloc
         page.wait_for_function(f"document.querySelectorAll(\"{BOT}\").length == {shown}", timeout=120_000)
         page.evaluate(WATCH, shown)
         time.sleep(1.0)  # the page settles (its first tick) before the message is sent
-        box = page.locator("#ig-message textarea")
-        box.fill(PROMPT)
-        box.press("Enter")
-        page.wait_for_function("window.__igTimes.first !== null", timeout=600_000, polling=100)
-        cpu_first, first = clock.sample(), time.perf_counter()
-        # the turn is over when the status line no longer says it is generating and the text stopped growing
-        cpu_last, last = None, None
-        while True:
-            time.sleep(1.0)
-            status = page.locator("#ig-status").inner_text()
-            if not any(word in status for word in ("Generating", "Reading")):
-                if cpu_last is None:
-                    cpu_last, last = clock.sample(), time.perf_counter()
-                quiet = page.evaluate("performance.now() - window.__igTimes.last")
-                if quiet > 3000:
-                    break
-        times = page.evaluate("window.__igTimes")
-        wall = last - first
+        with CpuTrace(clock) as trace:
+            box = page.locator("#ig-message textarea")
+            box.fill(PROMPT)
+            box.press("Enter")
+            page.wait_for_function("window.__igTimes.first !== null", timeout=600_000, polling=100)
+            # the turn is over when the status line no longer says it is generating and the text stopped growing
+            while True:
+                time.sleep(1.0)
+                status = page.locator("#ig-status").inner_text()
+                if not any(word in status for word in ("Generating", "Reading")):
+                    if page.evaluate("performance.now() - window.__igTimes.last") > 3000:
+                        break
+            times = page.evaluate("window.__igTimes")
+            origin = page.evaluate("performance.timeOrigin")  # the page's clock in ms since the epoch
+        app_cores, browser_cores = trace.cores_between((origin + times["first"]) / 1000, (origin + times["last"]) / 1000)
         return {"seconds": (times["last"] - times["first"]) / 1000, "text": page.locator(BOT).last.inner_text(),
-                "app_cores": (cpu_last[0] - cpu_first[0]) / wall, "browser_cores": (cpu_last[1] - cpu_first[1]) / wall}
+                "app_cores": app_cores, "browser_cores": browser_cores}
     finally:
         browser.close()
 

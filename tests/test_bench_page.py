@@ -1,6 +1,10 @@
-"""bench/page.py's reading of the chat value that the page's /send streams to gradio_client."""
+"""bench/page.py's reading of the chat value that the page's /send streams to gradio_client, and of the CPU over
+a page reply's own window."""
 
-from bench.page import reply_text
+import os
+import time
+
+from bench.page import CpuClock, CpuTrace, reply_text
 
 
 def test_reply_text_joins_the_text_parts_of_the_last_assistant_message():
@@ -19,3 +23,24 @@ def test_no_reply_text_while_the_user_message_is_last():
     # the page's first update shows the message before the model reads it: that is not the reply's first text
     assert reply_text([{"role": "assistant", "content": "old reply"}, {"role": "user", "content": "Next?"}]) == ""
     assert reply_text([]) == ""
+
+
+def test_the_cpu_over_a_reply_is_read_between_its_own_first_and_last_change():
+    trace = CpuTrace(CpuClock(os.getpid()))
+    trace.samples = [(100.0, 10.0, 1.0), (101.0, 12.0, 1.5), (102.0, 14.0, 1.5), (103.0, 14.0, 1.5)]
+    # from halfway through the first sample's period to halfway through the second: 2 CPU s in 1 s
+    assert trace.cores_between(100.5, 101.5) == (2.0, 0.25)
+    # the app went idle after 102: a window that runs on past the reply's end is diluted, as it should be
+    app, browser = trace.cores_between(100.0, 103.0)
+    assert (round(app, 6), round(browser, 6)) == (round(4 / 3, 6), round(0.5 / 3, 6))
+
+
+def test_the_trace_samples_this_process_while_it_works():
+    with CpuTrace(CpuClock(os.getpid())) as trace:  # this process stands in for the app
+        started = time.time()
+        while time.time() - started < 0.5:
+            pass
+    assert len(trace.samples) >= 3
+    assert [s[1] for s in trace.samples] == sorted(s[1] for s in trace.samples)
+    app, _ = trace.cores_between(trace.samples[0][0], trace.samples[-1][0])
+    assert app > 0.2  # busy all along (a loaded machine still gives it a good share of a core)
