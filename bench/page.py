@@ -8,7 +8,8 @@ short conversation and a long one.
 One `python app.py` on a free port and a throw-away data directory serves every round. Each round runs, for
 each case, (a) the API: a streamed request with the case's messages, max_tokens N, temperature 0; then
 (b) the page: Chromium opens the page (live panels tab showing) on the case's conversation, types the same
-last message and presses Enter; the browser is closed after the reply.
+last message and presses Enter; the browser is closed after the reply; then (a) again. The page's rate is set
+beside the mean of the two API rates around it: the machine's speed drifts within a round too.
 - short: one user message (a new session in the page).
 - long: LONG_TURNS messages of text (>= 5k tokens) before that message. The API's warm-up request stores
   it as a session; each page round opens that session and branches it before its last message (the branch
@@ -21,8 +22,8 @@ where it is not (the long case's page turn reads the conversation's KV back from
 continues from the KV it holds, and a rounding apart can change a greedy choice), the page's count is its text's
 tokens scaled by the API's usage over the API text's tokens (the model's own tokenizer; the scaling cancels what
 re-tokenising decoded text adds or loses).
-Beside each rate, the CPU (in cores) of the app's process and of the browser while the reply streamed: where
-the time goes. The machine's speed drifts between rounds, so the figure to quote per case is the median of
+Beside each rate, the CPU (in cores) of the app's process and of the browser while the reply streamed (for the
+page, sampled every 0.1 s and read over the reply's own first and last change): where the time goes. The machine's speed drifts between rounds, so the figure to quote per case is the median of
 the rounds' own ratios.
 """
 
@@ -311,12 +312,17 @@ def _page_tokens(api: dict, page: dict, count_tokens) -> int:
     return round(count_tokens(page["text"]) * api["tokens"] / max(1, count_tokens(api["text"])))
 
 
-def _round_row(number: int, case: Case, api: dict, page: dict, count_tokens) -> dict:
+def _round_row(number: int, case: Case, around: tuple[dict, dict], page: dict, count_tokens) -> dict:
+    """`around`: the API's reply before the page's and the same reply after it; the page's rate is set beside
+    the mean of their two rates (the machine's speed drifts within a round as well as between rounds)."""
+    api = around[0]
     page_tokens = _page_tokens(api, page, count_tokens)
+    api_rates = [(reply["tokens"] - 1) / reply["seconds"] for reply in around]
     row = {"round": number, "case": case.name, "prompt_tokens": api["prompt_tokens"], "tokens": api["tokens"],
-           "page_tokens": page_tokens, "api_tokens_per_s": (api["tokens"] - 1) / api["seconds"],
+           "page_tokens": page_tokens, "api_tokens_per_s": statistics.mean(api_rates),
+           "api_tokens_per_s_before_after": api_rates,
            "page_tokens_per_s": (page_tokens - 1) / page["seconds"],
-           "api_app_cores": api["app_cores"], "page_app_cores": page["app_cores"],
+           "api_app_cores": statistics.mean(reply["app_cores"] for reply in around), "page_app_cores": page["app_cores"],
            "page_browser_cores": page["browser_cores"], "same_reply": _same(api["text"], page["text"]),
            "api_text": api["text"], "page_text": page["text"]}
     row["ratio"] = row["page_tokens_per_s"] / row["api_tokens_per_s"]
@@ -334,7 +340,7 @@ def _token_counter():
     return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-HEADER = ("| round | case | prompt tokens | tokens (API / page where they differ) | API (tokens/s) | page (tokens/s) | page / API | app CPU, API | "
+HEADER = ("| round | case | prompt tokens | tokens (API / page where they differ) | API, mean of before and after (tokens/s) | page (tokens/s) | page / API | app CPU, API | "
           "app CPU, page | browser CPU | same reply |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
@@ -372,12 +378,14 @@ def measure_rounds(max_new_tokens: int, rounds: int, cases: tuple[str, ...] = ("
                 long_session = _long_session(app.url)
         for number in range(1, rounds + 1):
             for case in chosen:
-                api = _api_reply(app.url, case, max_new_tokens, clock)
+                before = _api_reply(app.url, case, max_new_tokens, clock)
                 time.sleep(2)
                 page = _page_reply(app.url, case, long_session, playwright, clock) if browser else \
                     _queue_reply(app.url, case, long_session, clock)
                 time.sleep(2)
-                rows.append(_round_row(number, case, api, page, count_tokens))
+                after = _api_reply(app.url, case, max_new_tokens, clock)
+                time.sleep(2)
+                rows.append(_round_row(number, case, (before, after), page, count_tokens))
                 show(_row_line(rows[-1]))
     summary = {}
     for case in chosen:

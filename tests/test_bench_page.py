@@ -44,3 +44,17 @@ def test_the_trace_samples_this_process_while_it_works():
     assert [s[1] for s in trace.samples] == sorted(s[1] for s in trace.samples)
     app, _ = trace.cores_between(trace.samples[0][0], trace.samples[-1][0])
     assert app > 0.2  # busy all along (a loaded machine still gives it a good share of a core)
+
+
+def test_the_page_is_set_beside_the_mean_of_the_api_replies_before_and_after_it():
+    from bench.page import CASES, _round_row
+
+    def reply(seconds, text="Once upon a time"):
+        return {"tokens": 101, "prompt_tokens": 46, "seconds": seconds, "text": text, "app_cores": 2.0}
+
+    # the machine slowed down during the round: 50 tokens/s before the page, 25 after
+    row = _round_row(1, CASES["short"], (reply(2.0), reply(4.0)), {**reply(3.0), "browser_cores": 0.1},
+                     count_tokens=len)
+    assert row["api_tokens_per_s_before_after"] == [50.0, 25.0]
+    assert row["api_tokens_per_s"] == 37.5 and round(row["ratio"], 6) == round((100 / 3) / 37.5, 6)
+    assert row["same_reply"] and row["page_tokens"] == 101
