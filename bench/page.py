@@ -23,8 +23,8 @@ continues from the KV it holds, and a rounding apart can change a greedy choice)
 tokens scaled by the API's usage over the API text's tokens (the model's own tokenizer; the scaling cancels what
 re-tokenising decoded text adds or loses).
 Beside each rate, the CPU (in cores) of the app's process and of the browser while the reply streamed (for the
-page, sampled every 0.1 s and read over the reply's own first and last change): where the time goes. The machine's speed drifts between rounds, so the figure to quote per case is the median of
-the rounds' own ratios.
+page, sampled every 0.1 s and read over the reply's own first and last change): where the time goes. The
+machine's speed drifts between rounds, so the figure to quote per case is the median of the rounds' own ratios.
 """
 
 from __future__ import annotations
