@@ -22,8 +22,8 @@ where it is not (the long case's page turn reads the conversation's KV back from
 continues from the KV it holds, and a rounding apart can change a greedy choice), the page's count is its text's
 tokens scaled by the API's usage over the API text's tokens (the model's own tokenizer; the scaling cancels what
 re-tokenising decoded text adds or loses).
-Beside each rate, the CPU (in cores) of the app's process and of the browser while the reply streamed (for the
-page, sampled every 0.1 s and read over the reply's own first and last change): where the time goes. The
+Beside each rate, the CPU (in cores) of the app's process and of the browser while the reply streamed (sampled
+every 0.1 s and read over the reply's own first and last change, as each client saw them): where the time goes. The
 machine's speed drifts between rounds, so the figure to quote per case is the median of the rounds' own ratios.
 """
 
@@ -94,6 +94,7 @@ class CpuClock:
         self.app_pid = app_pid
         self.tick = os.sysconf("SC_CLK_TCK")
         self.browser_pids: list[int] = []  # as the last `sample` found them
+        self._seen: dict[int, float] = {}  # each pid's CPU seconds when last read (an ended process keeps them)
 
     def _stat(self, pid: int) -> tuple[int, float]:
         with open(f"/proc/{pid}/stat") as file:
@@ -122,12 +123,14 @@ class CpuClock:
         return cpu.get(self.app_pid, 0.0), sum(cpu[pid] for pid in self.browser_pids)
 
     def sample_known(self) -> tuple[float, float]:
-        """(app, browser) CPU seconds of the processes the last `sample` found: a few files, not all of /proc."""
+        """(app, browser) CPU seconds of the processes the last `sample` found: a few files, not all of /proc. A
+        process that has ended since counts with what it had used when last read; one started since is missed."""
         def seconds(pid: int) -> float:
             try:
-                return self._stat(pid)[1]
+                self._seen[pid] = self._stat(pid)[1]
             except (OSError, ValueError, IndexError):  # a browser process that has ended
-                return 0.0
+                pass
+            return self._seen.get(pid, 0.0)
 
         return seconds(self.app_pid), sum(seconds(pid) for pid in self.browser_pids)
 
@@ -158,13 +161,18 @@ class CpuTrace:
         while True:
             self.samples.append((time.time(), *self.clock.sample_known()))
             if self._stop.wait(self.PERIOD_S):
+                self.samples.append((time.time(), *self.clock.sample_known()))  # the last, after the window
                 return
 
     def cores_between(self, start: float, end: float) -> tuple[float, float]:
-        """(app, browser) cores from `start` to `end` (time.time()), the CPU at each end interpolated."""
+        """(app, browser) cores from `start` to `end` (time.time()), the CPU at each end interpolated. The window
+        must lie within the samples (ValueError otherwise: a reply timed outside its trace)."""
+        if not self.samples or not self.samples[0][0] <= start <= end <= self.samples[-1][0]:
+            raise ValueError(f"the window {start:.3f}-{end:.3f} is not within the CPU samples")
+
         def at(moment: float) -> tuple[float, float]:
-            before = max((s for s in self.samples if s[0] <= moment), default=self.samples[0])
-            after = min((s for s in self.samples if s[0] >= moment), default=self.samples[-1])
+            before = max(s for s in self.samples if s[0] <= moment)
+            after = min(s for s in self.samples if s[0] >= moment)
             share = 0.0 if after[0] == before[0] else (moment - before[0]) / (after[0] - before[0])
             return (before[1] + share * (after[1] - before[1]), before[2] + share * (after[2] - before[2]))
 
@@ -178,8 +186,8 @@ def _api_reply(url: str, case: Case, max_new_tokens: int, clock: CpuClock) -> di
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
     request = urllib.request.Request(f"{url}v1/chat/completions", body, {"Content-Type": "application/json"})
     first = last = None
-    text, tokens, prompt_tokens, cpu_first = "", 0, 0, (0.0, 0.0)
-    with urllib.request.urlopen(request, timeout=600) as response:
+    text, tokens, prompt_tokens = "", 0, 0
+    with CpuTrace(clock) as trace, urllib.request.urlopen(request, timeout=600) as response:
         for line in response:
             line = line.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -189,14 +197,11 @@ def _api_reply(url: str, case: Case, max_new_tokens: int, clock: CpuClock) -> di
                 tokens, prompt_tokens = chunk["usage"]["completion_tokens"], chunk["usage"]["prompt_tokens"]
             for choice in chunk.get("choices", []):
                 if choice["delta"].get("content"):
-                    last = time.perf_counter()
-                    if first is None:
-                        first, cpu_first = last, clock.sample()
+                    last = time.time()
+                    first = first or last
                     text += choice["delta"]["content"]
-    cpu_last = clock.sample()
-    seconds = last - first
-    return {"tokens": tokens, "prompt_tokens": prompt_tokens, "seconds": seconds, "text": text,
-            "app_cores": (cpu_last[0] - cpu_first[0]) / seconds}
+    return {"tokens": tokens, "prompt_tokens": prompt_tokens, "seconds": last - first, "text": text,
+            "app_cores": trace.cores_between(first, last)[0]}
 
 
 def _launch(playwright):
@@ -269,16 +274,14 @@ def _queue_reply(url: str, case: Case, long_session: str | None, clock: CpuClock
 
     _open_case(url, case, long_session)
     first = last = None
-    text, cpu_first = "", (0.0, 0.0)
-    for history, *_ in Client(url, verbose=False).submit(PROMPT, api_name="/send"):
-        content = reply_text(history)
-        if content and content != text:
-            last, text = time.perf_counter(), content
-            if first is None:
-                first, cpu_first = last, clock.sample()
-    cpu_last = clock.sample()
-    seconds = last - first
-    return {"seconds": seconds, "text": text, "app_cores": (cpu_last[0] - cpu_first[0]) / seconds,
+    text = ""
+    with CpuTrace(clock) as trace:
+        for history, *_ in Client(url, verbose=False).submit(PROMPT, api_name="/send"):
+            content = reply_text(history)
+            if content and content != text:
+                last, text = time.time(), content
+                first = first or last
+    return {"seconds": last - first, "text": text, "app_cores": trace.cores_between(first, last)[0],
             "browser_cores": 0.0}
 
 

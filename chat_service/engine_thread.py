@@ -43,8 +43,9 @@ T = TypeVar("T")
 
 class _Handover:
     """What a paced job hands to its consumer, guarded by `changed`'s lock. The consumer is woken by an item
-    only while it waits for one (`wanted`), not by each item it gathers until its interval is over: a thread
-    woken at every token would take the interpreter's lock from the model's thread at every token."""
+    only while it waits for one (`wanted`) or when the item is urgent, not by each item it gathers until its
+    interval is over: a thread woken at every token would take the interpreter's lock from the model's thread
+    at every token."""
 
     def __init__(self, urgent: Callable[[Any], bool] | None = None) -> None:
         self.changed = threading.Condition()
@@ -118,7 +119,8 @@ class EngineThread:
         (a non-empty list, in order): the first at once, the others at most once per `interval_s` (0: as they
         come), the last ones as soon as `items` ends, and an item for which `urgent` is true at once, with those
         before it (a turn's last event: the reply's end shows before the work that follows it, such as the
-        turn's save). Its exception is raised after the items before it.
+        turn's save); `urgent` runs in this thread for every item and must not raise. Its exception is raised
+        after the items before it.
 
         Closing this generator early (the page went away) calls `stop`, which must make `items` end soon (a
         turn's cancel flag), and waits for it: the job is over when the close returns.

@@ -4,6 +4,8 @@ a page reply's own window."""
 import os
 import time
 
+import pytest
+
 from bench.page import CpuClock, CpuTrace, reply_text
 
 
@@ -33,6 +35,19 @@ def test_the_cpu_over_a_reply_is_read_between_its_own_first_and_last_change():
     # the app went idle after 102: a window that runs on past the reply's end is diluted, as it should be
     app, browser = trace.cores_between(100.0, 103.0)
     assert (round(app, 6), round(browser, 6)) == (round(4 / 3, 6), round(0.5 / 3, 6))
+    for outside in ((99.0, 101.0), (101.0, 104.0)):  # a reply timed outside its trace is an error, not a clamp
+        with pytest.raises(ValueError, match="not within"):
+            trace.cores_between(*outside)
+
+
+def test_a_browser_process_that_ended_keeps_the_cpu_it_used():
+    clock = CpuClock(os.getpid())
+    clock.browser_pids = [os.getpid()]  # this process stands in for a browser process that is read, then ends
+    app, browser = clock.sample_known()
+    assert browser == app > 0
+    clock.browser_pids = [os.getpid(), 2**22 + 12345]  # and one that has already gone (no such pid)
+    clock._seen[2**22 + 12345] = 1.5
+    assert clock.sample_known()[1] >= browser + 1.5
 
 
 def test_the_trace_samples_this_process_while_it_works():
