@@ -93,16 +93,18 @@ class CpuClock:
     def __init__(self, app_pid: int) -> None:
         self.app_pid = app_pid
         self.tick = os.sysconf("SC_CLK_TCK")
-        self.browser_pids: list[int] = []  # as the last `sample` found them
-        self._seen: dict[int, float] = {}  # each pid's CPU seconds when last read (an ended process keeps them)
 
     def _stat(self, pid: int) -> tuple[int, float]:
         with open(f"/proc/{pid}/stat") as file:
             fields = file.read().rsplit(")", 1)[1].split()
         return int(fields[1]), (int(fields[11]) + int(fields[12])) / self.tick  # ppid, utime + stime
 
-    def sample(self) -> tuple[float, float]:
-        """(app CPU seconds, browser CPU seconds) so far."""
+    def cpu_seconds(self, pid: int) -> float:
+        """One process's CPU seconds so far (OSError and friends once it has ended)."""
+        return self._stat(pid)[1]
+
+    def _scan(self) -> tuple[dict[int, float], list[int]]:
+        """Every process's CPU seconds, and the browser's processes among them."""
         parents, cpu = {}, {}
         for entry in os.listdir("/proc"):
             if entry.isdigit():
@@ -119,37 +121,35 @@ class CpuClock:
             return False
 
         mine = os.getpid()
-        self.browser_pids = [pid for pid in cpu if pid != mine and under(pid, mine) and not under(pid, self.app_pid)]
-        return cpu.get(self.app_pid, 0.0), sum(cpu[pid] for pid in self.browser_pids)
+        return cpu, [pid for pid in cpu if pid != mine and under(pid, mine) and not under(pid, self.app_pid)]
 
-    def sample_known(self) -> tuple[float, float]:
-        """(app, browser) CPU seconds of the processes the last `sample` found: a few files, not all of /proc. A
-        process that has ended since counts with what it had used when last read; one started since is missed."""
-        def seconds(pid: int) -> float:
-            try:
-                self._seen[pid] = self._stat(pid)[1]
-            except (OSError, ValueError, IndexError):  # a browser process that has ended
-                pass
-            return self._seen.get(pid, 0.0)
+    def browser_pids(self) -> list[int]:
+        return self._scan()[1]
 
-        return seconds(self.app_pid), sum(seconds(pid) for pid in self.browser_pids)
+    def sample(self) -> tuple[float, float]:
+        """(app CPU seconds, browser CPU seconds) so far."""
+        cpu, browser = self._scan()
+        return cpu.get(self.app_pid, 0.0), sum(cpu[pid] for pid in browser)
 
 
 class CpuTrace:
-    """The app's and the browser's CPU sampled every PERIOD_S by a thread of its own while a page reply streams,
-    so that the CPU can be read over the reply's own window (the page's first and last change of its text, in
-    wall-clock time) afterwards, not over the time the benchmark took to notice the turn's end."""
+    """The app's and the browser's CPU sampled every PERIOD_S by a thread of its own while a reply streams, so
+    that the CPU can be read over the reply's own window (its first and last change of text, in wall-clock time)
+    afterwards, not over the time the benchmark took to notice the turn's end. The browser's processes are those
+    running when the trace starts (its page is open by then); one that ends counts with what it had used."""
 
     PERIOD_S = 0.1
 
     def __init__(self, clock: CpuClock) -> None:
         self.clock = clock
         self.samples: list[tuple[float, float, float]] = []  # (time.time(), app CPU s, browser CPU s)
+        self._browser: list[int] = []
+        self._seen: dict[int, float] = {}  # each process's CPU seconds when last read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-trace", daemon=True)
 
     def __enter__(self) -> CpuTrace:
-        self.clock.sample()  # the browser's processes, now that its page is open
+        self._browser = self.clock.browser_pids()  # one pass over /proc; each sample then reads a few files
         self._thread.start()
         return self
 
@@ -157,12 +157,22 @@ class CpuTrace:
         self._stop.set()
         self._thread.join()
 
+    def _seconds(self, pid: int) -> float:
+        try:
+            self._seen[pid] = self.clock.cpu_seconds(pid)
+        except (OSError, ValueError, IndexError):  # ended: what it had used when last read
+            pass
+        return self._seen.get(pid, 0.0)
+
+    def _sample(self) -> None:
+        browser = sum(self._seconds(pid) for pid in self._browser)
+        self.samples.append((time.time(), self._seconds(self.clock.app_pid), browser))
+
     def _run(self) -> None:
-        while True:
-            self.samples.append((time.time(), *self.clock.sample_known()))
-            if self._stop.wait(self.PERIOD_S):
-                self.samples.append((time.time(), *self.clock.sample_known()))  # the last, after the window
-                return
+        self._sample()
+        while not self._stop.wait(self.PERIOD_S):
+            self._sample()
+        self._sample()  # the last, after the window
 
     def cores_between(self, start: float, end: float) -> tuple[float, float]:
         """(app, browser) cores from `start` to `end` (time.time()), the CPU at each end interpolated. The window

@@ -60,10 +60,8 @@ class _Handover:
             for item in items:
                 with self.changed:
                     self.arrived.append(item)
-                    if self.urgent is not None and self.urgent(item):
-                        self.hurry = True
-                        self.changed.notify()
-                    elif self.wanted:
+                    self.hurry = self.hurry or (self.urgent is not None and self.urgent(item))
+                    if self.wanted or self.hurry:
                         self.changed.notify()
         except BaseException as error:  # noqa: BLE001  raised again in the consumer's thread
             self.error = error

@@ -41,13 +41,15 @@ def test_the_cpu_over_a_reply_is_read_between_its_own_first_and_last_change():
 
 
 def test_a_browser_process_that_ended_keeps_the_cpu_it_used():
-    clock = CpuClock(os.getpid())
-    clock.browser_pids = [os.getpid()]  # this process stands in for a browser process that is read, then ends
-    app, browser = clock.sample_known()
+    trace = CpuTrace(CpuClock(os.getpid()))
+    trace._browser = [os.getpid()]  # this process stands in for a browser process that is read, then ends
+    trace._sample()
+    _, app, browser = trace.samples[-1]
     assert browser == app > 0
-    clock.browser_pids = [os.getpid(), 2**22 + 12345]  # and one that has already gone (no such pid)
-    clock._seen[2**22 + 12345] = 1.5
-    assert clock.sample_known()[1] >= browser + 1.5
+    trace._browser = [os.getpid(), 2**22 + 12345]  # and one that has already gone (no such pid)
+    trace._seen[2**22 + 12345] = 1.5
+    trace._sample()
+    assert trace.samples[-1][2] >= browser + 1.5
 
 
 def test_the_trace_samples_this_process_while_it_works():

@@ -120,6 +120,7 @@ def test_an_urgent_item_comes_at_once_not_after_the_work_that_follows_it(thread)
         yield "first"
         assert consumer_has_first.wait(WAIT_S)  # then its interval runs: the rest would wait for it
         yield "token"
+        time.sleep(0.2)  # the consumer, woken by "token", now gathers until its interval ends: only "end" may wake it
         yield "end"  # a turn's last event
         # the turn's save: the consumer, whose interval is far from over, must already have the end
         assert consumer_has_it.wait(WAIT_S), "the urgent item waited for the job to end"
