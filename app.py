@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from ui.client_slots import ClientSlots
     from ui.guard import PageGuard, filter_cors_of, login_with_key
     from ui.head_script import HeadScript
+    from ui.live_reply import live_reply_routes
     from ui.request_limits import MAX_UPLOAD_BYTES
     from ui.site_checks import HostPolicy, ignore_forwarded_headers
     from ui.slow_senders import use_head_deadline
@@ -67,10 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         Middleware(PageGuard, key=args.api_key, hosts=hosts, client_slots=ClientSlots(args.max_requests_per_client)),
         Middleware(HeadScript)]}
     auth = login_with_key(args.api_key) if args.api_key else None
-    if args.api:  # routes given to the app's constructor exist before the server takes its first request
+    # routes given to the app's constructor exist before the server takes its first request
+    app_kwargs["routes"] = live_reply_routes(service.live_replies)  # the page's replies as they grow
+    if args.api:
         from ui.api import ApiOptions, api_routes
 
-        app_kwargs["routes"] = api_routes(service, ApiOptions(args.api_key, args.api_max_waiting))
+        app_kwargs["routes"] += api_routes(service, ApiOptions(args.api_key, args.api_max_waiting))
     try:
         demo.queue(default_concurrency_limit=1).launch(
             server_name=args.host, server_port=args.port, share=args.share, ssr_mode=False, css=CSS,

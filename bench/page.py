@@ -39,6 +39,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from chat_service.page_turns import LIVE_PLACEHOLDER
+
 CHROMIUM = "/usr/bin/chromium"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 TEXT = Path(__file__).parent / "data" / "cat_and_racket.txt"
@@ -46,21 +48,27 @@ LONG_TURNS = 120  # messages before the prompt: 6,666 prompt tokens in all with 
 WORDS_PER_MESSAGE = 36
 BOT = "#ig-chat [data-testid='bot']"
 # the page's own clock: when the newest reply first showed text and when it last grew. It reads textContent,
-# which needs no layout (innerText would force one at every change: the benchmark would slow what it measures)
+# which needs no layout (innerText would force one at every change: the benchmark would slow what it measures).
+# The page shows a reply it reads as it grows in an element of its own (`.ig-live`, ui/live_reply.py) over the
+# message's placeholder: that element's text while it is there, and no change once the chat's own value has
+# taken its place (after the turn's save, as the same text)
 WATCH = """(count) => {
-  window.__igTimes = {first: null, last: null, text: ""};
+  window.__igTimes = {first: null, last: null, text: "", live: false};
   new MutationObserver(() => {
     const bots = document.querySelectorAll("%s");
     if (bots.length <= count) return;
-    const text = bots[bots.length - 1].textContent;
-    if (text.length && text !== window.__igTimes.text) {
+    const bot = bots[bots.length - 1], live = bot.querySelector(".ig-live");
+    if (!live && window.__igTimes.live) return;
+    window.__igTimes.live = window.__igTimes.live || live !== null;
+    const text = live ? live.textContent : bot.textContent;
+    if (text.length && text !== %s && text !== window.__igTimes.text) {
       const now = performance.now();
       if (window.__igTimes.first === null) window.__igTimes.first = now;
       window.__igTimes.last = now;
       window.__igTimes.text = text;
     }
   }).observe(document.querySelector("#ig-chat"), {subtree: true, childList: true, characterData: true});
-}""" % BOT
+}""" % (BOT, json.dumps(LIVE_PLACEHOLDER))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """The page's turns: send, regenerate, replace the last message, drop the oldest turns. Each streams the
-conversation as the chat display shows it; one runs at a time (another gets UserError(BUSY)).
+conversation as the chat display shows it; one runs at a time (another gets UserError(BUSY)). Given a LiveReply
+(live_replies.py), a turn writes the reply's text there as it grows and shows the chat only as the reply
+starts (its last message LIVE_PLACEHOLDER) and when the turn is over.
 
     for history in page_turns.send("Hello"): show(history)
+    for history in page_turns.send("Hello", live=replies.open(reply_id)): show(history)   # the text: in `live`
 """
 
 from __future__ import annotations
@@ -15,17 +18,23 @@ from sessions.overflow import OVERFLOW_LABEL
 
 from .document_reading import DocumentReader
 from .errors import UserError
+from .live_replies import LiveReply
 from .out_of_window import OutOfWindow
 from .page_sessions import PageSessions
 from .remote_chat import OpenChat
 from .titles import session_title
 from .turns import Progress
 
-# how often the chat display takes the reply's new text while a turn runs: every update is post-processed and
-# sent by the server and redrawn by the browser, on the cores the model decodes on. `python -m bench page` on
-# the 2-core VM, 300-token replies: updates every 0.25 s let the page decode at 0.70-0.82x the API's rate,
-# every 0.5 s at 0.84-0.91x
+# how often the chat display takes the reply's new text while a turn without a live reply runs (a script's
+# /send): every update is post-processed and sent by the server and redrawn by the browser, on the cores the
+# model decodes on. `python -m bench page` on the 2-core VM, 300-token replies: updates every 0.25 s let the
+# page decode at 0.70-0.82x the API's rate, every 0.5 s at 0.84-0.91x
 PAGE_UPDATE_SECONDS = 0.5
+# ... and how often a live reply's text is written (the page's own turns): each write costs microseconds here,
+# and the page redraws the reply's bubble (docs/BENCHMARKS.md, "The page reads its reply from its own route")
+LIVE_UPDATE_SECONDS = 0.5
+# the reply's message in the chat while its text goes to a live reply (the page shows the text in its place)
+LIVE_PLACEHOLDER = "…"
 
 Generate = Callable[[OpenChat, Progress], Iterator[GenerationEvent]]
 
@@ -37,7 +46,8 @@ class PageTurns:
         self.waiting_for_model = 0  # messages sent while the model loads, sent once it is ready
         self.out_of_window = OutOfWindow()  # the turns the overflow setting dropped, for the context meter
 
-    def send(self, text: str, attachments: Sequence[Document] = ()) -> Iterator[list[dict]]:
+    def send(self, text: str, attachments: Sequence[Document] = (), live: LiveReply | None = None
+             ) -> Iterator[list[dict]]:
         """Send `text` after the attached documents' text (a document that does not fit the window: the passages
         read for `text`). A new session's first message starts from the longest token prefix another session
         stored (a document read before is not read again). A message sent while the model loads is shown at
@@ -72,7 +82,7 @@ class PageTurns:
 
         # the message shows at once, before the model has read it (a long document takes a while)
         shown = self.pages.chat_history() + [{"role": "user", "content": displayed_message(content, records)}]
-        yield from self._run(generate, None if shown_while_waiting else shown)
+        yield from self._run(generate, None if shown_while_waiting else shown, live)
 
     @staticmethod
     def _shown_waiting(text: str, attachments: Sequence[Document]) -> list[dict]:
@@ -88,16 +98,17 @@ class PageTurns:
         finally:
             self.waiting_for_model -= 1
 
-    def regenerate(self) -> Iterator[list[dict]]:
+    def regenerate(self, live: LiveReply | None = None) -> Iterator[list[dict]]:
         self.pages.require_chat()
-        yield from self._run(lambda chat, progress: chat.regenerate(self._sampling(), self.turns.cancel, progress))
+        yield from self._run(lambda chat, progress: chat.regenerate(self._sampling(), self.turns.cancel, progress),
+                             live=live)
 
-    def edit_last(self, text: str) -> Iterator[list[dict]]:
+    def edit_last(self, text: str, live: LiveReply | None = None) -> Iterator[list[dict]]:
         if not text or not text.strip():
             raise UserError("The edited message is empty: type something first.")
         self.pages.require_chat()
         yield from self._run(lambda chat, progress: chat.edit_last_user(text, self._sampling(), self.turns.cancel,
-                                                                        progress))
+                                                                        progress), live=live)
 
     def drop_oldest_turns(self, text: str) -> str:
         chat = self.pages.require_chat()
@@ -118,14 +129,38 @@ class PageTurns:
         self.open.hold(chat, self.turns.start("restore"))
         return chat
 
-    def _run(self, generate: Generate, shown_first: list[dict] | None = None) -> Iterator[list[dict]]:
-        with self.turns.exclusive():
-            self.pages.restore_message = ""  # said once, after opening the session
-            if shown_first is not None:
-                yield shown_first
-            history = None
-            for events in self.turns.run(self._held_page_session, generate, PAGE_UPDATE_SECONDS, self.turns.stop):
-                if history is None:  # the turn's first step stores or removes messages: read them after it
-                    history = self.pages.chat_history()
-                yield history + [{"role": "assistant", "content": events[-1].full_text}]
+    def _before_reply(self) -> list[dict]:
+        """The chat before the reply: once its first token came, the reply begun is stored as the last message
+        (and updated as it grows), so a reply's update shown after it would show it twice."""
+        history = self.pages.chat_history()
+        return history[:-1] if history and history[-1]["role"] == "assistant" else history
+
+    def _run(self, generate: Generate, shown_first: list[dict] | None = None, live: LiveReply | None = None
+             ) -> Iterator[list[dict]]:
+        """The turn's chat updates; with `live`, the reply's text goes there instead, and `live` is finished
+        when the turn is over (a failed one shows the chat as stored, then raises)."""
+        history = None
+        try:
+            with self.turns.exclusive():
+                self.pages.restore_message = ""  # said once, after opening the session
+                if shown_first is not None:
+                    yield shown_first
+                interval = PAGE_UPDATE_SECONDS if live is None else LIVE_UPDATE_SECONDS
+                for events in self.turns.run(self._held_page_session, generate, interval, self.turns.stop):
+                    text = events[-1].full_text
+                    if live is not None:
+                        live.write(text)
+                    if history is None:  # the turn's first step stores or removes messages: read them after it
+                        history = self._before_reply()
+                        if live is not None:
+                            yield history + [{"role": "assistant", "content": LIVE_PLACEHOLDER}]
+                    if live is None:
+                        yield history + [{"role": "assistant", "content": text}]
+        except UserError:
+            if live is not None and history is not None:  # the placeholder goes: the chat as it is stored
+                yield self.pages.chat_history()
+            raise
+        finally:
+            if live is not None:
+                live.finish()
         yield self.pages.chat_history()

@@ -12,7 +12,8 @@ Every user-facing failure is raised as `UserError` with a message meant to be sh
 There is no forwarding layer: the faces call the part they need. `store` (SessionStore), `host` (ModelHost:
 the model, loading and switching), `settings` (SettingsKeeper), `turns` (TurnRunner: one generation at a
 time, Stop, progress), `open_sessions` (OpenSessions: whose KV the engine holds), `pages` (PageSessions: the
-page's session actions), `page_turns` (PageTurns) and `api` (ApiTurns: the OpenAI API's turns). Only what
+page's session actions), `page_turns` (PageTurns), `live_replies` (LiveReplies: the page's replies as they
+grow) and `api` (ApiTurns: the OpenAI API's turns). Only what
 spans several parts (start-up, switching models) is a method here.
 """
 
@@ -30,6 +31,7 @@ from .api_turns import ApiTurns
 from .backend_client import BackendConfig
 from .document_reading import DocumentReader
 from .errors import UserError
+from .live_replies import LiveReplies
 from .model_host import ModelHost
 from .open_sessions import OpenSessions
 from .page_sessions import PageSessions
@@ -53,6 +55,7 @@ class ChatService:
         self.pages = PageSessions(*parts)
         self.documents = DocumentReader(self.store.data_dir / "passages")
         self.page_turns = PageTurns(self.pages, self.documents)
+        self.live_replies = LiveReplies()  # the replies the page reads as they grow (its own route)
         self.api = ApiTurns(*parts)
 
     def _engine_config(self) -> EngineConfig:

@@ -42,13 +42,27 @@ def send(page, text: str, by: str = "Enter") -> None:
         page.locator("#ig-send").click()
 
 
-def reply_lengths_while_streaming(page, count_before: int, timeout_s: float = 240) -> list[int]:
-    """Length of the newest reply, sampled until the Send button's turn is over."""
+# the newest reply's length as shown, whether the page shows it from its own reader (ui/live_reply.py), and how
+# many replies the chat shows
+SHOWN = f"""() => {{
+  const bots = document.querySelectorAll("{BOT}");
+  const last = bots[bots.length - 1];
+  return [last ? last.innerText.length : 0, !!(last && last.querySelector(".ig-live")), bots.length];
+}}"""
+
+
+def reply_lengths_while_streaming(page, count_before: int, timeout_s: float = 240, live: list | None = None
+                                  ) -> list[int]:
+    """Length of the newest reply, sampled until the Send button's turn is over; into `live`, for each sample,
+    whether the page showed the reply from its own reader and how many replies the chat showed."""
     lengths, deadline = [], time.time() + timeout_s
     page.wait_for_function(f"document.querySelectorAll(\"{BOT}\").length > {count_before}", timeout=timeout_s * 1000)
     stable_since = time.time()
     while time.time() < deadline:
-        lengths.append(len(page.locator(BOT).last.inner_text()))
+        length, from_reader, replies = page.evaluate(SHOWN)
+        lengths.append(length)
+        if live is not None:
+            live.append((from_reader, replies))
         if len(lengths) > 1 and lengths[-1] != lengths[-2]:
             stable_since = time.time()
         busy = any(word in page.locator("#ig-status").inner_text() for word in ("Generating", "Reading"))
@@ -66,12 +80,17 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page, app):
     box.press_sequentially("in three sentences.")
     assert box.input_value() == "Describe the sea\nin three sentences."
     box.press("Enter")
-    lengths = reply_lengths_while_streaming(page, 0)
+    live: list[tuple[bool, int]] = []
+    lengths = reply_lengths_while_streaming(page, 0, live=live)
     assert box.input_value() == ""  # sent: the box is cleared
     assert lengths[-1] > 20
-    # streamed: the page showed part of the reply before all of it (the first text comes at once, then an update
-    # every 0.5 s; a short reply at ~50 tokens/s may take only one more, so one partial length is what is sure)
-    assert {n for n in lengths if 0 < n < lengths[-1]}
+    # the reply streamed from the page's own reader, shown once, and the chat's own message took its place
+    assert any(from_reader for from_reader, _ in live) and not live[-1][0]
+    assert {replies for _, replies in live} == {1}
+    assert page.locator("#ig-chat .ig-live").count() == 0
+    # streamed: the page's reader showed part of the reply before all of it (the first text comes at once, then
+    # every 0.25 s; a short reply at ~50 tokens/s may take only one more, so one partial length is what is sure)
+    assert {n for n, (from_reader, _) in zip(lengths, live) if from_reader and 0 < n < lengths[-1]}
     first_reply = page.locator(BOT).last.inner_text()
 
     # the live panels are drawn in the browser (Vega) from the small tables the server sends after decode steps;

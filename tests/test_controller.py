@@ -223,3 +223,62 @@ def test_the_page_shows_a_message_at_once_and_a_turn_that_fails_leaves_it_in_the
         assert len(service.open_sessions.page.messages) == 2
     finally:
         service.open_sessions.page.close()
+
+
+def test_a_page_turn_with_a_live_reply_sends_the_chat_only_as_the_reply_starts_and_ends(tmp_path, real_engine,
+                                                                                       monkeypatch):
+    from chat_service import page_turns
+    from chat_service.page_turns import LIVE_PLACEHOLDER
+
+    service = _service(tmp_path, real_engine)
+    monkeypatch.setattr(page_turns, "LIVE_UPDATE_SECONDS", 0.0)  # every token written
+    try:
+        _settings(service, max_new_tokens=8)
+        reply = service.live_replies.open("a" * 32)
+        written: list[str] = []
+        write = reply.write
+        reply.write = lambda text: (written.append(text), write(text))
+        updates = list(service.page_turns.send("Hello", live=reply))
+        stored = service.store.messages(service.open_sessions.page.id)[-1].content
+        assert updates[0] == [{"role": "user", "content": "Hello"}]  # at once, before the model read it
+        assert updates[1] == [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": LIVE_PLACEHOLDER}]
+        assert updates[2:] == [[{"role": "user", "content": "Hello"}, {"role": "assistant", "content": stored}]]
+        assert len(written) >= 2 and all(after.startswith(before) for before, after in zip(written, written[1:]))
+        assert reply.read().text == stored and reply.read().done
+
+        # without a live reply (a script's call) the text comes in the chat's updates, the reply shown once in each
+        updates = list(service.page_turns.send("Again"))
+        again = {"role": "user", "content": "Again"}
+        assert all([m["role"] for m in update[update.index(again) + 1:]] == ["assistant"] for update in updates[1:])
+        assert updates[-1][-1]["content"] == service.store.messages(service.open_sessions.page.id)[-1].content
+    finally:
+        service.open_sessions.page.close()
+
+
+def test_a_live_turn_that_fails_after_its_reply_began_shows_the_chat_as_stored(tmp_path, real_engine, monkeypatch):
+    from chat_service.page_turns import LIVE_PLACEHOLDER
+    from sessions import SessionError
+    from sessions.chat import ChatSession
+
+    service = _service(tmp_path, real_engine)
+    send = ChatSession.send
+
+    def fails_after_a_token(self, *args, **kwargs):
+        events = send(self, *args, **kwargs)
+        yield next(events)
+        events.close()
+        raise SessionError("the disk is full")
+
+    monkeypatch.setattr(ChatSession, "send", fails_after_a_token)
+    try:
+        _settings(service, max_new_tokens=8)
+        reply = service.live_replies.open("b" * 32)
+        updates = service.page_turns.send("Hello", live=reply)
+        next(updates)
+        assert next(updates)[-1]["content"] == LIVE_PLACEHOLDER
+        assert next(updates) == service.pages.chat_history()  # the placeholder gone
+        with pytest.raises(UserError, match="the disk is full"):
+            next(updates)
+        assert reply.read().done
+    finally:
+        service.open_sessions.page.close()

@@ -74,7 +74,8 @@ def test_raw_gradio_routes_refuse_a_caller_without_the_cookie(app):
                                ("POST", "gradio_api/call/list_sessions", b'{"data": []}'),
                                ("POST", "gradio_api/upload", b""), ("GET", "config", None),
                                ("POST", "gradio_api/cancel", b'{"event_id": "x", "session_hash": "y"}'),
-                               ("GET", "gradio_api/heartbeat/abc", None)):
+                               ("GET", "gradio_api/heartbeat/abc", None),
+                               ("GET", "live-reply?id=" + "0" * 32, None)):  # the page's reply as it grows
         status, _, _ = call(method, app.url + path, body, {"content-type": "application/json"})
         assert status == 401, path
 
@@ -278,6 +279,7 @@ def test_the_page_asks_for_the_key_and_never_fetches_remote_images(app, image_se
         shown = page.locator("#ig-chat [data-testid='user']").last.inner_text()
         assert shown.count("[image from 127.0.0.1 withheld]") == 2, shown  # the Markdown image and the <img>
         assert page.locator(f"#ig-chat img[src*='{image_server}'], #ig-chat img[srcset*='{image_server}']").count() == 0
+        page.wait_for_selector("#ig-chat .ig-live", timeout=120_000)  # the page reads its reply with its login
         # the reply is over once it is stored (the status line is refreshed by a timer: it may still say
         # "Ready" when the reply starts); the page stays open until then, since closing it stops the reply
         stored = _wait_for_stored_messages(Client(app.url, verbose=False, auth=("me", KEY)), 2, timeout_s=240)

@@ -5,7 +5,8 @@
   the model's `<img src=http://...>` or `![](http://...)`) cannot make the browser fetch another host;
 - with a key, every Gradio route under /gradio_api/ refuses a caller without the login cookie, besides the
   routes that Gradio itself guards (queue, upload, files, config, info): also cancel, heartbeat, stream and
-  run history. The login itself is Gradio's (`launch(auth=login_with_key(key))`); /v1 keeps its bearer key;
+  run history, and the page's own /live-reply (ui/live_reply.py). The login itself is Gradio's
+  (`launch(auth=login_with_key(key))`); /v1 keeps its bearer key;
 - other sites cannot use the app through the user's browser (ui/site_checks.py): a Host that is neither a
   loopback name, an IP address nor one the app was told of is refused (DNS rebinding), a state-changing
   request or a WebSocket from another Origin is refused, without a key a POST to /v1 must say
@@ -32,6 +33,7 @@ from http.cookies import SimpleCookie
 
 from .client_slots import RETRY_AFTER_S, ClientSlots, client_address
 from .failure_throttle import FailureThrottle
+from .live_reply import LIVE_REPLY_PATH
 from .request_limits import MAX_UPLOAD_BYTES, receive_at_most, upload_refusal
 from .site_checks import (
     HostPolicy,
@@ -190,8 +192,8 @@ class PageGuard:
         if refusal is not None:
             return await _refuse(scope, send, refusal.status, refusal.message)
         path = scope.get("path", "")
-        if (self.key is not None and path.startswith("/gradio_api/") and path not in OPEN_GRADIO_PATHS
-                and not _signed_in(scope)):
+        if (self.key is not None and (path.startswith("/gradio_api/") or path == LIVE_REPLY_PATH)
+                and path not in OPEN_GRADIO_PATHS and not _signed_in(scope)):
             return await _refuse(scope, send, 401, "Not authenticated: log in with the app's key")
         if scope["type"] != "http":
             return await self.app(scope, receive, send)

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import re
 
+from .live_reply import LIVE_REPLY_SCRIPT
+
 THROTTLED_FRAME_MS = 1000
 
 # Gradio's loader (its logo, drawn while an event with show_progress="full" is pending) and its progress bar
@@ -119,7 +121,7 @@ SHOW_LOGIN_REFUSALS = """(() => {
   };
 })();""" % {"id": LOGIN_REFUSAL_ID}
 
-PAGE_SCRIPT = SLOW_STATUS_TRACKER_FRAMES + "\n" + SHOW_LOGIN_REFUSALS
+PAGE_SCRIPT = SLOW_STATUS_TRACKER_FRAMES + "\n" + SHOW_LOGIN_REFUSALS + "\n" + LIVE_REPLY_SCRIPT
 
 _HEAD = re.compile(rb"<head(\s[^>]*)?>", re.IGNORECASE)
 

@@ -22,6 +22,7 @@ from sessions.overflow import OVERFLOW_LABEL, OVERFLOW_POLICIES
 
 from . import panels
 from .chat_view import ChatView
+from .live_reply import START_LIVE_REPLY
 from .page_actions import ATTACHABLE, PageActions
 from .page_text import status_text
 from .page_tick import TICK_OUTPUTS, TICK_SECONDS, PageTick
@@ -46,6 +47,8 @@ CSS = """
 .ig-heat-caption { font-size: 0.85em; margin: 4px 0 0; }
 .ig-heat-title { font-size: 0.85em; margin-bottom: 6px; opacity: 0.8; }
 footer { display: none !important; }
+/* a reply the page reads as it grows (ui/live_reply.py) stands in for its message's placeholder */
+#ig-chat .ig-live-shown > span.md { display: none; }
 """
 
 
@@ -221,6 +224,9 @@ class ChatPage:
         # scripts send and edit plain text (the page's box takes files too): /send and /edit_last
         self.text_api = gr.Textbox(visible=False)
         self.send_api_button, self.edit_api_button = gr.Button(visible=False), gr.Button(visible=False)
+        self.regenerate_api_button = gr.Button(visible=False)
+        # the id of the reply the page reads from its own route, set by the event's `js` step (ui/live_reply.py)
+        self.reply_id = gr.Textbox(visible=False)
         # the inspector for scripts and tests: step by index (0 = oldest recent decode step), layer by number
         self.step_index_api, self.layer_api = gr.Number(visible=False, precision=0), gr.Number(visible=False,
                                                                                               precision=0)
@@ -251,8 +257,11 @@ class ChatPage:
         # every frame on the cores the model decodes on (the chat shows the turn, the status line the model)
         replying: dict[str, Any] = {"show_progress": "hidden"}
         quiet = {**hidden, **replying}
-        self._then_refresh(self.send_button.click(act.send, self.message, chat_and_box, **quiet), **hidden)
-        self._then_refresh(self.message.submit(act.send, self.message, chat_and_box, **quiet), **hidden)
+        # the page's own turns: the reply's text comes by the page's route, not in Gradio's updates
+        live = {**quiet, "js": START_LIVE_REPLY}
+        sent = [self.message, self.reply_id]
+        self._then_refresh(self.send_button.click(act.send, sent, chat_and_box, **live), **hidden)
+        self._then_refresh(self.message.submit(act.send, sent, chat_and_box, **live), **hidden)
         script_chat = [self.chatbot, self.text_api]
         self._then_refresh(self.send_api_button.click(act.send_text, self.text_api, script_chat, api_name="send",
                                                       **replying), **hidden)
@@ -263,10 +272,11 @@ class ChatPage:
                                                                              self.attachment_info],
                                                        api_name="new_chat_about_file"), **hidden)
         self.stop_button.click(act.stop, None, self.status, api_name="stop", queue=False)
-        self._then_refresh(self.regenerate_button.click(act.regenerate, None, self.chatbot, api_name="regenerate",
-                                                        **replying), **hidden)
-        self._then_refresh(self.edit_button.click(act.edit, self.message, [self.chatbot, self.message], **quiet),
+        self._then_refresh(self.regenerate_button.click(act.regenerate, self.reply_id, self.chatbot, **live),
                            **hidden)
+        self._then_refresh(self.regenerate_api_button.click(act.regenerate, None, self.chatbot,
+                                                            api_name="regenerate", **replying), **hidden)
+        self._then_refresh(self.edit_button.click(act.edit, sent, [self.chatbot, self.message], **live), **hidden)
         self._then_refresh(self.drop_button.click(act.drop, self.message, self.chatbot, **private), **hidden)
         opened = [self.chatbot, self.status]
         self._then_refresh(self.session_picker.input(act.open, self.session_picker, opened, **hidden), **hidden)

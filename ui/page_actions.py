@@ -3,6 +3,7 @@ shown as an error toast by `shows_errors`, written once here."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections import OrderedDict
@@ -12,6 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from chat_service import ChatService, UserError
+from chat_service.live_replies import LiveReply
 from chat_service.settings import SettingsForm, apply_storage
 from documents import Document, DocumentError, convert_file, documents_of
 from documents.convert import attachment_digest
@@ -161,9 +163,15 @@ class PageActions:
 
     # ---------------------------------------------------------------- turns
     @shows_errors
-    def send(self, value) -> Iterator[tuple]:
+    def send(self, value, reply_id: str = "") -> Iterator[tuple]:
         """The message box's text and files ({"text", "files"}; a plain string from scripts). Yields the chat,
-        the box, the attachments' note, the status line and the session list, each gr.skip() when unchanged."""
+        the box, the attachments' note, the status line and the session list, each gr.skip() when unchanged.
+        With the page's `reply_id`, the reply's text goes to the page's own reader (ui/live_reply.py), and the
+        chat is sent as the reply starts and when the turn is over."""
+        with self._live(reply_id) as live:
+            yield from self._send(value, live)
+
+    def _send(self, value, live: LiveReply | None) -> Iterator[tuple]:
         value = {"text": value, "files": []} if isinstance(value, str) or value is None else value
         documents = self.documents(value)
         # the first update shows the message before the model reads it (or while it waits for the model to load);
@@ -172,7 +180,7 @@ class PageActions:
         # and the session list shows the new message's session at once
         skip, updates, phase = gr.skip(), 0, None
         try:
-            for history in self.service.page_turns.send(value.get("text") or "", documents):
+            for history in self.service.page_turns.send(value.get("text") or "", documents, live):
                 updates += 1
                 status, phase = self._status_on_change(phase)
                 if updates == 2:
@@ -209,13 +217,26 @@ class PageActions:
         return tokens_read_note(self.service.open_sessions.page)
 
     @shows_errors
-    def regenerate(self) -> Iterator[list[dict]]:
-        yield from self.service.page_turns.regenerate()
+    def regenerate(self, reply_id: str = "") -> Iterator[list[dict]]:
+        with self._live(reply_id) as live:
+            yield from self.service.page_turns.regenerate(live)
 
     @shows_errors
-    def edit(self, value) -> Iterator[tuple[list[dict], dict]]:
-        for number, history in enumerate(self.service.page_turns.edit_last(_text(value))):
-            yield history, EMPTY_BOX if number == 0 else gr.skip()  # the box is emptied once, as the turn starts
+    def edit(self, value, reply_id: str = "") -> Iterator[tuple[list[dict], dict]]:
+        with self._live(reply_id) as live:
+            for number, history in enumerate(self.service.page_turns.edit_last(_text(value), live)):
+                yield history, EMPTY_BOX if number == 0 else gr.skip()  # the box is emptied once, as the turn starts
+
+    @contextlib.contextmanager
+    def _live(self, reply_id: str) -> Iterator[LiveReply | None]:
+        """The live reply the page asked for (None: none, or not an id the page makes), finished however the
+        handler ends (a message refused before its turn: its reader stops waiting)."""
+        live = self.service.live_replies.open(reply_id)
+        try:
+            yield live
+        finally:
+            if live is not None:
+                live.finish()
 
     def stop(self) -> str:
         self.service.turns.stop()
