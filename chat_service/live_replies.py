@@ -26,6 +26,7 @@ class LiveText:
     text: str = ""
     version: int = 0  # one more at every write: a reader sends the text again only when it grew
     done: bool = False  # the turn is over (its reply complete, stopped or failed); the chat shows it now
+    started: bool = False  # the turn wrote text: a reply refused before its turn began never starts
 
 
 class LiveReply:
@@ -38,12 +39,12 @@ class LiveReply:
     def write(self, text: str) -> None:
         with self._lock:
             if not self._state.done:
-                self._state = LiveText(text, self._state.version + 1)
+                self._state = LiveText(text, self._state.version + 1, started=True)
 
     def finish(self) -> None:
         with self._lock:
             if not self._state.done:
-                self._state = LiveText(self._state.text, self._state.version + 1, done=True)
+                self._state = LiveText(self._state.text, self._state.version + 1, True, self._state.started)
 
     def read(self) -> LiveText:
         return self._state  # one immutable record, swapped whole

@@ -156,7 +156,7 @@ class PageTurns:
                             yield history + [{"role": "assistant", "content": LIVE_PLACEHOLDER}]
                     if live is None:
                         yield history + [{"role": "assistant", "content": text}]
-        except UserError:
+        except Exception:  # a UserError, or any failure of the model's thread (not the page going away)
             if live is not None and history is not None:  # the placeholder goes: the chat as it is stored
                 yield self.pages.chat_history()
             raise

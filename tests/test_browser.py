@@ -42,27 +42,32 @@ def send(page, text: str, by: str = "Enter") -> None:
         page.locator("#ig-send").click()
 
 
-# the newest reply's length as shown, whether the page shows it from its own reader (ui/live_reply.py), and how
-# many replies the chat shows
+# the newest reply's length as shown, whether the page shows it from its own reader (ui/live_reply.py), how
+# many replies the chat shows, and how many readers' elements it holds
 SHOWN = f"""() => {{
   const bots = document.querySelectorAll("{BOT}");
   const last = bots[bots.length - 1];
-  return [last ? last.innerText.length : 0, !!(last && last.querySelector(".ig-live")), bots.length];
+  return [last ? last.innerText.length : 0, !!(last && last.querySelector(".ig-live")), bots.length,
+          document.querySelectorAll("#ig-chat .ig-live").length];
 }}"""
 
 
-def reply_lengths_while_streaming(page, count_before: int, timeout_s: float = 240, live: list | None = None
-                                  ) -> list[int]:
+def reply_lengths_while_streaming(page, count_before: int, timeout_s: float = 240, live: list | None = None,
+                                  once_reading=None) -> list[int]:
     """Length of the newest reply, sampled until the Send button's turn is over; into `live`, for each sample,
-    whether the page showed the reply from its own reader and how many replies the chat showed."""
+    (whether the page showed the reply from its own reader, how many replies the chat showed, how many
+    readers' elements); `once_reading(page)` is called when the reader first showed text."""
     lengths, deadline = [], time.time() + timeout_s
     page.wait_for_function(f"document.querySelectorAll(\"{BOT}\").length > {count_before}", timeout=timeout_s * 1000)
     stable_since = time.time()
     while time.time() < deadline:
-        length, from_reader, replies = page.evaluate(SHOWN)
+        length, from_reader, replies, readers = page.evaluate(SHOWN)
         lengths.append(length)
         if live is not None:
-            live.append((from_reader, replies))
+            live.append((from_reader, replies, readers))
+        if from_reader and once_reading is not None:
+            once_reading(page)
+            once_reading = None
         if len(lengths) > 1 and lengths[-1] != lengths[-2]:
             stable_since = time.time()
         busy = any(word in page.locator("#ig-status").inner_text() for word in ("Generating", "Reading"))
@@ -80,17 +85,23 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page, app):
     box.press_sequentially("in three sentences.")
     assert box.input_value() == "Describe the sea\nin three sentences."
     box.press("Enter")
-    live: list[tuple[bool, int]] = []
-    lengths = reply_lengths_while_streaming(page, 0, live=live)
+    live: list[tuple[bool, int, int]] = []
+
+    def regenerate_while_replying(page) -> None:  # refused (one reply at a time): its reader must show nothing
+        page.locator("button:has-text('Regenerate')").click()
+
+    lengths = reply_lengths_while_streaming(page, 0, live=live, once_reading=regenerate_while_replying)
     assert box.input_value() == ""  # sent: the box is cleared
     assert lengths[-1] > 20
-    # the reply streamed from the page's own reader, shown once, and the chat's own message took its place
-    assert any(from_reader for from_reader, _ in live) and not live[-1][0]
-    assert {replies for _, replies in live} == {1}
+    # the reply streamed from the page's own reader, shown once, by one reader, and the chat's own message took
+    # its place
+    assert any(from_reader for from_reader, *_ in live) and not live[-1][0]
+    assert {replies for _, replies, _ in live} == {1} and max(readers for *_, readers in live) == 1
+    page.wait_for_timeout(1500)  # a refused reader gives up after its own reply ends: nothing of it shows
     assert page.locator("#ig-chat .ig-live").count() == 0
     # streamed: the page's reader showed part of the reply before all of it (the first text comes at once, then
-    # every 0.25 s; a short reply at ~50 tokens/s may take only one more, so one partial length is what is sure)
-    assert {n for n, (from_reader, _) in zip(lengths, live) if from_reader and 0 < n < lengths[-1]}
+    # every 0.5 s; a short reply at ~50 tokens/s may take only one more, so one partial length is what is sure)
+    assert {n for n, (from_reader, *_) in zip(lengths, live) if from_reader and 0 < n < lengths[-1]}
     first_reply = page.locator(BOT).last.inner_text()
 
     # the live panels are drawn in the browser (Vega) from the small tables the server sends after decode steps;

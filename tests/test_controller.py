@@ -246,6 +246,12 @@ def test_a_page_turn_with_a_live_reply_sends_the_chat_only_as_the_reply_starts_a
         assert len(written) >= 2 and all(after.startswith(before) for before, after in zip(written, written[1:]))
         assert reply.read().text == stored and reply.read().done
 
+        # regenerated: the reply it replaces goes as the new one starts
+        reply = service.live_replies.open("c" * 32)
+        updates = list(service.page_turns.regenerate(live=reply))
+        assert updates[0] == [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": LIVE_PLACEHOLDER}]
+        assert updates[1:] == [service.pages.chat_history()] and reply.read().done
+
         # without a live reply (a script's call) the text comes in the chat's updates, the reply shown once in each
         updates = list(service.page_turns.send("Again"))
         again = {"role": "user", "content": "Again"}
@@ -255,19 +261,23 @@ def test_a_page_turn_with_a_live_reply_sends_the_chat_only_as_the_reply_starts_a
         service.open_sessions.page.close()
 
 
-def test_a_live_turn_that_fails_after_its_reply_began_shows_the_chat_as_stored(tmp_path, real_engine, monkeypatch):
+@pytest.mark.parametrize("failure", ["session", "model"])
+def test_a_live_turn_that_fails_after_its_reply_began_shows_the_chat_as_stored(tmp_path, real_engine, monkeypatch,
+                                                                              failure):
     from chat_service.page_turns import LIVE_PLACEHOLDER
     from sessions import SessionError
     from sessions.chat import ChatSession
 
     service = _service(tmp_path, real_engine)
     send = ChatSession.send
+    # a SessionError reaches the page as a UserError; any other failure in the model's thread as itself
+    error, shown_as = {"session": (SessionError, UserError), "model": (RuntimeError, RuntimeError)}[failure]
 
     def fails_after_a_token(self, *args, **kwargs):
         events = send(self, *args, **kwargs)
         yield next(events)
         events.close()
-        raise SessionError("the disk is full")
+        raise error("the disk is full")
 
     monkeypatch.setattr(ChatSession, "send", fails_after_a_token)
     try:
@@ -277,7 +287,7 @@ def test_a_live_turn_that_fails_after_its_reply_began_shows_the_chat_as_stored(t
         next(updates)
         assert next(updates)[-1]["content"] == LIVE_PLACEHOLDER
         assert next(updates) == service.pages.chat_history()  # the placeholder gone
-        with pytest.raises(UserError, match="the disk is full"):
+        with pytest.raises(shown_as, match="the disk is full"):
             next(updates)
         assert reply.read().done
     finally:

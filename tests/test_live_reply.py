@@ -30,11 +30,17 @@ def test_a_reply_grows_until_it_is_finished_and_no_write_comes_after():
     reply = LiveReplies().open(REPLY_ID)
     reply.write("Hel")
     reply.write("Hello")
-    assert reply.read() == LiveText("Hello", 2, done=False)
+    assert reply.read() == LiveText("Hello", 2, done=False, started=True)
     reply.finish()
     reply.finish()  # the turn and the handler both finish it: once is what counts
     reply.write("Hello again")
-    assert reply.read() == LiveText("Hello", 3, done=True)
+    assert reply.read() == LiveText("Hello", 3, done=True, started=True)
+
+
+def test_a_reply_refused_before_its_turn_is_done_without_having_started():
+    reply = LiveReplies().open(REPLY_ID)
+    reply.finish()
+    assert reply.read() == LiveText("", 1, done=True, started=False)
 
 
 def test_the_oldest_replies_are_forgotten_and_their_readers_told_they_are_done():
@@ -101,7 +107,20 @@ def test_the_route_streams_each_change_until_the_reply_is_done(monkeypatch):
     finally:
         writer.join()
     assert [line["html"] for line in lines if not line["done"]] == [rendered(part) for part in parts]
-    assert lines[-1] == {"html": rendered(parts[-1]), "done": True}
+    assert all(line["started"] for line in lines)
+    assert lines[-1] == {"html": rendered(parts[-1]), "started": True, "done": True}
+
+
+def test_a_quiet_stream_gets_a_line_with_nothing_new(monkeypatch):
+    monkeypatch.setattr(live_reply, "READ_EVERY_S", 0.01)
+    monkeypatch.setattr(live_reply, "KEEPALIVE_S", 0.1)
+    replies = LiveReplies()
+    reply = replies.open(REPLY_ID)  # a long prefill: no text yet
+    threading.Timer(0.5, reply.finish).start()
+    lines = _lines(_client(replies), REPLY_ID)
+    assert lines[0] == {"html": "", "started": False, "done": False}
+    assert {} in lines[1:-1]
+    assert lines[-1] == {"html": "", "started": False, "done": True}
 
 
 def test_the_route_refuses_a_malformed_id_and_gives_up_on_a_turn_that_never_starts(monkeypatch):
@@ -123,4 +142,4 @@ def test_a_reader_that_comes_late_gets_the_reply_as_it_is(finished_first):
     else:
         threading.Timer(0.3, reply.finish).start()
     lines = _lines(_client(replies), REPLY_ID)
-    assert lines[-1] == {"html": rendered("Already written."), "done": True}
+    assert lines[-1] == {"html": rendered("Already written."), "started": True, "done": True}

@@ -32,10 +32,13 @@ from .remote_images import withhold_remote_images
 
 LIVE_REPLY_PATH = "/live-reply"
 READ_EVERY_S = 0.05  # how often the route looks for new text (the turn writes every LIVE_UPDATE_SECONDS)
-# the page asks as it sends; the turn opens the reply when the page's handler starts, behind the page's queue
-# (or after the model has loaded, for a message sent while it loads)
+# the page asks as it sends; the handler opens the reply when it starts, behind the page's queue (a message sent
+# while the model loads opens it at once). A reader whose wait ran out asks again while its message waits
 WAIT_FOR_TURN_S = 900.0
 WAIT_POLL_S = 0.25
+# a line with nothing new after this long without one (a long prefill, a queue): a proxy or tunnel that cuts
+# quiet connections leaves the stream open
+KEEPALIVE_S = 15.0
 
 # CommonMark with tables and strikethrough, a line break where the text has one (as the chat shows it); HTML in
 # the text is escaped, so the result is safe to put in the page; links to javascript: and the like are refused
@@ -49,7 +52,9 @@ def rendered(text: str) -> str:
 class GrowingMarkdown:
     """A growing reply rendered at each call at the cost of its last block: the blocks before the last blank line
     outside a code fence are rendered once (a 2,000-token reply rendered whole took ~6 ms of the event loop at
-    every change). A list whose items are apart renders as separate lists until the chat shows the reply."""
+    every change). Until the chat shows the reply, a block is drawn without the ones around it: a list whose
+    items are apart renders as separate lists, an indented code block with blank lines as several, and a
+    reference link defined in another block as its text."""
 
     def __init__(self) -> None:
         self._done_text, self._done_html = "", ""
@@ -89,18 +94,24 @@ def live_reply_routes(replies: LiveReplies) -> list[BaseRoute]:
 
 
 async def _lines(replies: LiveReplies, reply_id: str):
-    """One line per change of the reply until it is done; nothing when its turn never starts in time."""
+    """One line per change of the reply until it is done, {"html", "started", "done"} ("started": the turn wrote
+    text; a reply refused before its turn began is done without), and {} after KEEPALIVE_S without one; nothing
+    when no turn opens the reply in time."""
     deadline = time.monotonic() + WAIT_FOR_TURN_S
     while (reply := replies.find(reply_id)) is None:
         if time.monotonic() > deadline:
             return
         await asyncio.sleep(WAIT_POLL_S)
-    sent, markdown = -1, GrowingMarkdown()
+    sent, markdown, last_line = -1, GrowingMarkdown(), time.monotonic()
     while True:
         state = reply.read()
         if state.version != sent:
-            sent = state.version
-            yield json.dumps({"html": markdown.render(state.text), "done": state.done}) + "\n"
+            sent, last_line = state.version, time.monotonic()
+            yield json.dumps({"html": markdown.render(state.text), "started": state.started,
+                              "done": state.done}) + "\n"
+        elif time.monotonic() - last_line > KEEPALIVE_S:
+            last_line = time.monotonic()
+            yield "{}\n"
         if state.done:
             return
         await asyncio.sleep(READ_EVERY_S)
@@ -118,10 +129,11 @@ START_LIVE_REPLY = """(...values) => {
 # hides while the content is marked 'ig-live-shown' (ui/layout.py)
 LIVE_REPLY_SCRIPT = """(() => {
   const PLACEHOLDER = %(placeholder)s;
+  const ASK_AGAIN = 5;  // a stream that ends before its reply is done (a dropped connection) is asked for again
   const newId = () => Array.from(crypto.getRandomValues(new Uint8Array(16)),
                                  (byte) => byte.toString(16).padStart(2, "0")).join("");
   const ownText = (bubble) => {
-    const own = bubble.querySelector(".message-content > span.md");
+    const own = bubble && bubble.querySelector(".message-content > span.md");
     return own ? own.textContent.trim() : null;
   };
   const placeholderBubble = () => {
@@ -129,56 +141,65 @@ LIVE_REPLY_SCRIPT = """(() => {
     const last = bots[bots.length - 1];
     return last && ownText(last) === PLACEHOLDER ? last : null;
   };
-  const scrolledArea = (element) => {
+  const scrolledArea = (element) => {  // the chat's scrolled area, never the page around it
+    const chat = document.getElementById("ig-chat");
     let area = element.parentElement;
-    while (area && area.scrollHeight <= area.clientHeight + 1) area = area.parentElement;
-    return area;
+    while (area && area !== chat && area.scrollHeight <= area.clientHeight + 1) area = area.parentElement;
+    return area && area !== chat ? area : null;
   };
   const follow = async (id) => {
-    let shown = null, shownHtml = null, html = "";
+    let shown = null, shownHtml = null, html = "", started = false, done = false;
     const show = () => {
-      if (shown && (!shown.isConnected || ownText(shown.parentElement.closest("[data-testid='bot']")) !== PLACEHOLDER)) {
+      if (shown && (!shown.isConnected || ownText(shown.closest("[data-testid='bot']")) !== PLACEHOLDER)) {
         if (shown.parentElement) shown.parentElement.classList.remove("ig-live-shown");
         shown.remove();  // the chat drew its message anew, or has the reply now
         shown = shownHtml = null;
       }
-      const bubble = shown ? null : placeholderBubble();
+      const bubble = shown || !started ? null : placeholderBubble();
       if (bubble) {
         shown = document.createElement("div");
         shown.className = "ig-live md chatbot prose";
-        const content = bubble.querySelector(".message-content");
-        content.classList.add("ig-live-shown");  // the page's CSS hides the placeholder beside it
-        content.appendChild(shown);
+        bubble.querySelector(".message-content").appendChild(shown);
       }
-      if (!shown || shownHtml === html) return;
+      if (!shown) return;
+      shown.parentElement.classList.add("ig-live-shown");  // the page's CSS hides the placeholder beside it
+      if (shownHtml === html) return;
       const area = scrolledArea(shown);
       const atEnd = area && area.scrollHeight - area.scrollTop - area.clientHeight < 48;
       shown.innerHTML = shownHtml = html;
       if (atEnd) area.scrollTop = area.scrollHeight;
     };
-    try {
+    const read = async () => {
       const response = await fetch("live-reply?id=" + id, {credentials: "same-origin", cache: "no-store"});
-      if (response.ok && response.body) {
-        const reader = response.body.getReader(), decoder = new TextDecoder();
-        let pending = "";
-        for (;;) {
-          const {value, done} = await reader.read();
-          if (done) break;
-          pending += decoder.decode(value, {stream: true});
-          let end;
-          while ((end = pending.indexOf("\\n")) >= 0) {
-            const line = pending.slice(0, end);
-            pending = pending.slice(end + 1);
-            if (line) {
-              html = JSON.parse(line).html;
-              show();
-            }
+      if (!response.ok || !response.body) return;
+      const reader = response.body.getReader(), decoder = new TextDecoder();
+      let pending = "";
+      for (;;) {
+        const {value, done: ended} = await reader.read();
+        if (ended) return;
+        pending += decoder.decode(value, {stream: true});
+        let end;
+        while ((end = pending.indexOf("\\n")) >= 0) {
+          const update = pending.slice(0, end) ? JSON.parse(pending.slice(0, end)) : {};
+          pending = pending.slice(end + 1);
+          done = done || update.done === true;
+          if (update.started) {
+            started = true;
+            html = update.html;
+            show();
           }
         }
       }
-    } catch (error) {
-      // the chat's own value shows the reply when the turn is over
+    };
+    for (let asked = 0; !done && asked < ASK_AGAIN; asked++) {
+      try {
+        await read();
+      } catch (error) {
+        // asked again below, unless the reply is done
+      }
+      if (!done) await new Promise((resume) => setTimeout(resume, 1000));
     }
+    if (!started) return;  // a message refused before its turn: its placeholder, if any, is another reply's
     // the turn is over: the element goes once the chat shows the reply itself (it is sent after the turn's save)
     const deadline = Date.now() + 600000;
     const tidy = () => {
