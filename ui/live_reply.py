@@ -6,10 +6,12 @@ fifth of the model's decode rate on a 2-core machine (docs/BENCHMARKS.md, issue 
 message (or regenerates, or replaces the last one), its event's `js` step names the reply with 128 random bits
 (START_LIVE_REPLY) and starts reading it from GET /live-reply?id=...; the turn writes the reply's text under
 that id (chat_service/live_replies.py) and sends the chat only as the reply starts, its last message
-LIVE_PLACEHOLDER, and when the turn is over. The route answers one JSON line per change, {"html", "done"}: the
-reply rendered as Markdown with any HTML in it shown as text (remote images as the chat shows them), which the
-script puts in the placeholder's bubble, scrolling the chat along if it was at its end. Once the chat's own
-value has replaced the placeholder, the script's element goes.
+LIVE_PLACEHOLDER, and when the turn is over. The route answers one JSON line per change, {"html", "started",
+"done"} (and {} when nothing changed for KEEPALIVE_S): the reply rendered as Markdown with any HTML in it shown
+as text (remote images as the chat shows them), which the script puts in the placeholder's bubble once the
+reply has started, scrolling the chat along if it was at its end; a stream that ends before the reply is done
+is asked for again. Once the chat's own value has replaced the placeholder, the script's element goes. A reply
+refused before its turn (another reply running) is done without having started, and shows nothing.
 
     routes = live_reply_routes(service.live_replies)    # given to the app's constructor, guarded like the page
 """
