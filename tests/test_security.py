@@ -271,6 +271,7 @@ def test_the_page_asks_for_the_key_and_never_fetches_remote_images(app, image_se
         url = f"http://127.0.0.1:{image_server}/pixel.png"
         box = page.locator("#ig-message textarea")
         box.fill(f"Describe ![x]({url}) and <img src={url}?html> briefly.")
+        page.evaluate(LIVE_REPLY_SEEN)
         box.press("Enter")
         # the user's bubble is drawn, then redrawn as the turn's first update arrives: wait for its final text
         page.wait_for_function("""[...document.querySelectorAll("#ig-chat [data-testid='user']")].some(
@@ -279,13 +280,22 @@ def test_the_page_asks_for_the_key_and_never_fetches_remote_images(app, image_se
         shown = page.locator("#ig-chat [data-testid='user']").last.inner_text()
         assert shown.count("[image from 127.0.0.1 withheld]") == 2, shown  # the Markdown image and the <img>
         assert page.locator(f"#ig-chat img[src*='{image_server}'], #ig-chat img[srcset*='{image_server}']").count() == 0
-        page.wait_for_selector("#ig-chat .ig-live", timeout=120_000)  # the page reads its reply with its login
         # the reply is over once it is stored (the status line is refreshed by a timer: it may still say
         # "Ready" when the reply starts); the page stays open until then, since closing it stops the reply
         stored = _wait_for_stored_messages(Client(app.url, verbose=False, auth=("me", KEY)), 2, timeout_s=240)
         page.wait_for_timeout(1000)  # the finished reply drawn, with any image it might have fetched
+        assert page.evaluate("window.__igLiveSeen")  # the page read its reply from its own route, logged in
     assert _Recorder.seen == []
     assert stored["message_count"] == 2  # the message was sent and stored (with its original text)
+
+
+# notes whether the page's reader ever showed a reply (ui/live_reply.py): a short reply's element lasts a moment
+LIVE_REPLY_SEEN = """() => {
+  window.__igLiveSeen = false;
+  new MutationObserver(() => {
+    if (document.querySelector("#ig-chat .ig-live")) window.__igLiveSeen = true;
+  }).observe(document.body, {subtree: true, childList: true});
+}"""
 
 
 def _wait_for_stored_messages(client: Client, count: int, timeout_s: float) -> dict:
