@@ -7,7 +7,7 @@ reply's text under that id, and the page reads it from its own route until the r
 
     reply = replies.open(reply_id)       # the turn's side: None for an id that is not one
     reply.write("Hello"); reply.finish()
-    replies.find(reply_id).read()        # the reader's side: LiveText(text, version, done)
+    replies.find(reply_id).read()        # the reader's side: LiveText(text, version, done, started)
 """
 
 from __future__ import annotations
