@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from chat_service import ChatService, UserError
-from chat_service.live_replies import LiveReply
+from chat_service.live_replies import LiveReplies, LiveReply
 from chat_service.settings import SettingsForm, apply_storage
 from documents import Document, DocumentError, convert_file, documents_of
 from documents.convert import attachment_digest
@@ -60,6 +60,18 @@ def shows_errors(handler: Callable) -> Callable:
             raise gr.Error(str(error), duration=ERROR_SECONDS) from None
 
     return plain
+
+@contextlib.contextmanager
+def _live(replies: LiveReplies, reply_id: str) -> Iterator[LiveReply | None]:
+    """The live reply the page asked for (None: none, or not an id the page makes), finished however the handler
+    ends (a message refused before its turn: its reader stops waiting)."""
+    live = replies.open(reply_id)
+    try:
+        yield live
+    finally:
+        if live is not None:
+            live.finish()
+
 
 class PageActions:
     def __init__(self, service: ChatService, export_dir: Path) -> None:
@@ -168,7 +180,7 @@ class PageActions:
         the box, the attachments' note, the status line and the session list, each gr.skip() when unchanged.
         With the page's `reply_id`, the reply's text goes to the page's own reader (ui/live_reply.py), and the
         chat is sent as the reply starts and when the turn is over."""
-        with self._live(reply_id) as live:
+        with _live(self.service.live_replies, reply_id) as live:
             yield from self._send(value, live)
 
     def _send(self, value, live: LiveReply | None) -> Iterator[tuple]:
@@ -218,25 +230,14 @@ class PageActions:
 
     @shows_errors
     def regenerate(self, reply_id: str = "") -> Iterator[list[dict]]:
-        with self._live(reply_id) as live:
+        with _live(self.service.live_replies, reply_id) as live:
             yield from self.service.page_turns.regenerate(live)
 
     @shows_errors
     def edit(self, value, reply_id: str = "") -> Iterator[tuple[list[dict], dict]]:
-        with self._live(reply_id) as live:
+        with _live(self.service.live_replies, reply_id) as live:
             for number, history in enumerate(self.service.page_turns.edit_last(_text(value), live)):
                 yield history, EMPTY_BOX if number == 0 else gr.skip()  # the box is emptied once, as the turn starts
-
-    @contextlib.contextmanager
-    def _live(self, reply_id: str) -> Iterator[LiveReply | None]:
-        """The live reply the page asked for (None: none, or not an id the page makes), finished however the
-        handler ends (a message refused before its turn: its reader stops waiting)."""
-        live = self.service.live_replies.open(reply_id)
-        try:
-            yield live
-        finally:
-            if live is not None:
-                live.finish()
 
     def stop(self) -> str:
         self.service.turns.stop()
