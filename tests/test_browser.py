@@ -82,8 +82,9 @@ def test_chat_streams_shows_panels_and_resumes_after_reload(page, app):
     box = page.locator("#ig-message textarea")
     box.fill("Describe the sea")
     box.press("Shift+Enter")  # a new line, not a send
-    box.press_sequentially("in three sentences.")
-    assert box.input_value() == "Describe the sea\nin three sentences."
+    # a reply of ~77 tokens (greedy): streamed over several of the reader's lines, not over in one
+    box.press_sequentially("in three long paragraphs.")
+    assert box.input_value() == "Describe the sea\nin three long paragraphs."
     box.press("Enter")
     live: list[tuple[bool, int, int]] = []
 
