@@ -46,13 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     service.host.settles_heap = True  # this process is the app's: its heap is frozen after each model load
     page = ChatPage(service)
     demo = page.build()
-    from starlette.middleware import Middleware
-
     from sessions.archive import remove_stale_staging
-    from ui.client_slots import ClientSlots
-    from ui.guard import PageGuard, filter_cors_of, login_with_key
-    from ui.head_script import HeadScript
-    from ui.live_reply import live_reply_routes
+    from ui.guard import filter_cors_of, login_with_key
     from ui.request_limits import MAX_UPLOAD_BYTES
     from ui.site_checks import HostPolicy, ignore_forwarded_headers
     from ui.slow_senders import use_head_deadline
@@ -61,19 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     ignore_forwarded_headers()  # the login throttle counts the connection's address, not X-Forwarded-For's
     remove_stale_staging(service.store.data_dir)  # an import killed mid-way left chunks no session names
 
-    # the key guards the page (Gradio's login: any user name, the key as password), Gradio's routes and /v1;
-    # the page's HTML gets a script that runs before Gradio's (head_script.py)
     hosts = HostPolicy.listening_on(args.host, any_host=args.share)
-    app_kwargs: dict[str, list] = {"middleware": [
-        Middleware(PageGuard, key=args.api_key, hosts=hosts, client_slots=ClientSlots(args.max_requests_per_client)),
-        Middleware(HeadScript)]}
+    app_kwargs = _web_app(args, service, hosts)
     auth = login_with_key(args.api_key) if args.api_key else None
-    # routes given to the app's constructor exist before the server takes its first request
-    app_kwargs["routes"] = live_reply_routes(service.live_replies)  # the page's replies as they grow
-    if args.api:
-        from ui.api import ApiOptions, api_routes
-
-        app_kwargs["routes"] += api_routes(service, ApiOptions(args.api_key, args.api_max_waiting))
     try:
         demo.queue(default_concurrency_limit=1).launch(
             server_name=args.host, server_port=args.port, share=args.share, ssr_mode=False, css=CSS,
@@ -95,6 +80,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot listen on {args.host}:{args.port} ({error}); pick another --port", file=sys.stderr)
         return 2
     return 0
+
+
+def _web_app(args, service, hosts) -> dict[str, list]:
+    """The web app's middleware and routes. The key guards the page (Gradio's login: any user name, the key as
+    password), Gradio's routes, the page's live replies and /v1; the page's HTML gets a script that runs before
+    Gradio's (head_script.py). Routes given to the app's constructor exist before the server takes its first
+    request."""
+    from starlette.middleware import Middleware
+
+    from ui.client_slots import ClientSlots
+    from ui.guard import PageGuard
+    from ui.head_script import HeadScript
+    from ui.live_reply import live_reply_routes
+
+    middleware = [Middleware(PageGuard, key=args.api_key, hosts=hosts,
+                             client_slots=ClientSlots(args.max_requests_per_client)), Middleware(HeadScript)]
+    routes = live_reply_routes(service.live_replies)  # the page's replies as they grow
+    if args.api:
+        from ui.api import ApiOptions, api_routes
+
+        routes += api_routes(service, ApiOptions(args.api_key, args.api_max_waiting))
+    return {"middleware": middleware, "routes": routes}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ reply's text under that id, and the page reads it from its own route until the r
 
     reply = replies.open(reply_id)       # the turn's side: None for an id that is not one
     reply.write("Hello"); reply.finish()
-    replies.find(reply_id).read()        # the reader's side: LiveText(text, version, done, started)
+    replies.find(reply_id).read()        # the reader's side: LiveText(text, version, done)
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ class LiveText:
     text: str = ""
     version: int = 0  # one more at every write: a reader sends the text again only when it grew
     done: bool = False  # the turn is over (its reply complete, stopped or failed); the chat shows it now
-    started: bool = False  # the turn wrote text: a reply refused before its turn began never starts
+
+    @property
+    def started(self) -> bool:
+        """The turn wrote text (each write and the one finish count a version): a reply refused before its turn
+        began is done without."""
+        return self.version > int(self.done)
 
 
 class LiveReply:
@@ -39,12 +44,12 @@ class LiveReply:
     def write(self, text: str) -> None:
         with self._lock:
             if not self._state.done:
-                self._state = LiveText(text, self._state.version + 1, started=True)
+                self._state = LiveText(text, self._state.version + 1)
 
     def finish(self) -> None:
         with self._lock:
             if not self._state.done:
-                self._state = LiveText(self._state.text, self._state.version + 1, True, self._state.started)
+                self._state = LiveText(self._state.text, self._state.version + 1, done=True)
 
     def read(self) -> LiveText:
         return self._state  # one immutable record, swapped whole

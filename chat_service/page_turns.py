@@ -1,7 +1,7 @@
 """The page's turns: send, regenerate, replace the last message, drop the oldest turns. Each streams the
 conversation as the chat display shows it; one runs at a time (another gets UserError(BUSY)). Given a LiveReply
 (live_replies.py), a turn writes the reply's text there as it grows and shows the chat only as the reply
-starts (its last message LIVE_PLACEHOLDER) and when the turn is over.
+starts (its last message LIVE_PLACEHOLDER) and when the turn is over; whoever opened the reply finishes it.
 
     for history in page_turns.send("Hello"): show(history)
     for history in page_turns.send("Hello", live=replies.open(reply_id)): show(history)   # the text: in `live`
@@ -25,14 +25,12 @@ from .remote_chat import OpenChat
 from .titles import session_title
 from .turns import Progress
 
-# how often the chat display takes the reply's new text while a turn without a live reply runs (a script's
-# /send): every update is post-processed and sent by the server and redrawn by the browser, on the cores the
-# model decodes on. `python -m bench page` on the 2-core VM, 300-token replies: updates every 0.25 s let the
-# page decode at 0.70-0.82x the API's rate, every 0.5 s at 0.84-0.91x
+# how often the reply's new text goes out while a turn runs: to the page's live reply (its own turns), or in
+# the chat display's update (a script's /send), which the server post-processes and sends and the browser
+# redraws, on the cores the model decodes on. `python -m bench page` on the 2-core VM, 300-token replies, in
+# Gradio's updates: every 0.25 s the page decoded at 0.70-0.82x the API's rate, every 0.5 s at 0.84-0.91x; by
+# the live reply, 200 tokens, 0.25 s against 0.5 s within the rounds' scatter (docs/BENCHMARKS.md)
 PAGE_UPDATE_SECONDS = 0.5
-# ... and how often a live reply's text is written (the page's own turns): each write costs microseconds here,
-# and the page redraws the reply's bubble (docs/BENCHMARKS.md, "The page reads its reply from its own route")
-LIVE_UPDATE_SECONDS = 0.5
 # the reply's message in the chat while its text goes to a live reply (the page shows the text in its place)
 LIVE_PLACEHOLDER = "…"
 
@@ -137,30 +135,27 @@ class PageTurns:
 
     def _run(self, generate: Generate, shown_first: list[dict] | None = None, live: LiveReply | None = None
              ) -> Iterator[list[dict]]:
-        """The turn's chat updates; with `live`, the reply's text goes there instead, and `live` is finished
-        when the turn is over (a failed one shows the chat as stored, then raises)."""
+        """The turn's chat updates; with `live`, the reply's text goes there, and the chat is shown with the
+        placeholder once, as the reply starts (a turn that fails after that shows the chat as stored, then
+        raises)."""
         history = None
         try:
             with self.turns.exclusive():
                 self.pages.restore_message = ""  # said once, after opening the session
                 if shown_first is not None:
                     yield shown_first
-                interval = PAGE_UPDATE_SECONDS if live is None else LIVE_UPDATE_SECONDS
-                for events in self.turns.run(self._held_page_session, generate, interval, self.turns.stop):
+                for events in self.turns.run(self._held_page_session, generate, PAGE_UPDATE_SECONDS,
+                                             self.turns.stop):
                     text = events[-1].full_text
                     if live is not None:
                         live.write(text)
+                    starts = history is None
                     if history is None:  # the turn's first step stores or removes messages: read them after it
                         history = self._before_reply()
-                        if live is not None:
-                            yield history + [{"role": "assistant", "content": LIVE_PLACEHOLDER}]
-                    if live is None:
-                        yield history + [{"role": "assistant", "content": text}]
+                    if live is None or starts:
+                        yield history + [{"role": "assistant", "content": LIVE_PLACEHOLDER if live else text}]
         except Exception:  # a UserError, or any failure of the model's thread (not the page going away)
             if live is not None and history is not None:  # the placeholder goes: the chat as it is stored
                 yield self.pages.chat_history()
             raise
-        finally:
-            if live is not None:
-                live.finish()
         yield self.pages.chat_history()

@@ -228,29 +228,31 @@ def test_the_page_shows_a_message_at_once_and_a_turn_that_fails_leaves_it_in_the
 def test_a_page_turn_with_a_live_reply_sends_the_chat_only_as_the_reply_starts_and_ends(tmp_path, real_engine,
                                                                                        monkeypatch):
     from chat_service import page_turns
+    from chat_service.live_replies import LiveReply
     from chat_service.page_turns import LIVE_PLACEHOLDER
+    from ui.page_actions import PageActions
 
     service = _service(tmp_path, real_engine)
-    monkeypatch.setattr(page_turns, "LIVE_UPDATE_SECONDS", 0.0)  # every token written
+    actions = PageActions(service, export_dir=None)
+    monkeypatch.setattr(page_turns, "PAGE_UPDATE_SECONDS", 0.0)  # every token written
+    written: list[str] = []
+    write = LiveReply.write
+    monkeypatch.setattr(LiveReply, "write", lambda self, text: (written.append(text), write(self, text)))
     try:
         _settings(service, max_new_tokens=8)
-        reply = service.live_replies.open("a" * 32)
-        written: list[str] = []
-        write = reply.write
-        reply.write = lambda text: (written.append(text), write(text))
-        updates = list(service.page_turns.send("Hello", live=reply))
+        updates = [history for history, *_ in actions.send("Hello", "a" * 32)]  # the page's send, its reply named
         stored = service.store.messages(service.open_sessions.page.id)[-1].content
         assert updates[0] == [{"role": "user", "content": "Hello"}]  # at once, before the model read it
         assert updates[1] == [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": LIVE_PLACEHOLDER}]
         assert updates[2:] == [[{"role": "user", "content": "Hello"}, {"role": "assistant", "content": stored}]]
         assert len(written) >= 2 and all(after.startswith(before) for before, after in zip(written, written[1:]))
+        reply = service.live_replies.find("a" * 32)
         assert reply.read().text == stored and reply.read().done
 
         # regenerated: the reply it replaces goes as the new one starts
-        reply = service.live_replies.open("c" * 32)
-        updates = list(service.page_turns.regenerate(live=reply))
+        updates = list(actions.regenerate("c" * 32))
         assert updates[0] == [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": LIVE_PLACEHOLDER}]
-        assert updates[1:] == [service.pages.chat_history()] and reply.read().done
+        assert updates[1:] == [service.pages.chat_history()] and service.live_replies.find("c" * 32).read().done
 
         # without a live reply (a script's call) the text comes in the chat's updates, the reply shown once in each
         updates = list(service.page_turns.send("Again"))
@@ -264,14 +266,18 @@ def test_a_page_turn_with_a_live_reply_sends_the_chat_only_as_the_reply_starts_a
 @pytest.mark.parametrize("failure", ["session", "model"])
 def test_a_live_turn_that_fails_after_its_reply_began_shows_the_chat_as_stored(tmp_path, real_engine, monkeypatch,
                                                                               failure):
+    import gradio as gr
+
     from chat_service.page_turns import LIVE_PLACEHOLDER
     from sessions import SessionError
     from sessions.chat import ChatSession
+    from ui.page_actions import PageActions
 
     service = _service(tmp_path, real_engine)
+    actions = PageActions(service, export_dir=None)
     send = ChatSession.send
-    # a SessionError reaches the page as a UserError; any other failure in the model's thread as itself
-    error, shown_as = {"session": (SessionError, UserError), "model": (RuntimeError, RuntimeError)}[failure]
+    # a SessionError reaches the page as an error toast; any other failure in the model's thread as itself
+    error, shown_as = {"session": (SessionError, gr.Error), "model": (RuntimeError, RuntimeError)}[failure]
 
     def fails_after_a_token(self, *args, **kwargs):
         events = send(self, *args, **kwargs)
@@ -282,13 +288,12 @@ def test_a_live_turn_that_fails_after_its_reply_began_shows_the_chat_as_stored(t
     monkeypatch.setattr(ChatSession, "send", fails_after_a_token)
     try:
         _settings(service, max_new_tokens=8)
-        reply = service.live_replies.open("b" * 32)
-        updates = service.page_turns.send("Hello", live=reply)
+        updates = actions.send("Hello", "b" * 32)
         next(updates)
-        assert next(updates)[-1]["content"] == LIVE_PLACEHOLDER
-        assert next(updates) == service.pages.chat_history()  # the placeholder gone
+        assert next(updates)[0][-1]["content"] == LIVE_PLACEHOLDER
+        assert next(updates)[0] == service.pages.chat_history()  # the placeholder gone
         with pytest.raises(shown_as, match="the disk is full"):
             next(updates)
-        assert reply.read().done
+        assert service.live_replies.find("b" * 32).read().done
     finally:
         service.open_sessions.page.close()

@@ -31,9 +31,10 @@ from chat_service.live_replies import REPLY_ID, LiveReplies
 from chat_service.page_turns import LIVE_PLACEHOLDER
 
 from .remote_images import withhold_remote_images
+from .scroll_script import CHAT_AREA_OF
 
 LIVE_REPLY_PATH = "/live-reply"
-READ_EVERY_S = 0.05  # how often the route looks for new text (the turn writes every LIVE_UPDATE_SECONDS)
+READ_EVERY_S = 0.05  # how often the route looks for new text (the turn writes every PAGE_UPDATE_SECONDS)
 # the page asks as it sends; the handler opens the reply when it starts, behind the page's queue (a message sent
 # while the model loads opens it at once). A reader whose wait ran out asks again while its message waits
 WAIT_FOR_TURN_S = 900.0
@@ -143,12 +144,7 @@ LIVE_REPLY_SCRIPT = """(() => {
     const last = bots[bots.length - 1];
     return last && ownText(last) === PLACEHOLDER ? last : null;
   };
-  const scrolledArea = (element) => {  // the chat's scrolled area, never the page around it
-    const chat = document.getElementById("ig-chat");
-    let area = element.parentElement;
-    while (area && area !== chat && area.scrollHeight <= area.clientHeight + 1) area = area.parentElement;
-    return area && area !== chat ? area : null;
-  };
+  const scrolledArea = %(area_of)s;
   const follow = async (id) => {
     let shown = null, shownHtml = null, html = "", started = false, done = false;
     const show = () => {
@@ -219,4 +215,4 @@ LIVE_REPLY_SCRIPT = """(() => {
     follow(id);
     return id;
   };
-})();""" % {"placeholder": json.dumps(LIVE_PLACEHOLDER)}
+})();""" % {"placeholder": json.dumps(LIVE_PLACEHOLDER), "area_of": CHAT_AREA_OF}

@@ -14,15 +14,20 @@ from __future__ import annotations
 
 FOUND_SECONDS = 3  # how long the found message stays outlined
 
+# the chat's scrolled area around an element in it, or null while the chat does not overflow (never the page
+# around the chat); ui/live_reply.py's script follows a growing reply with it too
+CHAT_AREA_OF = """(element) => {
+  const chat = document.getElementById("ig-chat");
+  let area = element.parentElement;
+  while (area && area !== chat && area.scrollHeight <= area.clientHeight + 1) area = area.parentElement;
+  return area && area !== chat ? area : null;
+}"""
+
 SCROLL_TO_FOUND = """(target) => {
   const [index, count] = String(target || "").split("/").map(Number);
   if (!Number.isInteger(index) || index < 0) return;
   const deadline = Date.now() + 10000;
-  const areaOf = (element) => {
-    let area = element.parentElement;  // the chat's scrolled area
-    while (area && area.scrollHeight <= area.clientHeight + 1) area = area.parentElement;
-    return area;
-  };
+  const areaOf = %(area_of)s;
   const hidden = (element, area) => {
     const shown = area.getBoundingClientRect(), box = element.getBoundingClientRect();
     return box.bottom <= shown.top || box.top >= shown.bottom;
@@ -40,7 +45,10 @@ SCROLL_TO_FOUND = """(target) => {
     const area = areaOf(found);
     found.scrollIntoView({block: "center"});
     found.classList.add("ig-found");
-    if (!area) return;
+    if (!area) {  // a chat that does not scroll cannot hide it
+      setTimeout(() => found.classList.remove("ig-found"), %(found_ms)d);
+      return;
+    }
     // the chat scrolls itself to its newest message a moment after each new value (and may draw its messages
     // anew): while the message is outlined, such a scroll is undone, unless the user moved the chat
     let moved = false;
@@ -59,7 +67,7 @@ SCROLL_TO_FOUND = """(target) => {
       found.classList.remove("ig-found");
       area.removeEventListener("scroll", back);
       events.forEach((name) => area.removeEventListener(name, byUser));
-    }, %d);
+    }, %(found_ms)d);
   };
   show();
-}""" % (FOUND_SECONDS * 1000)
+}""" % {"area_of": CHAT_AREA_OF, "found_ms": FOUND_SECONDS * 1000}
